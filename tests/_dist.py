@@ -1,0 +1,60 @@
+"""Run a test body on N gloo ranks on CPU, the way torchrun would launch it.
+
+    from _dist import run_ranks, grid_groups   # pytest puts tests/ on sys.path
+
+    def _body(rank, world_size, n):             # module level: spawn pickles it by name
+        tp_group, cp_group = grid_groups((2, 2))  # rank = cp_rank * 2 + tp_rank
+        ...                                     # raise (assert) to fail the test
+
+    def test_thing():
+        run_ranks(_body, 4, 123)
+
+run_ranks raises if any rank raises (with that rank's traceback), and the other ranks are killed
+so a rank stuck in a collective cannot hang the suite.
+"""
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port():
+    # the OS picks an unused port; it is released again before the ranks bind it, which is a
+    # small race but fine for tests that each start one group
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank, fn, world_size, port, args):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)  # the ranks share a couple of cores: avoid oversubscription
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size, *args):
+    """Call fn(rank, world_size, *args) on world_size spawned gloo ranks; raise if any fails."""
+    mp.spawn(_worker, args=(fn, world_size, _free_port(), args), nprocs=world_size, join=True)
+
+
+def grid_groups(shape):
+    """This rank's process group along each dim of a rank grid of the given shape.
+
+    Ranks fill the grid row-major, last dim innermost (like init_device_mesh, so shape (cp, tp)
+    means rank = cp_rank * tp + tp_rank). Collective: every rank must call it with the same shape.
+    Returns a list with one group per dim (a size-1 dim gives a group of one rank)."""
+    grid = torch.arange(dist.get_world_size()).reshape(shape)
+    mine = []
+    for dim, size in enumerate(shape):
+        for line in grid.movedim(dim, -1).reshape(-1, size).tolist():
+            group = dist.new_group(line)  # every rank creates every group, in the same order
+            if dist.get_rank() in line:
+                mine.append(group)
+    return mine

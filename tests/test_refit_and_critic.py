@@ -1,0 +1,80 @@
+"""Refit leaves the engine computing with the trained weights; the critic's value head is
+right-shifted. Both at dp=2 (FSDP2 over 2 gloo ranks), against plain single-process HF."""
+import torch
+import torch.nn.functional as F
+from transformers import AutoModel
+
+import model_parallel
+import rollout
+from config import Config
+from _dist import run_ranks
+
+IDS = [[51, 43, 57, 61, 49, 50, 256, 257], [50, 43, 50, 61, 52, 256, 257, 257]]  # "3+9=12", "2+2=4"
+LENS = [7, 6]
+REAL = torch.arange(8)[None, :] < torch.tensor(LENS)[:, None]  # (B, S) not padding
+
+
+def plain_logprobs(model, ids):
+    """log pi(x_i | x_<i) from an unsharded HF model, position 0 = 0."""
+    logp = torch.log_softmax(model(ids).logits.float(), -1)  # (B, S, V)
+    return F.pad(logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0], (1, 0))  # (B, S)
+
+
+class RecordingEngine(rollout.HFEngine):
+    """The HF engine, noting the size of every bucket it is handed."""
+    def load_weights(self, named_tensors):
+        self.buckets.append(sum(t.numel() * t.element_size() for _, t in named_tensors))
+        super().load_weights(named_tensors)
+
+
+def _refit_body(rank, world_size, tmp):
+    cfg = Config(out_dir=tmp, micro_batch_size=2)
+    mesh = model_parallel.make_mesh(world_size, 1, 1, "cpu")
+    path = model_parallel.materialize_tiny_model("tiny-llama", tmp, seed=3)
+    policy = model_parallel.load_policy(path, mesh, cfg)
+    engine = RecordingEngine(path, torch.device("cpu"))
+    engine.buckets = []
+    ids = torch.tensor(IDS)
+    # one optimizer step on a loss, so that the trained weights differ from the engine's
+    lp, _ = model_parallel.forward_policy(policy, ids, LENS, mesh, cfg)
+    (-lp.sum()).backward()
+    torch.optim.AdamW(policy.parameters(), lr=1e-2).step()
+    with torch.no_grad():
+        trained, _ = model_parallel.forward_policy(policy, ids, LENS, mesh, cfg)  # (B, S)
+        before = plain_logprobs(engine.model, ids)
+        assert (before - trained)[REAL].abs().max() > 1e-2, "the update should have changed logprobs"
+        stats = rollout.refit(engine, model_parallel.iter_full_params(policy), bucket_mb=1)
+        after = plain_logprobs(engine.model, ids)
+    torch.testing.assert_close(after[REAL], trained[REAL], atol=1e-5, rtol=1e-5)
+    # buckets stay within the limit, except a single tensor larger than the limit on its own
+    largest_param = max(p.numel() * 4 for p in engine.model.parameters())
+    assert len(engine.buckets) > 1
+    assert max(engine.buckets) <= max(2**20, largest_param)
+    assert stats["refit_bytes"] == sum(p.numel() * 4 for p in engine.model.parameters())
+
+
+def test_refit_engine_equals_trained_policy_dp2(tmp_path):
+    run_ranks(_refit_body, 2, str(tmp_path))
+
+
+def _critic_body(rank, world_size, tmp):
+    cfg = Config(out_dir=tmp, seed=5)
+    mesh = model_parallel.make_mesh(world_size, 1, 1, "cpu")
+    path = model_parallel.materialize_tiny_model("tiny-qwen2", tmp, seed=4)
+    critic = model_parallel.load_critic(path, mesh, cfg)
+    head = {n: p.full_tensor() for n, p in critic.named_parameters() if "lm_head" in n}
+    ids = torch.tensor(IDS)
+    with torch.no_grad():
+        values = model_parallel.forward_critic(critic, ids, LENS, mesh, cfg)  # (B, S)
+        hidden = AutoModel.from_pretrained(path).float()(ids).last_hidden_state  # (B, S, H)
+    expected = hidden @ head["lm_head.weight"][0] + head["lm_head.bias"][0]  # (B, S) head at each h_t
+    # V(x_<i) comes from the hidden state *before* token i: values[:, i] = head(h[:, i-1])
+    real = REAL[:, 1:]
+    torch.testing.assert_close(values[:, 1:][real], expected[:, :-1][real], atol=1e-5, rtol=1e-5)
+    assert torch.all(values[:, 0] == 0)
+    # and not from the hidden state at i (the unshifted, wrong, convention)
+    assert (values[:, 1:] - expected[:, 1:])[real].abs().max() > 1e-3
+
+
+def test_critic_values_are_right_shifted_dp2(tmp_path):
+    run_ranks(_critic_body, 2, str(tmp_path))
