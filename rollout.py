@@ -40,15 +40,18 @@ def decode(tok: tiktoken.Encoding, ids: list) -> str:
 
 
 # -----------------------------------------------------------------------------
-# The toy task: single-digit addition, "3+5=" -> "8". Reward 1 for the exact sum followed
-# by end-of-text, 0 otherwise: a verifiable, rule-based reward like GSM8K's, small enough
-# that a 1M-parameter model learns it on a CPU in minutes.
+# The toy task: small-number addition, "3+4=" -> "7". Reward 1 for the exact sum followed
+# by end-of-text, 0 otherwise: a verifiable, rule-based reward like GSM8K's. Operands are
+# 0..4, so 25 facts: a 1M-parameter model memorizes 100 facts (0..9) too slowly for a CPU
+# demo of a few minutes, by SFT or by RL alike (measured: 150 SFT steps reach only 47%).
+TOY_OPERANDS = 5
 
-def toy_prompts(seed: int, step: int, n: int) -> list:
+
+def toy_prompts(seed: int, step, n: int) -> list:
     """n (prompt text, answer text) pairs for `step`, identical on every rank: the RNG is
     seeded from (seed, step) only, never from the rank."""
     rng = random.Random(f"{seed}/prompts/{step}")
-    pairs = [(rng.randrange(10), rng.randrange(10)) for _ in range(n)]
+    pairs = [(rng.randrange(TOY_OPERANDS), rng.randrange(TOY_OPERANDS)) for _ in range(n)]
     return [(f"{a}+{b}=", str(a + b)) for a, b in pairs]
 
 

@@ -38,6 +38,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from transformers.utils import logging as hf_logging
 
 import config
 import model_parallel
@@ -162,21 +163,25 @@ def forward_batch(fn, model, ids, lens, mesh, cfg, **kw):
     """Run a no-grad forward over the microbatches of a batch and concatenate the rows.
     Every dp rank runs the same number of forwards (dummies included: FSDP's all-gathers
     are collectives), and a dummy's output is dropped."""
-    outs = [[] for _ in range(2)]
+    outs = [None, None]
     for rows in model_parallel.microbatches(lens, cfg, mesh):
         idx = rows or [0]  # a dummy reruns row 0 and is thrown away
         res = fn(model, ids[idx], [lens[i] for i in idx], mesh, cfg, **kw)
         res = res if isinstance(res, tuple) else (res, None)
         for k in range(2):
             if rows and res[k] is not None:
-                outs[k].append(res[k])
-    return tuple(torch.cat(o) if o else None for o in outs)
+                if outs[k] is None:
+                    outs[k] = torch.zeros(ids.shape, dtype=res[k].dtype)  # (b, S)
+                outs[k][rows] = res[k]  # packing reorders rows: put each back in its place
+    return tuple(outs)
 
 
 def main(argv):
     # The config is checked before anything heavy: a bad one costs one line and exit 2.
     cfg = config.load(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))  # torchrun sets it
     rank, world_size, device = model_parallel.init_distributed()
+    hf_logging.set_verbosity_error()  # one console line per step: no load reports or bars
+    hf_logging.disable_progress_bar()
     master = rank == 0  # rank 0 alone writes files and prints
     print0 = lambda *a: print(*a, flush=True) if master else None
     mesh = model_parallel.make_mesh(world_size, cfg.tp_size, cfg.cp_size, device.type)
@@ -191,8 +196,7 @@ def main(argv):
     eos_id, pad_id = tok.encode_single_token(rollout.EOS), tok.encode_single_token(rollout.PAD)
     model_dir = cfg.model
     if model_dir in model_parallel.TINY_PRESETS:  # write the preset as a real HF checkpoint
-        model_dir = model_parallel.materialize_tiny_model(
-            cfg.model, os.path.join(cfg.out_dir, "init_" + cfg.model), cfg.seed)
+        model_dir = model_parallel.materialize_tiny_model(cfg.model, cfg.out_dir, cfg.seed)
 
     # ---- supervised warm-up: SFT on the task's reference answers, the usual first stage
     # of RLHF. Kept short on purpose: PPO should start from a policy that knows the
