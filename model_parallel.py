@@ -1,0 +1,564 @@
+"""Everything about where tensors live: the (dp, cp, tp) mesh, loading an HF checkpoint into
+sharded modules (FSDP2 + tensor parallel), context-parallel and packed attention, the critic,
+the reference-weight swap, the global grad norm, and HF export. train_ppo.py asks for
+"logprobs of these rows" and never sees a shard.
+
+    torchrun --nproc_per_node=4 train_ppo.py --tp_size=2 --cp_size=1   # dp = 4 / (2*1) = 2
+
+One forward, in order: rows -> (packed) layout -> this rank's zigzag share of the tokens ->
+HF model with our attention function -> this rank's vocab shard of the logits -> logprobs.py.
+
+Where the ideas come from (code and prose are our own):
+1. FSDP2 per decoder layer then the root, TP plans as one dict per family, the degree check
+   naming every factor: torchtitan (older models/llama3/parallelize_llama.py).
+2. Column/row-parallel linears with one all-reduce per block: Megatron-LM (Shoeybi et al. 2019);
+   sequence parallel norms: Korthikanti et al. 2022, "Reducing activation recomputation".
+3. Zigzag (load-balanced) context parallelism with all-gathered K/V: Megatron-LM/TransformerEngine
+   CP and the zigzag ring attention of zhuzilin/ring-flash-attention (Liu et al. 2023).
+4. First-fit-decreasing packing with block-diagonal attention: Krell et al. 2021,
+   "Efficient sequence packing without cross-contamination"; verl / NeMo-RL sequence packing.
+"""
+import math
+import os
+import shutil
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+
+from logprobs import cp_gather, token_entropy, token_logprobs, unpack_packed, zigzag_positions
+
+try:  # GPU only: flash-attn's varlen kernel skips the masked-out blocks of a packed row
+    from flash_attn import flash_attn_varlen_func
+except ImportError:
+    flash_attn_varlen_func = None
+
+
+def _opt(cfg, name, default):
+    return getattr(cfg, name, default) if cfg is not None else default  # tests pass small configs
+
+
+# -----------------------------------------------------------------------------
+# Distributed set-up: one code path for `python train_ppo.py` (a world of one) and torchrun.
+
+def init_distributed():
+    """(rank, world_size, device); initializes the default process group once."""
+    if not dist.is_initialized():
+        for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+            os.environ.setdefault(key, value)  # what torchrun would set for one process
+        # gloo also on GPU machines for the few CPU-side collectives
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def make_mesh(world_size, tp_size, cp_size, device_type):
+    """The ("dp", "cp", "tp") mesh, tp innermost (neighbouring ranks share the fastest link),
+    plus the flattened "dp_cp" dim that FSDP shards over: cp ranks hold different tokens of
+    the same rows, so their gradients are summed like dp's."""
+    dp_size = world_size // (tp_size * cp_size)
+    if dp_size * cp_size * tp_size != world_size:
+        raise ValueError(f"dp*cp*tp must equal the world size {world_size}: tp_size={tp_size} * "
+                         f"cp_size={cp_size} does not divide it (dp would be {world_size / (tp_size * cp_size):g})")
+    mesh = init_device_mesh(device_type, (dp_size, cp_size, tp_size), mesh_dim_names=("dp", "cp", "tp"))
+    mesh["dp", "cp"]._flatten("dp_cp")  # private in torch 2.13, the way torchtitan names it
+    return mesh
+
+
+def _group(mesh, dim):
+    return mesh[dim].get_group() if mesh[dim].size() > 1 else None  # None: logprobs.py skips it
+
+
+def _device(mesh):
+    return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+
+
+# -----------------------------------------------------------------------------
+# Tiny presets: random-init models written as real HF checkpoint dirs (nothing is downloaded).
+# head_dim 64 because vLLM's CPU attention refuses 16; vocab 262 > the toy tokenizer's 258
+# ids and not a multiple of 4, like real checkpoints whose embedding rows are padded.
+
+_TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, vocab_size=262, max_position_embeddings=512,
+             tie_word_embeddings=False, bos_token_id=256, eos_token_id=256, pad_token_id=257)
+TINY_PRESETS = {
+    "tiny-llama": dict(_TINY, model_type="llama"),
+    "tiny-qwen2": dict(_TINY, model_type="qwen2"),  # q/k/v biases
+    "tiny-qwen3": dict(_TINY, model_type="qwen3"),  # q/k RMSNorm per head
+    # Gemma3 text: sliding-window layers, (1 + w) norms, scaled embedding; tp = 1 only
+    "tiny-gemma3": dict(_TINY, model_type="gemma3_text", query_pre_attn_scalar=64, sliding_window=128),
+}
+
+
+def materialize_tiny_model(name, dir, seed, **overrides):
+    """Write preset `name` (+ overrides, e.g. tie_word_embeddings=True) to dir/name; return that
+    path. Rank 0 writes to a temp dir then renames it, so a dir with config.json is complete and
+    a second call only waits at the barrier."""
+    path = os.path.join(dir, name)
+    rank = dist.get_rank() if dist.is_initialized() else 0  # also usable before init (scripts, tests)
+    if rank == 0 and not os.path.isfile(os.path.join(path, "config.json")):
+        fields = dict(TINY_PRESETS[name], **overrides)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        with torch.random.fork_rng():  # seeded init without disturbing the caller's RNG
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(path + ".tmp")
+        os.replace(path + ".tmp", path)
+    if dist.is_initialized():
+        dist.barrier()  # the others wait until rank 0's checkpoint is complete
+    return path
+
+
+# -----------------------------------------------------------------------------
+# Attention: one function for every layout, registered with transformers' AttentionInterface
+# and selected by name at load time. Since "ppo" is not in transformers' mask registry, the
+# model builds no mask of its own (it would not know our packing or zigzag order); the batch
+# layout reaches us as explicit forward kwargs, which transformers 5.x hands through
+# model -> decoder layer -> attention module -> this function untouched.
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather K or V over cp along the sequence dim (2). Backward reduce-scatters: every cp
+    rank's queries attended to every rank's keys, so a key's gradient is the sum over ranks."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # x: (B, H, S/cp, D)
+        ctx.group = group
+        local = x.movedim(2, 0).contiguous()  # (S/cp, B, H, D): collectives concatenate on dim 0
+        out = local.new_empty((local.shape[0] * dist.get_world_size(group), *local.shape[1:]))
+        dist.all_gather_into_tensor(out, local, group=group)  # (S, B, H, D), cp ranks in rank order
+        return out.movedim(0, 2)  # (B, H, S, D)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: (B, H, S, D)
+        full = grad.movedim(2, 0).contiguous()  # (S, B, H, D)
+        out = full.new_empty((full.shape[0] // dist.get_world_size(ctx.group), *full.shape[1:]))
+        dist.reduce_scatter_tensor(out, full, group=ctx.group)  # (S/cp, B, H, D) summed over cp
+        return out.movedim(0, 2), None  # (B, H, S/cp, D)
+
+
+def _flash_varlen(query, key, value, scaling, sliding_window, cu_seqlens):
+    """GPU without CP: flash-attn on the flattened rows, one causal segment per document (a
+    padded row is one segment). NOT verified on this project's CPU machines."""
+    batch, heads, seq, dim = query.shape  # query: (B, Hq/tp, S, D)
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(0, (batch + 1) * seq, seq, device=query.device)  # (B+1,)
+    cu_seqlens = cu_seqlens.to(query.device, torch.int32)  # (n_docs+1,)
+    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # a host sync, once per layer
+    flat = lambda x: x.transpose(1, 2).reshape(batch * seq, x.shape[1], dim)  # (B*S, H, D)
+    out = flash_attn_varlen_func(flat(query), flat(key), flat(value), cu_seqlens, cu_seqlens, max_len, max_len,
+                                 softmax_scale=scaling, causal=True,  # GQA handled inside the kernel
+                                 window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1))  # (B*S, Hq/tp, D)
+    return out.view(batch, seq, heads, dim)  # (B, S, Hq/tp, D)
+
+
+def ppo_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                  *, q_rows, kv_rows, q_docs, kv_docs, cu_seqlens=None, cp_group=None, **unused):
+    """Causal attention within each packed document, over this rank's zigzag share of queries
+    and all keys. q_rows/kv_rows: index of each query/key in the full row (kv in gathered order);
+    q_docs/kv_docs: (B, .) document id of each token. Dropout is not supported (PPO runs without)."""
+    # query: (B, Hq/tp, S/cp, D), key/value: (B, Hkv/tp, S/cp, D)
+    if flash_attn_varlen_func is not None and query.is_cuda and cp_group is None:
+        return _flash_varlen(query, key, value, scaling, sliding_window, cu_seqlens), None
+    # CPU (or CP): SDPA with an explicit mask, O(S^2) memory per head, exact in fp32
+    if cp_group is not None:
+        key = _GatherSeq.apply(key, cp_group)  # (B, Hkv/tp, S, D)   collective: all-gather over cp
+        value = _GatherSeq.apply(value, cp_group)  # (B, Hkv/tp, S, D)
+    # grouped-query attention: each KV head serves Hq/Hkv query heads (ratio unchanged by tp)
+    key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # (B, Hq/tp, S, D)
+    value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)  # (B, Hq/tp, S, D)
+    # a key is visible if it is in the same document and not in the future, counted in row
+    # positions (the zigzag order of the tokens is irrelevant once each carries its index)
+    mask = (q_docs[:, :, None] == kv_docs[:, None, :]) & (kv_rows[None, None, :] <= q_rows[None, :, None])  # (B, S/cp, S)
+    if sliding_window:  # Gemma3 local layers: only the last `sliding_window` keys (HF's convention)
+        mask &= kv_rows[None, None, :] > q_rows[None, :, None] - sliding_window  # (B, S/cp, S)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], scale=scaling)  # (B, Hq/tp, S/cp, D)
+    return out.transpose(1, 2), None  # (B, S/cp, Hq/tp, D), no attention weights
+
+
+AttentionInterface.register("ppo", ppo_attention)
+
+
+# -----------------------------------------------------------------------------
+# Tensor-parallel plans (Megatron-LM via torchtitan). Colwise = split a Linear's output features
+# (weight dim 0), so each rank computes some heads / some MLP channels with no communication;
+# rowwise = split input features (weight dim 1), each rank's partial output is summed (one
+# all-reduce per block, or a reduce-scatter onto the sequence dim with SP). Llama, Qwen2 and
+# Qwen3 share module names, so one plan serves the three; Gemma3 is refused for tp > 1.
+
+def _tp_plan(family, sequence_parallel, critic):
+    # layout of the residual stream between blocks: the full sequence on every tp rank, or
+    # (SP) each tp rank holds S/tp of the tokens, so norms and residual adds are not repeated
+    stream = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        # rows of the vocab split over tp: a rank looks up the ids it owns (zero elsewhere) and
+        # the partial embeddings are summed (all-reduce, or reduce-scatter over the sequence)
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        # attention: heads split over tp (q/k/v colwise), o_proj sums the heads' contributions
+        "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.k_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.v_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=stream),
+        # MLP: gate/up colwise (channels split), down rowwise (sum), as in Megatron-LM
+        "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+        "model.layers.*.mlp.up_proj": ColwiseParallel(),
+        "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=stream),
+    }
+    if family == "qwen3":
+        plan.update({
+            # per-head q/k norms see only this rank's heads (dim 2 of (B, S, H/tp, D)); marking that
+            # split (SP's style on the head dim) makes the replicated weight's gradient a sum over tp
+            "model.layers.*.self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            "model.layers.*.self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        })
+    if sequence_parallel:
+        plan.update({
+            # norms run on S/tp tokens; their replicated weights get gradients summed over tp
+            "model.layers.*.input_layernorm": SequenceParallel(),
+            "model.layers.*.post_attention_layernorm": SequenceParallel(),
+            "model.norm": SequenceParallel(use_local_output=True),
+            # attention and MLP need every token: one all-gather over tp at each block's entry
+            "model.layers.*.self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=True),
+            "model.layers.*.mlp": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),
+        })
+    if critic:  # the value head is tiny and replicated over tp: it just needs every token
+        plan["lm_head"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
+                                             use_local_output=True)
+    else:  # vocab split over tp; the (B, S, V/tp) shard stays local and goes to logprobs.py
+        plan["lm_head"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=True)
+    return plan
+
+
+# -----------------------------------------------------------------------------
+# Loading: every rank builds the model on the meta device (no memory), shards it (TP, then
+# FSDP2), allocates only its shards, and receives the weights from rank 0 one tensor at a time.
+
+def _check_supported(config, tp_size):
+    family = config.model_type
+    if family not in ("llama", "qwen2", "qwen3", "gemma3_text"):
+        raise ValueError(f"model_type {family!r} is not supported: llama, qwen2, qwen3, gemma3_text (tp=1)")
+    if family == "gemma3_text" and tp_size > 1:
+        raise ValueError("Gemma3 runs with tp_size=1 only (FSDP, CP and packing work): no TP plan for it here")
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(config, field) % tp_size:
+            raise ValueError(f"tp_size={tp_size} must divide {field}={getattr(config, field)}: each tp rank "
+                             f"computes whole heads")
+
+
+def _read_checkpoint(path):
+    """name -> lazy tensor reader over the checkpoint's safetensors file(s) (rank 0 only)."""
+    from safetensors import safe_open
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    handles = [safe_open(os.path.join(path, f), framework="pt") for f in files]
+    return {name: h for h in handles for name in h.keys()}
+
+
+def _build(path, mesh, cfg, critic):
+    tp_size = mesh["tp"].size()
+    config = AutoConfig.from_pretrained(path)
+    _check_supported(config, tp_size)
+    if critic:
+        config.final_logit_softcapping = None  # Gemma's logit softcap must not squash values
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="ppo", dtype=torch.float32)
+        if critic:  # the critic is the same backbone with its "LM head" replaced by the value head
+            model.lm_head = nn.Linear(config.hidden_size, 1)
+    tied = not critic and config.tie_word_embeddings
+    if tp_size > 1:
+        parallelize_module(model, mesh["tp"], _tp_plan(config.model_type, _opt(cfg, "sequence_parallel", False), critic))
+        if tied:  # TP gave each module its own DTensor copy: tie again (both are Shard(0) on vocab)
+            model.lm_head.weight = model.model.embed_tokens.weight
+    if _opt(cfg, "activation_checkpointing", False):  # recompute each decoder layer in backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    # FSDP2 over dp*cp: per decoder layer (one all-gather in flight at a time), then the root
+    # (embeddings, final norm, head). GPU: bf16 compute, fp32 master weights and reductions;
+    # CPU offload keeps the shards (and the optimizer's state) in host memory (GPU only).
+    device = _device(mesh)
+    offload = device.type == "cuda" and _opt(cfg, "cpu_offload", False)
+    bf16 = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
+    fsdp = dict(mesh=mesh["dp_cp"], offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=bf16, **fsdp)
+    if critic:  # the value head computes in fp32 even on GPU (its own unit, fp32 policy)
+        fully_shard(model.lm_head, mp_policy=MixedPrecisionPolicy(), **fsdp)
+    fully_shard(model, mp_policy=bf16, **fsdp)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # each rank's loss is already a sum over its tokens / the global token count, so
+            # gradients are summed over dp*cp, not averaged (force SUM: gloo has no PREMUL_SUM)
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+    model.to_empty(device="cpu" if offload else device)  # only now is memory allocated: our shards
+    # buffers computed at construction (RoPE frequencies, Gemma's embedding scale) are not in the
+    # checkpoint: transformers' own initializer recomputes them; parameters are marked done
+    for param in model.parameters():
+        param._is_hf_initialized = True
+    for module in model.modules():
+        if module._non_persistent_buffers_set:
+            model._init_weights(module)
+        if offload:  # buffers are not FSDP's: they stay on the GPU
+            module._buffers.update({n: b.to(device) for n, b in module._buffers.items() if b is not None})
+    model.train()  # no dropout in these families; train mode lets activation checkpointing act
+    return model, config
+
+
+def _load_weights(model, path, extra):
+    """Rank 0 reads each tensor (from the checkpoint or `extra`), broadcasts it to every rank,
+    and each rank keeps its own shard. Peak memory: one full tensor."""
+    reader = _read_checkpoint(path) if dist.get_rank() == 0 else None
+    for name, param in model.named_parameters():  # tied weights appear once, as in the file
+        full = torch.empty(param.shape, dtype=param.dtype, device=param.device)  # global shape
+        if reader is not None:
+            full.copy_(extra[name] if name in extra else reader[name].get_tensor(name))
+        dist.broadcast(full, src=0)  # collective over the world group
+        # our shard of the full tensor, cut locally like the DTensor's placements say
+        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        with torch.no_grad():
+            param.to_local().copy_(shard.to_local())
+
+
+def load_policy(path, mesh, cfg):
+    model, _ = _build(path, mesh, cfg, critic=False)
+    _load_weights(model, path, extra={})
+    return model
+
+
+def load_critic(path, mesh, cfg):
+    """Backbone of the checkpoint at `path` + an fp32 Linear(hidden, 1) value head, initialized
+    from the seed with std 1/sqrt(hidden+1) and zero bias (Ziegler et al. 2019's value head, as in
+    summarize_from_feedback_details), identical on every rank."""
+    model, config = _build(path, mesh, cfg, critic=True)
+    generator = torch.Generator().manual_seed(_opt(cfg, "seed", 0))
+    weight = torch.randn(1, config.hidden_size, generator=generator) / math.sqrt(config.hidden_size + 1)
+    _load_weights(model, path, extra={"lm_head.weight": weight, "lm_head.bias": torch.zeros(1)})
+    return model
+
+
+# -----------------------------------------------------------------------------
+# Microbatches: which of this rank's rows go through the model together.
+
+def microbatches(seq_lens, cfg, mesh):
+    """Lists of row indices, the same count on every dp rank ([] = a dummy to run with weight 0,
+    so FSDP's collectives still match). Packing: first-fit decreasing into rows of at most
+    max_tokens_per_microbatch tokens; otherwise micro_batch_size rows at a time."""
+    if _opt(cfg, "packing", False):
+        multiple = 2 * mesh["cp"].size() * mesh["tp"].size()
+        capacity = _opt(cfg, "max_tokens_per_microbatch", 512) // multiple * multiple  # room left after padding
+        bins, room = [], []
+        for i in sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i]):  # longest first
+            if seq_lens[i] > capacity:
+                raise ValueError(f"a sequence of {seq_lens[i]} tokens does not fit max_tokens_per_microbatch="
+                                 f"{_opt(cfg, 'max_tokens_per_microbatch', 512)} (usable {capacity}: a multiple "
+                                 f"of 2*cp*tp={multiple}); raise it")
+            fit = next((k for k in range(len(bins)) if room[k] >= seq_lens[i]), None)  # first bin with room
+            if fit is None:
+                bins.append([]), room.append(capacity)
+                fit = len(bins) - 1
+            bins[fit].append(i)
+            room[fit] -= seq_lens[i]
+    else:
+        size = _opt(cfg, "micro_batch_size", 8)
+        bins = [list(range(start, min(start + size, len(seq_lens)))) for start in range(0, len(seq_lens), size)]
+    count = torch.tensor([len(bins)], device=_device(mesh))
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mesh["dp"].get_group())  # collective over dp
+    return bins + [[] for _ in range(int(count) - len(bins))]
+
+
+# -----------------------------------------------------------------------------
+# Forward: rows -> this rank's tokens -> model -> this rank's head output -> per-token (b, S).
+
+def _layout(input_ids, seq_lens, mesh, cfg):
+    """What this rank feeds the model for (b, S) right-padded rows with seq_lens real tokens.
+    Rows (or the packed row) are padded to a multiple of 2*cp*tp: zigzag needs 2*cp equal chunks
+    and sequence parallel splits each cp share again over tp. Pad tokens (id 0) come after every
+    real token they could disturb and are masked out of every loss."""
+    cp_size, cp_rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
+    multiple = 2 * cp_size * mesh["tp"].size()
+    device = _device(mesh)
+    input_ids = input_ids.to(device)  # (b, S)
+    cu_seqlens = None
+    if _opt(cfg, "packing", False):
+        # one row: the sequences back to back, the padding tail as a document of its own
+        lens = [int(n) for n in seq_lens]
+        tail = -sum(lens) % multiple
+        ids = torch.cat([input_ids[k, :n] for k, n in enumerate(lens)] + [input_ids.new_zeros(tail)])[None]  # (1, T)
+        doc_lens = torch.tensor(lens + [tail] if tail else lens, device=device)  # (n_docs,)
+        cu_seqlens = F.pad(doc_lens.cumsum(0), (1, 0)).to(torch.int32)  # (n_docs+1,)
+        docs = torch.repeat_interleave(torch.arange(len(doc_lens), device=device), doc_lens)[None]  # (1, T)
+        # position ids restart at 0 in each sequence: RoPE sees every sequence as if alone
+        positions = torch.arange(ids.shape[1], device=device)[None] - cu_seqlens[docs]  # (1, T)
+    else:
+        ids = F.pad(input_ids, (0, -input_ids.shape[1] % multiple))  # (b, T)
+        docs = torch.zeros_like(ids)  # (b, T)  one document per row
+        positions = torch.arange(ids.shape[1], device=device).expand_as(ids)  # (b, T)
+    # this rank's zigzag share of the tokens (chunks r and 2cp-1-r); keys arrive all-gathered
+    # over cp in rank order, each rank's share in its local order
+    q_rows = zigzag_positions(ids.shape[1], cp_size, cp_rank).to(device)  # (T/cp,)
+    kv_rows = torch.cat([zigzag_positions(ids.shape[1], cp_size, r) for r in range(cp_size)]).to(device)  # (T,)
+    model_kwargs = dict(input_ids=ids[:, q_rows], position_ids=positions[:, q_rows],  # (B, T/cp) each
+                        q_rows=q_rows, kv_rows=kv_rows, q_docs=docs[:, q_rows], kv_docs=docs[:, kv_rows],
+                        cu_seqlens=cu_seqlens, cp_group=_group(mesh, "cp"), use_cache=False)
+    return dict(ids=ids, cu_seqlens=cu_seqlens, n_seqs=len(seq_lens), model_kwargs=model_kwargs,
+                seq_lens=torch.as_tensor(seq_lens, device=device))
+
+
+def _unlayout(per_token, layout, like):
+    """(B, T) per-token numbers back in the trainer's (b, S) right-padded rows, on the device of
+    the trainer's ids (`like`)."""
+    seq_len = like.shape[1]
+    if layout["cu_seqlens"] is None:  # zero past each row's end, as unpacking does
+        valid = torch.arange(seq_len, device=per_token.device)[None] < layout["seq_lens"][:, None]  # (b, S)
+        return (per_token[:, :seq_len] * valid).to(like.device)  # (b, S)
+    return unpack_packed(per_token, layout["cu_seqlens"][: layout["n_seqs"] + 1], seq_len).to(like.device)  # (b, S)
+
+
+def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_entropy=False):
+    """Per-token logprobs (b, S) of the rows under pi(.)^(1/temperature), and the entropy if
+    asked; position 0 holds 0 (DESIGN.md alignment). Packing, CP and TP stay inside."""
+    layout = _layout(input_ids, seq_lens, mesh, cfg)
+    logits = model(**layout["model_kwargs"]).logits  # (B, T/cp, V/tp)  vocab-sharded, never gathered
+    # divide by the sampling temperature so the ratio pi/pi_old compares the distributions
+    # the engine actually sampled from (NeMo-RL, verl do the same)
+    logits = logits.float() / temperature  # (B, T/cp, V/tp)  fp32 before dividing (bf16 on GPU)
+    shards = dict(tp_group=_group(mesh, "tp"), cp_group=_group(mesh, "cp"), cu_seqlens=layout["cu_seqlens"],
+                  chunk_size=_opt(cfg, "logprob_chunk_size", 0))
+    logprobs = token_logprobs(logits, layout["ids"], **shards)  # (B, T)
+    entropy = _unlayout(token_entropy(logits, **shards), layout, input_ids) if with_entropy else None
+    return _unlayout(logprobs, layout, input_ids), entropy  # (b, S), (b, S) or None
+
+
+def forward_critic(critic, input_ids, seq_lens, mesh, cfg):
+    """Values (b, S), right-shifted: values[:, i] = V(x_<i) = head(hidden[:, i-1]), 0 at
+    position 0 (and at packed sequence starts, which see no earlier token of their own)."""
+    layout = _layout(input_ids, seq_lens, mesh, cfg)
+    values = critic(**layout["model_kwargs"]).logits[..., 0].float()  # (B, T/cp)
+    values = cp_gather(values, _group(mesh, "cp"), dim=1)  # (B, T)  collective over cp, natural order
+    values = F.pad(values[:, :-1], (1, 0))  # (B, T)  the shift crosses zigzag chunks: after the gather
+    if layout["cu_seqlens"] is not None:
+        values = values.index_fill(1, layout["cu_seqlens"][:-1].long(), 0.0)  # (1, T)
+    return _unlayout(values, layout, input_ids)  # (b, S)
+
+
+# -----------------------------------------------------------------------------
+# Reference policy: the initial policy's shards on CPU, swapped into the live module for the
+# reference forward (one model in memory, no second FSDP module to shard and keep in sync).
+
+def _local(param):
+    return param.to_local() if isinstance(param, DTensor) else param  # this rank's shard
+
+
+def _reshard(model):
+    """Back to sharded parameters. FSDP2 leaves the root gathered after a forward (its params are
+    needed again at once in backward), and while gathered the module holds the full tensors."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def snapshot_weights(model):
+    """This rank's shard of every parameter, copied to CPU (pinned on GPU: faster copies back)."""
+    _reshard(model)
+    copies = {name: _local(p).detach().to("cpu", copy=True) for name, p in model.named_parameters()}
+    return {name: c.pin_memory() for name, c in copies.items()} if torch.cuda.is_available() else copies
+
+
+def _copy_into(model, weights):
+    _reshard(model)  # and the next forward gathers the shards we write now
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            _local(param).copy_(weights[name], non_blocking=True)
+
+
+@contextmanager
+def swapped_weights(model, snapshot):
+    """Within the block, `model` computes with the snapshot's weights; afterwards the live
+    weights are back exactly (they wait on CPU meanwhile)."""
+    live = snapshot_weights(model)
+    _copy_into(model, snapshot)
+    try:
+        yield model
+    finally:
+        _copy_into(model, live)
+
+
+# -----------------------------------------------------------------------------
+# Global grad norm: sqrt of the sum of squares of every gradient element exactly once.
+
+def clip_grad_norm(params, max_norm):
+    """Clip the gradients of `params` in place to a global L2 norm of max_norm; return the norm
+    before clipping. A DTensor's local squares are summed over the mesh dims it is sharded on,
+    never over those it is replicated on (that would count the copies); a plain tensor is a full
+    copy on every rank. Works for any mix of meshes (FSDP only, FSDP x TP, the value head)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    by_groups = {}  # process groups to sum over -> sum of squares of the local elements
+    for grad in grads:
+        groups = ()
+        if isinstance(grad, DTensor):
+            if any(p.is_partial() for p in grad.placements):
+                raise ValueError("a gradient is still a pending sum (Partial): call after backward completes")
+            # Shard or FSDP-over-TP's _StridedShard: any split that is not a replica
+            groups = tuple(grad.device_mesh.get_group(dim) for dim, p in enumerate(grad.placements)
+                           if not p.is_replicate())
+        sq = _local(grad).float().pow(2).sum()  # ()
+        by_groups[groups] = by_groups.get(groups, 0) + sq
+    total_sq = torch.zeros((), device=device)
+    for groups, sq in by_groups.items():  # the same order on every rank: parameters come in order
+        for group in groups:
+            dist.all_reduce(sq, group=group)  # collective: sum over the ranks holding other shards
+        total_sq = total_sq + sq
+    norm = total_sq.sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+    for grad in grads:
+        _local(grad).mul_(scale)
+    return float(norm)
+
+
+# -----------------------------------------------------------------------------
+# Full weights: refit of the rollout engine and HF export.
+
+def iter_full_params(model):
+    """Yield (name, full tensor) per parameter, named as in the HF checkpoint (FSDP2 and TP keep
+    module names; a tied lm_head appears once, as embed_tokens, like in the file). Collective:
+    every rank must iterate to the end. One full tensor alive at a time."""
+    _reshard(model)  # every rank sees the same sharded parameters, hence the same collectives
+    for name, param in model.named_parameters():
+        with torch.no_grad():
+            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()  # all-gather over its mesh
+        yield name, full
+
+
+def save_hf(model, path, extra_files=None):
+    """Write an HF checkpoint dir (config.json + model.safetensors, fp32) loadable by
+    from_pretrained and vLLM; extra_files: {file name: text} written beside. Collective; rank 0
+    writes to a temp dir and renames it, so `path` is never half-written."""
+    from safetensors.torch import save_file
+    master = dist.get_rank() == 0
+    state = {name: full.to("cpu", torch.float32).contiguous() for name, full in iter_full_params(model) if master}
+    if master:
+        tmp = path.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.config.save_pretrained(tmp)
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        for file_name, text in (extra_files or {}).items():
+            with open(os.path.join(tmp, file_name), "w") as f:
+                f.write(text)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    dist.barrier()
