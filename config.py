@@ -10,6 +10,7 @@ Nothing here touches torch.distributed or a model: bad input is refused before a
 heavy work starts, with one line naming the key and the fix (`ConfigError`).
 """
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
@@ -46,13 +47,17 @@ class Config:
     cpu_offload: bool = False  # FSDP2 CPU offload of params/grads/optimizer state (GPU memory)
     # task and rollout
     task: str = "toy_add"  # toy_add: "a+b=" with single digits, reward 1 for the exact sum
-    rollout_engine: str = "hf"  # "hf": a plain HF model per rank, refit after every step
+    rollout_engine: str = "auto"  # "vllm" (colocated), "hf" (plain HF model per rank), "auto" = vllm if installed
     prompts_per_step: int = 16  # global: distinct prompts per step
     samples_per_prompt: int = 4  # responses sampled per prompt
     max_new_tokens: int = 6  # per response
     temperature: float = 1.0  # sampling temperature; the trainer divides its logits by it too
     rollout_tp_size: int = 1  # vLLM tensor-parallel size (ranks that share one engine)
     refit_bucket_mb: int = 64  # weights pushed into the engine in buckets of at most this size
+    max_model_len: int = 512  # vLLM: longest prompt + response, in tokens
+    vllm_gpu_memory_utilization: float = 0.5  # vLLM on GPU: fraction of GPU memory for weights + KV cache
+    vllm_kv_cache_gb: int = 1  # vLLM on CPU: KV cache size in GiB (per rank)
+    tis_cap: float = 0.0  # truncated importance sampling cap for engine/trainer mismatch (0 = off)
     # supervised warm-up (SFT) before PPO: gives PPO a policy worth improving
     sft_steps: int = 0  # optimizer steps of SFT on the task's reference answers (0 = none)
     sft_batch_size: int = 32  # global: sequences per SFT step
@@ -81,11 +86,12 @@ class Config:
 
 
 # Fields whose value must be one of a few strings, and what each accepts.
-CHOICES = {"rollout_engine": ("hf",), "kl_estimator": ("k1", "k3"), "task": ("toy_add",)}
+CHOICES = {"rollout_engine": ("auto", "vllm", "hf"), "kl_estimator": ("k1", "k3"), "task": ("toy_add",)}
 # Fields that must be >= 1 (integers) and > 0 (floats).
 POSITIVE = ("steps", "tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size",
             "prompts_per_step", "samples_per_prompt", "max_new_tokens", "rollout_tp_size",
-            "refit_bucket_mb", "sft_batch_size", "ppo_epochs", "num_minibatches", "temperature")
+            "refit_bucket_mb", "max_model_len", "vllm_gpu_memory_utilization", "vllm_kv_cache_gb",
+            "sft_batch_size", "ppo_epochs", "num_minibatches", "temperature")
 
 
 def field_docs() -> dict:
@@ -167,7 +173,7 @@ def validate(cfg: Config, world_size: int) -> None:
     for key in POSITIVE:
         if not getattr(cfg, key) > 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be > 0")
-    for key in ("kl_coef", "clip_ratio", "value_clip", "entropy_coef", "max_grad_norm",
+    for key in ("kl_coef", "tis_cap", "clip_ratio", "value_clip", "entropy_coef", "max_grad_norm",
                 "lr", "critic_lr", "sft_lr", "weight_decay", "sft_steps", "warmup_steps",
                 "save_every", "plot_every", "logprob_chunk_size"):
         if getattr(cfg, key) < 0:
@@ -197,6 +203,15 @@ def validate(cfg: Config, world_size: int) -> None:
                           f"minibatch of {minibatch // dp} sequences: pick a divisor of it")
     if cfg.sft_steps and cfg.sft_batch_size % dp:
         raise ConfigError(f"sft_batch_size={cfg.sft_batch_size} does not split over dp={dp} ranks")
+    vllm_installed = importlib.util.find_spec("vllm") is not None
+    if cfg.rollout_engine == "auto":  # resolved here, so config.json records what ran
+        cfg.rollout_engine = "vllm" if vllm_installed else "hf"
+    if cfg.rollout_engine == "vllm" and not vllm_installed:
+        raise ConfigError("rollout_engine='vllm' but vLLM is not installed: install it (see README) "
+                          "or use rollout_engine=hf")
+    if cfg.rollout_engine == "hf" and cfg.rollout_tp_size != 1:
+        raise ConfigError(f"rollout_tp_size={cfg.rollout_tp_size} needs rollout_engine=vllm "
+                          "(the HF engine is one full model per rank)")
     if cfg.sequence_parallel and cfg.tp_size == 1:
         raise ConfigError("sequence_parallel=true needs tp_size > 1 (it shards activations over tp)")
     if cfg.save_every or cfg.resume:

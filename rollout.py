@@ -6,10 +6,13 @@ asks for "these prompts, sampled with these seeds" and gets back token ids, the 
 own logprob of each sampled token, and a score per sequence.
 """
 import hashlib
+import importlib.util
 import json
 import os
 import random
+from contextlib import contextmanager
 
+import numpy as np
 import tiktoken
 import torch
 from transformers import AutoModelForCausalLM
@@ -129,7 +132,141 @@ class HFEngine:
         """Nothing is cached across calls here (vLLM resets its prefix cache instead)."""
 
 
+    def sleep(self) -> None:
+        """Training runs now (vLLM frees its GPU memory here; the HF engine keeps it)."""
+
+    def wake_up(self) -> None:
+        """Refit and generation follow."""
+
+    def shutdown(self) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# The vLLM engine, colocated: one vLLM instance inside every trainer process, no server
+# and no Ray (the "hybrid engine" layout of verl and NeMo-RL), built on vLLM's torchrun
+# support, distributed_executor_backend="external_launcher": vLLM joins the torch world
+# that torchrun made (so init_process_group must come first) and carves its own
+# tensor-parallel groups out of it, consecutive blocks of rollout_tp_size ranks.
+# Lines marked "GPU only" were read from vLLM's source, not run here (see README).
+
+@contextmanager
+def _trainer_state_kept():
+    """vLLM in-process reseeds the global RNGs, draws from the global torch RNG while
+    sampling, and on CPU turns torch.set_num_threads into a no-op for the process
+    (all measured). Put everything back so the trainer's state is the trainer's."""
+    states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+
+
+class VLLMEngine:
+    def __init__(self, model_dir: str, cfg):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the console readable
+        from vllm import LLM  # imported here: the HF engine works without vLLM
+        on_gpu = torch.cuda.is_available()
+        kwargs = dict(
+            model=model_dir, distributed_executor_backend="external_launcher",
+            tensor_parallel_size=cfg.rollout_tp_size,
+            data_parallel_size=1,  # >1 makes vLLM sync every decode step across ranks
+            skip_tokenizer_init=True,  # token ids in and out; the tokenizer is ours
+            seed=cfg.seed, max_model_len=cfg.max_model_len,
+            # log_softmax(logits / T) of the sampled token: the trainer's convention
+            # (the default "raw_logprobs" ignores the temperature: off by ~0.1 here)
+            logprobs_mode="processed_logprobs")
+        if on_gpu:
+            kwargs.update(dtype="bfloat16",  # GPU only
+                          gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,  # GPU only
+                          enable_sleep_mode=True)  # GPU only: free weights + KV during training
+        else:
+            kwargs.update(dtype="float32", enforce_eager=True,  # no compile step on CPU
+                          kv_cache_memory_bytes=cfg.vllm_kv_cache_gb * 2**30)  # else 90% of RAM
+        with _trainer_state_kept():
+            self.llm = LLM(**kwargs)  # a collective: every rank constructs it together
+        # in-process handles, possible only without multiprocessing: refit writes here
+        self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
+        self.model = self.worker.model_runner.get_model()
+        self.on_gpu, self.reloading = on_gpu, False
+
+    def generate(self, prompt_ids: list, seeds: list, max_new_tokens: int,
+                 temperature: float, eos_id: int) -> list:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        # one SamplingParams per sample: its seed gives the request its own generator.
+        # Without a tokenizer vLLM knows no EOS: stop_token_ids does (and keeps the token).
+        params = [SamplingParams(seed=s, temperature=temperature, max_tokens=max_new_tokens,
+                                 logprobs=0, stop_token_ids=[eos_id], detokenize=False)
+                  for s in seeds]
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
+        with _trainer_state_kept():
+            outs = self.llm.generate(prompts, params, use_tqdm=False)  # in prompt order
+        results = []
+        for out in outs:
+            ids = list(out.outputs[0].token_ids)  # logprobs: one {token: Logprob} per step
+            results.append((ids, [step[t].logprob for t, step in zip(ids, out.outputs[0].logprobs)]))
+        return results
+
+    # Refit uses vLLM's layerwise reloading (docs.vllm.ai, "training/layerwise"), split
+    # over buckets: initialize once, load_weights per bucket through vLLM's own loaders
+    # (they fuse q/k/v and gate/up, shard for TP, repack for the CPU kernels as soon as a
+    # layer is complete), finalize once. Measured dead ends: reload_weights per bucket
+    # processes a layer split across buckets half-loaded (NaN); load_weights on the live
+    # model fails after the CPU repacking removed the weight loaders. vLLM holds on to a
+    # layer's tensors until the layer is complete: never reuse a bucket's buffers.
+    def load_weights(self, named_tensors: list) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        with set_current_vllm_config(self.worker.vllm_config), torch.no_grad():
+            if not self.reloading:
+                initialize_layerwise_reload(self.model)
+                self.reloading = True
+            self.model.load_weights(named_tensors)
+
+    def finish_refit(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        with set_current_vllm_config(self.worker.vllm_config), torch.no_grad():
+            finalize_layerwise_reload(self.model, self.worker.model_runner.model_config)
+            # a tied lm_head receives no weight of its own, so its CPU-packed copy would
+            # stay stale (measured: |d logprob| 2e-2): repack it from the shared weight
+            lm_head = getattr(self.model, "lm_head", None)
+            if lm_head is not None and self.worker.model_config.hf_text_config.tie_word_embeddings:
+                lm_head.quant_method.process_weights_after_loading(lm_head)
+        self.reloading = False
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+
+    def sleep(self) -> None:
+        if self.on_gpu:
+            self.llm.sleep(level=2)  # GPU only: drop weights and KV cache; refit rewrites all
+
+    def wake_up(self) -> None:
+        if self.on_gpu:
+            self.llm.wake_up()  # GPU only: weights are garbage until finish_refit
+
+    def shutdown(self) -> None:
+        """vLLM's shutdown destroys the default process group itself: call it last."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
 def make_engine(cfg, model_dir: str, device: torch.device):
+    if cfg.rollout_engine == "vllm":
+        return VLLMEngine(model_dir, cfg)
     return HFEngine(model_dir, device)
 
 

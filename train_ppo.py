@@ -237,6 +237,10 @@ def main(argv):
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, warmup) for o in (opt_pi, opt_v)]
     engine = None if cfg.replay_rollouts else rollout.make_engine(cfg, model_dir, device)
     my_indices = local_indices(cfg.global_batch_size, cfg.num_minibatches, dp_size, dp_rank)
+    R, ranks_per_dp = cfg.rollout_tp_size, cfg.tp_size * cfg.cp_size  # mesh: dp outermost
+    gen_indices = sorted({j for r in range(rank // R * R, rank // R * R + R)  # my vLLM TP group
+                          for j in local_indices(cfg.global_batch_size, cfg.num_minibatches,
+                                                 dp_size, r // ranks_per_dp)})
     K = cfg.samples_per_prompt
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     if master and os.path.exists(metrics_path):
@@ -252,11 +256,16 @@ def main(argv):
             dumped = rollout.load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
             samples = [dumped[j] for j in my_indices]
         else:
-            p_ids = [tok.encode(prompts[j // K][0]) for j in my_indices]
-            seeds = [rollout.sample_seed(cfg.seed, step, j // K, j % K) for j in my_indices]
-            outs = engine.generate(p_ids, seeds, cfg.max_new_tokens, cfg.temperature, eos_id)
+            # The ranks of one vLLM tensor-parallel group must pass identical requests: the
+            # group generates the samples of all its members, and each keeps its own.
+            outs = dict(zip(gen_indices, engine.generate(
+                [tok.encode(prompts[j // K][0]) for j in gen_indices],
+                [rollout.sample_seed(cfg.seed, step, j // K, j % K) for j in gen_indices],
+                cfg.max_new_tokens, cfg.temperature, eos_id)))
+            engine.sleep()  # GPU: vLLM frees its memory for training
             samples = []
-            for j, p, (resp, lps) in zip(my_indices, p_ids, outs):
+            for j in my_indices:
+                (resp, lps), p = outs[j], tok.encode(prompts[j // K][0])
                 text, finished = rollout.decode(tok, resp), resp[-1] == eos_id
                 samples.append({"index": j, "prompt": prompts[j // K][0], "response": text,
                                 "answer": prompts[j // K][1], "prompt_ids": p, "response_ids": resp,
@@ -295,6 +304,10 @@ def main(argv):
             advantages, returns = compute_gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
             if cfg.whiten_advantages:
                 advantages = masked_whiten(advantages, mask, group=dp_group)
+            # Truncated importance sampling (Yao et al., "Your efficient RL framework secretly
+            # brings you off-policy RL training", 2025): the engine sampled from pi_engine, not
+            # from the trainer's pi_old; weight each token by min(pi_old / pi_engine, cap).
+            tis = torch.clamp(torch.exp(old_lp - engine_lp), max=cfg.tis_cap) * mask  # (b, S)
 
         # ---- 7-8. PPO epochs over fixed minibatches; one optimizer step per minibatch
         share = len(samples) // cfg.num_minibatches
@@ -312,7 +325,7 @@ def main(argv):
                             lp, ent = model_parallel.forward_policy(policy, ids[idx], i_lens, mesh, cfg,
                                                                     cfg.temperature, cfg.entropy_coef > 0)
                             loss, n_clip = policy_loss(lp, old_lp[idx], advantages[idx], mask[idx],
-                                                       cfg.clip_ratio, mb_tokens)
+                                                       cfg.clip_ratio, mb_tokens, tis[idx] if cfg.tis_cap else None)
                             if cfg.entropy_coef > 0:  # bonus: maximize entropy
                                 loss = loss - cfg.entropy_coef * masked_sum(ent, mask[idx]) / mb_tokens
                             sums[2] += w * n_clip
@@ -333,6 +346,7 @@ def main(argv):
         # ---- 9. refit: push the updated policy into the engine (a collective on every rank)
         t_refit = time.time()
         if engine is not None:
+            engine.wake_up()
             m.update(rollout.refit(engine, model_parallel.iter_full_params(policy), cfg.refit_bucket_mb))
         t_refit = time.time() - t_refit
 
@@ -343,10 +357,11 @@ def main(argv):
         err = (returns - old_values) * mask  # (b, S) critic's error on the returns
         tok_stats = dp_sum(torch.stack([
             mask.sum(), masked_sum(kl, mask), masked_sum(entropy, mask),
-            masked_sum((old_lp - engine_lp).abs(), mask), score.sum(), (score ** 2).sum(),
+            masked_sum((old_lp - engine_lp).abs(), mask), masked_sum(torch.exp((old_lp - engine_lp).abs()), mask),
+            score.sum(), (score ** 2).sum(),
             torch.tensor(float(len(samples))), torch.tensor(float(sum(lens))),
             returns.sum(), (returns ** 2).sum(), err.sum(), (err ** 2).sum()]).double())
-        (n_tok, kl_sum, ent_sum, mis_sum, r_sum, r_sq, n_seq, all_tok,
+        (n_tok, kl_sum, ent_sum, mis_sum, mult_sum, r_sum, r_sq, n_seq, all_tok,
          ret_sum, ret_sq, err_sum, err_sq) = tok_stats.tolist()
         reward_mean = r_sum / n_seq
         # explained variance = 1 - Var(R - V) / Var(R) over the global batch's response tokens
@@ -359,7 +374,8 @@ def main(argv):
                  value_explained_var=1 - var_err / max(var_ret, 1e-12),
                  entropy=ent_sum / n_tok, clip_frac=sums[2].item() / (n_tok * cfg.ppo_epochs),
                  grad_norm=sums[4].item() / n_updates, critic_grad_norm=sums[5].item() / n_updates,
-                 logprob_mismatch=mis_sum / n_tok, response_len_mean=n_tok / n_seq,
+                 logprob_mismatch=mis_sum / n_tok, token_mult_prob_error=mult_sum / n_tok,
+                 response_len_mean=n_tok / n_seq,
                  tokens_per_s=all_tok / step_time, time_rollout_s=t_rollout, time_train_s=t_train,
                  time_refit_s=t_refit, time_step_s=step_time)
         if master:
@@ -374,7 +390,10 @@ def main(argv):
             if cfg.plot_every and ((step + 1) % cfg.plot_every == 0 or step + 1 == cfg.steps):
                 plot_curves(metrics_path, os.path.join(cfg.out_dir, "curves.png"))
     dist.barrier()
-    dist.destroy_process_group()
+    if engine is not None:
+        engine.shutdown()  # vLLM destroys the process group itself, so this comes last
+    elif dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def plot_curves(metrics_path, png_path):
