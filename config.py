@@ -218,15 +218,15 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("save_every/resume: checkpointing is not implemented yet; leave them unset")
     if cfg.resume and cfg.resume != "auto" and not os.path.exists(cfg.resume):
         raise ConfigError(f"resume={cfg.resume!r} does not exist: give a checkpoint dir or 'auto'")
-    try:  # fail now rather than after an hour of training
+    if cfg.replay_rollouts and not os.path.isdir(cfg.replay_rollouts):
+        raise ConfigError(f"replay_rollouts={cfg.replay_rollouts!r} is not a directory of step_N.jsonl")
+    try:  # last, so that a refused config leaves nothing behind; fail now, not in an hour
         os.makedirs(cfg.out_dir, exist_ok=True)
         probe = os.path.join(cfg.out_dir, f".write_test_{os.getpid()}")
         open(probe, "w").close()
         os.remove(probe)
     except OSError as e:
         raise ConfigError(f"out_dir={cfg.out_dir!r} is not writable ({e.strerror}): choose another out_dir")
-    if cfg.replay_rollouts and not os.path.isdir(cfg.replay_rollouts):
-        raise ConfigError(f"replay_rollouts={cfg.replay_rollouts!r} is not a directory of step_N.jsonl")
 
 
 def print_help() -> None:
@@ -239,13 +239,15 @@ def print_help() -> None:
 def load(argv: list, world_size: int) -> Config:
     """The entry point: parse, validate, or print one line and exit(2)."""
     if "--help" in argv or "-h" in argv:
-        print_help()
+        if os.environ.get("RANK", "0") == "0":
+            print_help()
         sys.exit(0)
     try:
         cfg = parse_args(argv)
         validate(cfg, world_size)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank refuses; one of them says why
+            print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
     return cfg
 

@@ -36,13 +36,19 @@ import os
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-from transformers.utils import logging as hf_logging
-
 import config
-import model_parallel
-import rollout
+
+# Fail fast: a bad config is refused here, in a fraction of a second, before torch and
+# transformers are imported (10 s and more). torchrun sets WORLD_SIZE.
+if __name__ == "__main__":
+    CFG = config.load(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", "1")))
+
+import torch  # noqa: E402  (after the config check, on purpose)
+import torch.distributed as dist  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+import model_parallel  # noqa: E402
+import rollout  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # PPO math: small pure functions on (B, S) tensors in DESIGN.md's alignment, importable
@@ -176,9 +182,7 @@ def forward_batch(fn, model, ids, lens, mesh, cfg, **kw):
     return tuple(outs)
 
 
-def main(argv):
-    # The config is checked before anything heavy: a bad one costs one line and exit 2.
-    cfg = config.load(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))  # torchrun sets it
+def main(cfg):
     rank, world_size, device = model_parallel.init_distributed()
     hf_logging.set_verbosity_error()  # one console line per step: no load reports or bars
     hf_logging.disable_progress_bar()
@@ -414,4 +418,4 @@ def plot_curves(metrics_path, png_path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(CFG)
