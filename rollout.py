@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 from contextlib import contextmanager
 
 import numpy as np
@@ -61,6 +62,53 @@ def toy_prompts(seed: int, step, n: int) -> list:
 def toy_reward(response_text: str, answer: str, finished: bool) -> float:
     """1.0 when the response is exactly the answer and the model stopped (emitted EOS)."""
     return float(finished and response_text.strip() == answer)
+
+
+# -----------------------------------------------------------------------------
+# Math answers (GSM8K and the like): the reward is exact match of the final number.
+# GSM8K's references end in "#### 72" (Cobbe et al., 2021); a model's answer is taken from
+# its last \boxed{...} if any (the convention of MATH, Hendrycks et al., 2021), else from
+# the number after the last "####", else the last number in the text (the "flexible extract" of common eval
+# harnesses). Numbers are normalized before comparing: thousands separators, "$", "%",
+# units and a trailing period are dropped, and "72.00" equals "72".
+
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
+
+
+def _last_number(text: str):
+    found = _NUMBER.findall(text)
+    return found[-1] if found else None
+
+
+def extract_answer(text: str):
+    """The final number a response gives, as a canonical string ("1200", "-3.5"), or None."""
+    boxed = re.findall(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}", text)
+    if boxed:
+        frac = re.fullmatch(r"\s*(-?)\\d?frac\{(-?\d+)\}\{(\d+)\}\s*", boxed[-1])
+        if frac and int(frac[3]):  # \frac{a}{b} (or \dfrac) is a number too
+            value = (-1 if frac[1] else 1) * int(frac[2]) / int(frac[3])
+            return str(int(value)) if value == int(value) else repr(value)
+        candidate = _last_number(boxed[-1])
+    elif "####" in text:  # the number right after the marker, whatever follows it
+        found = _NUMBER.findall(text.rsplit("####", 1)[1])
+        candidate = found[0] if found else None
+    else:
+        candidate = _last_number(text)
+    if candidate is None:
+        return None
+    value = float(candidate.replace(",", ""))
+    return str(int(value)) if value == int(value) else repr(value)
+
+
+def math_reward(response_text: str, reference: str, format_weight: float = 0.0) -> float:
+    """1.0 if the response's final number equals the reference's. With format_weight > 0,
+    a wrong answer that is at least given in the expected form (\boxed{} or ####) earns
+    format_weight: a small shaping reward, as in DeepSeek-R1's format reward (2025)."""
+    answer = extract_answer(response_text)
+    if answer is not None and answer == extract_answer(reference):
+        return 1.0
+    formatted = "\\boxed{" in response_text or "####" in response_text
+    return format_weight if formatted else 0.0
 
 
 def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
