@@ -46,7 +46,11 @@ class Config:
     activation_checkpointing: bool = False  # recompute decoder layers in backward (GPU memory)
     cpu_offload: bool = False  # FSDP2 CPU offload of params/grads/optimizer state (GPU memory)
     # task and rollout
-    task: str = "toy_add"  # toy_add: "a+b=" with single digits, reward 1 for the exact sum
+    task: str = "toy_add"  # toy_add: "a+b=" (operands 0..4), reward 1 for the exact sum; gsm8k: math word problems
+    prompts: str = ""  # gsm8k: JSONL file of {"question", "answer": "... #### N"} lines
+    val_prompts: str = ""  # gsm8k: held-out JSONL file (same format) for validation
+    eval_every: int = 0  # greedy accuracy on val_prompts every N steps (0 = never)
+    format_reward: float = 0.0  # gsm8k: reward for a wrong answer given in the expected form
     rollout_engine: str = "auto"  # "vllm" (colocated), "hf" (plain HF model per rank), "auto" = vllm if installed
     prompts_per_step: int = 16  # global: distinct prompts per step
     samples_per_prompt: int = 4  # responses sampled per prompt
@@ -86,7 +90,7 @@ class Config:
 
 
 # Fields whose value must be one of a few strings, and what each accepts.
-CHOICES = {"rollout_engine": ("auto", "vllm", "hf"), "kl_estimator": ("k1", "k3"), "task": ("toy_add",)}
+CHOICES = {"rollout_engine": ("auto", "vllm", "hf"), "kl_estimator": ("k1", "k3"), "task": ("toy_add", "gsm8k")}
 # Fields that must be >= 1 (integers) and > 0 (floats).
 POSITIVE = ("steps", "tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size",
             "prompts_per_step", "samples_per_prompt", "max_new_tokens", "rollout_tp_size",
@@ -173,7 +177,7 @@ def validate(cfg: Config, world_size: int) -> None:
     for key in POSITIVE:
         if not getattr(cfg, key) > 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be > 0")
-    for key in ("kl_coef", "tis_cap", "clip_ratio", "value_clip", "entropy_coef", "max_grad_norm",
+    for key in ("kl_coef", "tis_cap", "eval_every", "format_reward", "clip_ratio", "value_clip", "entropy_coef", "max_grad_norm",
                 "lr", "critic_lr", "sft_lr", "weight_decay", "sft_steps", "warmup_steps",
                 "save_every", "plot_every", "logprob_chunk_size"):
         if getattr(cfg, key) < 0:
@@ -218,6 +222,11 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("save_every/resume: checkpointing is not implemented yet; leave them unset")
     if cfg.resume and cfg.resume != "auto" and not os.path.exists(cfg.resume):
         raise ConfigError(f"resume={cfg.resume!r} does not exist: give a checkpoint dir or 'auto'")
+    if cfg.task == "gsm8k" and not os.path.isfile(cfg.prompts):
+        raise ConfigError(f"task=gsm8k needs prompts=FILE (a GSM8K-format JSONL file); "
+                          f"{cfg.prompts!r} is not a file")
+    if cfg.val_prompts and not os.path.isfile(cfg.val_prompts):
+        raise ConfigError(f"val_prompts={cfg.val_prompts!r} is not a file")
     if cfg.replay_rollouts and not os.path.isdir(cfg.replay_rollouts):
         raise ConfigError(f"replay_rollouts={cfg.replay_rollouts!r} is not a directory of step_N.jsonl")
     try:  # last, so that a refused config leaves nothing behind; fail now, not in an hour

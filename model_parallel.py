@@ -322,6 +322,10 @@ def _load_weights(model, path, extra):
     """Rank 0 reads each tensor (from the checkpoint or `extra`), broadcasts it to every rank,
     and each rank keeps its own shard. Peak memory: one full tensor."""
     reader = _read_checkpoint(path) if dist.get_rank() == 0 else None
+    missing = [n for n, _ in model.named_parameters() if reader is not None and n not in reader and n not in extra]
+    if missing:  # rank 0 stops here; torchrun then ends the ranks waiting in the broadcast
+        raise ValueError(f"{path} has no tensor named {missing[0]} ({len(missing)} missing): not an HF checkpoint "
+                         f"of a supported CausalLM?")
     for name, param in model.named_parameters():  # tied weights appear once, as in the file
         full = torch.empty(param.shape, dtype=param.dtype, device=param.device)  # global shape
         if reader is not None:
@@ -334,6 +338,7 @@ def _load_weights(model, path, extra):
 
 
 def load_policy(path, mesh, cfg):
+    """The HF checkpoint at `path` as a sharded module (TP plan if tp > 1, FSDP2 over dp*cp)."""
     model, _ = _build(path, mesh, cfg, critic=False)
     _load_weights(model, path, extra={})
     return model

@@ -12,6 +12,7 @@ import os
 import random
 import re
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import numpy as np
 import tiktoken
@@ -119,6 +120,94 @@ def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> i
 
 
 # -----------------------------------------------------------------------------
+# A task is what the trainer asks of the data side, the same for the toy and for GSM8K:
+#   prompts(step, n) -> [(prompt text, reference answer)], identical on every rank
+#   encode(prompt) -> prompt token ids (the chat template applied for chat models)
+#   target(answer) -> token ids of the reference answer + EOS (for the SFT warm-up)
+#   decode(ids) -> text;  reward(text, answer, finished) -> float in [0, 1]
+#   eos_id, pad_id, val (held-out (prompt, answer) pairs or [])
+
+class TaskError(ValueError):
+    """Bad task input (file, line, prompt length, tokenizer): one line, exit 2."""
+
+
+def read_gsm8k(path: str) -> list:
+    """(question, answer) pairs of a GSM8K-format JSONL file; errors name file and line."""
+    if not os.path.isfile(path):
+        raise TaskError(f"prompts file {path!r} not found: give a JSONL file of "
+                        '{"question": ..., "answer": "... #### N"} lines')
+    pairs = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                question, answer = row["question"], row["answer"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise TaskError(f"{path}:{number}: not a JSON object with 'question' and "
+                                "'answer' keys") from None
+            if not str(question).strip():
+                raise TaskError(f"{path}:{number}: empty question")
+            if extract_answer(str(answer)) is None:
+                raise TaskError(f"{path}:{number}: the answer has no final number ('#### N')")
+            pairs.append((str(question), str(answer)))
+    if not pairs:
+        raise TaskError(f"prompts file {path!r} has no prompts")
+    return pairs
+
+
+# Appended to each GSM8K question: the instruction NeMo-RL's and verl's GSM8K recipes use
+# in spirit, so that the answer is extractable.
+GSM8K_INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
+
+
+def make_task(cfg, model_dir: str, model_vocab_size: int) -> SimpleNamespace:
+    if cfg.task == "toy_add":
+        tok = toy_tokenizer()
+        eos = tok.encode_single_token(EOS)
+        return SimpleNamespace(
+            prompts=lambda step, n: toy_prompts(cfg.seed, step, n),
+            encode=tok.encode, target=lambda answer: tok.encode(answer) + [eos],
+            decode=lambda ids: decode(tok, ids), reward=toy_reward,
+            eos_id=eos, pad_id=tok.encode_single_token(PAD), val=[])
+    # A real checkpoint brings its own tokenizer and chat template (Qwen2.5, Llama 3, ...).
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if len(tok) > model_vocab_size:
+        raise TaskError(f"the tokenizer of {model_dir} has {len(tok)} tokens but the model's "
+                        f"vocab is {model_vocab_size}: tokenizer and checkpoint do not match")
+
+    def encode(question):
+        text = question + GSM8K_INSTRUCTION
+        if tok.chat_template:
+            return list(tok.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True, tokenize=True,
+                                                return_dict=False))
+        return tok.encode(text)
+
+    train = read_gsm8k(cfg.prompts)
+    val = read_gsm8k(cfg.val_prompts) if cfg.val_prompts else []
+    for name, pairs in (("prompts", train), ("val_prompts", val)):
+        for i, (question, _) in enumerate(pairs):  # fail now, not when the prompt is drawn
+            if len(encode(question)) + cfg.max_new_tokens > cfg.max_model_len:
+                raise TaskError(f"{name} line {i + 1}: prompt of {len(encode(question))} tokens + "
+                                f"max_new_tokens={cfg.max_new_tokens} exceeds max_model_len="
+                                f"{cfg.max_model_len}: raise max_model_len or shorten the prompt")
+
+    def prompts(step, n):
+        rng = random.Random(f"{cfg.seed}/prompts/{step}")  # seeded by step, not by rank
+        return [train[rng.randrange(len(train))] for _ in range(n)]
+
+    eos = tok.eos_token_id
+    return SimpleNamespace(
+        prompts=prompts, encode=encode, target=lambda answer: tok.encode(answer) + [eos],
+        decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        reward=lambda text, answer, finished: math_reward(text, answer, cfg.format_reward),
+        eos_id=eos, pad_id=tok.pad_token_id if tok.pad_token_id is not None else eos, val=val)
+
+
+# -----------------------------------------------------------------------------
 # The HF engine: a plain (unsharded) transformers model on each rank with a hand-written
 # sampling loop. It is the fallback when vLLM is absent and the simplest place to read how
 # generation works. It is refit from the trained weights after every step by exactly the
@@ -152,9 +241,14 @@ class HFEngine:
         done = [False] * B
         for _ in range(max_new_tokens):
             # Same convention as the trainer: log-softmax of logits / T, in fp32.
-            logp = torch.log_softmax(out.logits[:, -1].float() / temperature, -1).cpu()  # (B, V)
-            token = torch.stack([torch.multinomial(logp[b].exp(), 1, generator=gens[b])
-                                 for b in range(B)])  # (B, 1)
+            logits = out.logits[:, -1].float().cpu()  # (B, V)
+            if temperature == 0:  # greedy (validation); logprobs of the plain distribution
+                logp = torch.log_softmax(logits, -1)  # (B, V)
+                token = logp.argmax(-1, keepdim=True)  # (B, 1)
+            else:
+                logp = torch.log_softmax(logits / temperature, -1)  # (B, V)
+                token = torch.stack([torch.multinomial(logp[b].exp(), 1, generator=gens[b])
+                                     for b in range(B)])  # (B, 1)
             for b in range(B):
                 if not done[b]:
                     responses[b].append(token[b, 0].item())

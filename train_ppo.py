@@ -45,6 +45,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402  (after the config check, on purpose)
 import torch.distributed as dist  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 import model_parallel  # noqa: E402
@@ -182,6 +183,22 @@ def forward_batch(fn, model, ids, lens, mesh, cfg, **kw):
     return tuple(outs)
 
 
+def validate(engine, task, cfg, rank, world_size):
+    """Greedy accuracy on the held-out prompts. The prompts are split over the vLLM groups
+    (rollout_tp_size consecutive ranks pass identical requests), the count summed."""
+    groups = world_size // cfg.rollout_tp_size
+    mine = task.val[rank // cfg.rollout_tp_size::groups]
+    correct = 0.0
+    if mine:
+        outs = engine.generate([task.encode(q) for q, _ in mine], [0] * len(mine),
+                               cfg.max_new_tokens, 0.0, task.eos_id)  # temperature 0: greedy
+        correct = sum(task.reward(task.decode(r), a, r[-1] == task.eos_id) == 1.0
+                      for (r, _), (_, a) in zip(outs, mine))
+    total = torch.tensor([float(correct)])
+    dist.all_reduce(total)  # every member of a vLLM group counted the same prompts
+    return total.item() / cfg.rollout_tp_size / len(task.val)
+
+
 def main(cfg):
     rank, world_size, device = model_parallel.init_distributed()
     hf_logging.set_verbosity_error()  # one console line per step: no load reports or bars
@@ -196,11 +213,15 @@ def main(cfg):
         config.save(cfg, os.path.join(cfg.out_dir, "config.json"))
         print0(json.dumps(vars(cfg)))
     print0(f"mesh dp={dp_size} cp={cfg.cp_size} tp={cfg.tp_size} on {world_size} x {device.type}")
-    tok = rollout.toy_tokenizer()
-    eos_id, pad_id = tok.encode_single_token(rollout.EOS), tok.encode_single_token(rollout.PAD)
     model_dir = cfg.model
     if model_dir in model_parallel.TINY_PRESETS:  # write the preset as a real HF checkpoint
         model_dir = model_parallel.materialize_tiny_model(cfg.model, cfg.out_dir, cfg.seed)
+    try:  # prompts, tokenizer, reward; bad input is refused before any heavy work
+        task = rollout.make_task(cfg, model_dir, AutoConfig.from_pretrained(model_dir).vocab_size)
+    except rollout.TaskError as e:
+        print0(f"task error: {e}")
+        sys.exit(2)
+    eos_id, pad_id = task.eos_id, task.pad_id
 
     # ---- supervised warm-up: SFT on the task's reference answers, the usual first stage
     # of RLHF. Kept short on purpose: PPO should start from a policy that knows the
@@ -212,10 +233,10 @@ def main(cfg):
             opt = torch.optim.AdamW(policy.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
             share = cfg.sft_batch_size // dp_size
             for it in range(cfg.sft_steps):
-                pairs = rollout.toy_prompts(cfg.seed, f"sft{it}", cfg.sft_batch_size)
+                pairs = task.prompts(f"sft{it}", cfg.sft_batch_size)
                 mine = pairs[dp_rank * share:(dp_rank + 1) * share]
-                ids, mask, _, lens = collate([tok.encode(p) for p, _ in mine],
-                                             [tok.encode(a) + [eos_id] for _, a in mine], pad_id)
+                ids, mask, _, lens = collate([task.encode(p) for p, _ in mine],
+                                             [task.target(a) for _, a in mine], pad_id)
                 n_tok = dp_sum(mask.sum())
                 for rows in model_parallel.microbatches(lens, cfg, mesh):
                     idx, w = (rows, 1.0) if rows else ([0], 0.0)
@@ -255,7 +276,9 @@ def main(cfg):
         t_step = time.time()
         m = {"step": step}
         # ---- 1-3. prompts, rollout, reward
-        prompts = rollout.toy_prompts(cfg.seed, step, cfg.prompts_per_step)
+        if engine is not None and task.val and cfg.eval_every and step % cfg.eval_every == 0:
+            m["val_accuracy"] = validate(engine, task, cfg, rank, world_size)
+        prompts = task.prompts(step, cfg.prompts_per_step)
         if cfg.replay_rollouts:
             dumped = rollout.load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
             samples = [dumped[j] for j in my_indices]
@@ -263,18 +286,18 @@ def main(cfg):
             # The ranks of one vLLM tensor-parallel group must pass identical requests: the
             # group generates the samples of all its members, and each keeps its own.
             outs = dict(zip(gen_indices, engine.generate(
-                [tok.encode(prompts[j // K][0]) for j in gen_indices],
+                [task.encode(prompts[j // K][0]) for j in gen_indices],
                 [rollout.sample_seed(cfg.seed, step, j // K, j % K) for j in gen_indices],
                 cfg.max_new_tokens, cfg.temperature, eos_id)))
             engine.sleep()  # GPU: vLLM frees its memory for training
             samples = []
             for j in my_indices:
-                (resp, lps), p = outs[j], tok.encode(prompts[j // K][0])
-                text, finished = rollout.decode(tok, resp), resp[-1] == eos_id
+                (resp, lps), p = outs[j], task.encode(prompts[j // K][0])
+                text, finished = task.decode(resp), resp[-1] == eos_id
                 samples.append({"index": j, "prompt": prompts[j // K][0], "response": text,
                                 "answer": prompts[j // K][1], "prompt_ids": p, "response_ids": resp,
                                 "engine_logprobs": lps,
-                                "reward": rollout.toy_reward(text, prompts[j // K][1], finished)})
+                                "reward": task.reward(text, prompts[j // K][1], finished)})
         gathered = [None] * world_size
         dist.all_gather_object(gathered, samples)  # rank 0 writes everyone's samples
         if master:

@@ -1,0 +1,252 @@
+"""model_parallel.py against the plain single-process HF model.
+
+Every mesh (dp, cp, tp), with packing on and off, must give the per-token logprobs, entropies
+and values of `AutoModelForCausalLM.from_pretrained` run on one sequence at a time (eager
+attention, no padding, no packing), and the same full gradients of a PPO-shaped loss:
+    loss = sum over response tokens of (logprob * weight + value^2) / global response tokens.
+One spawn per world size runs many cases, so the suite stays within a few minutes on 2 cores.
+"""
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import model_parallel as mp
+from _dist import run_ranks
+
+TEMPERATURE = 0.8
+LENS = [14, 12, 6, 5]  # global batch; with dp=2 rank 0 packs 2 rows, rank 1 packs 1 (+ a dummy)
+PROMPT_LEN = 4  # response tokens: PROMPT_LEN .. len-1
+SEED = 5
+
+
+def _cfg(**overrides):
+    # max 24 tokens per packed row: 14+12 do not fit together, so packing makes several rows
+    fields = dict(packing=False, micro_batch_size=1, max_tokens_per_microbatch=24, sequence_parallel=False,
+                  logprob_chunk_size=0, activation_checkpointing=False, cpu_offload=False, seed=SEED)
+    return SimpleNamespace(**dict(fields, **overrides))
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 258, (len(LENS), max(LENS)), generator=g)  # (B, S) toy-tokenizer ids
+    pos = torch.arange(max(LENS))[None]  # (1, S)
+    lens = torch.tensor(LENS)[:, None]  # (B, 1)
+    ids = ids.masked_fill(pos >= lens, 257)  # right padding with the pad id
+    mask = ((pos >= PROMPT_LEN) & (pos < lens)).float()  # (B, S) response tokens
+    weights = torch.randn(ids.shape, generator=g)  # (B, S) stand-in for advantages
+    return ids, mask, weights
+
+
+def _materialize(root, name):
+    overrides = {
+        "tiny-gemma3": dict(sliding_window=6),  # shorter than the rows: the local layers matter
+        "tiny-llama-tied": dict(tie_word_embeddings=True),
+        "tiny-qwen3-v263": dict(vocab_size=263),  # does not divide tp=2: shards of 132 and 131
+    }.get(name, {})
+    preset = name if name in mp.TINY_PRESETS else name.rsplit("-", 1)[0]
+    return mp.materialize_tiny_model(preset, os.path.join(root, name), SEED, **overrides)
+
+
+def _reference(path):
+    """Per-sequence HF forward/backward of the PPO-shaped loss on the whole global batch."""
+    ids, mask, weights = _batch()
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    backbone = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").model
+    hidden = policy.config.hidden_size
+    # the value head's specification: N(0, 1/(hidden+1)) from a generator seeded with cfg.seed, bias 0
+    head_w = (torch.randn(1, hidden, generator=torch.Generator().manual_seed(SEED)) / math.sqrt(hidden + 1)).requires_grad_()
+    head_b = torch.zeros(1, requires_grad=True)
+    lp_rows, ent_rows, value_rows = [], [], []
+    for k, n in enumerate(LENS):
+        x = ids[k : k + 1, :n]  # (1, n) one sequence alone
+        logp = torch.log_softmax(policy(x).logits[0] / TEMPERATURE, -1)  # (n, V)
+        pad = torch.zeros(max(LENS) - n + 1)
+        lp_rows.append(torch.cat([pad[:1], logp[:-1].gather(1, x[0, 1:, None])[:, 0], pad[1:]]))  # (S,)
+        ent_rows.append(torch.cat([pad[:1], -(logp.exp() * logp).sum(-1)[:-1], pad[1:]]).detach())  # (S,)
+        v = backbone(x).last_hidden_state[0] @ head_w.T + head_b  # (n, 1)
+        value_rows.append(torch.cat([pad[:1], v[:-1, 0], pad[1:]]))  # (S,)  values[i] = head(h[i-1])
+    lp, values = torch.stack(lp_rows), torch.stack(value_rows)  # (B, S)
+    ((lp * weights * mask).sum() + (values**2 * mask).sum()).div(mask.sum()).backward()
+    grads = {n: p.grad for n, p in policy.named_parameters()}
+    grads.update({"critic." + n: p.grad for n, p in backbone.named_parameters(prefix="model")})
+    grads.update({"critic.lm_head.weight": head_w.grad, "critic.lm_head.bias": head_b.grad})
+    return dict(lp=lp.detach(), ent=torch.stack(ent_rows), values=values.detach(), grads=grads)
+
+
+MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-llama-tied", "tiny-qwen3-v263"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """Checkpoints and their single-process reference, computed once for every spawn."""
+    root = str(tmp_path_factory.mktemp("models"))
+    torch.save({name: _reference(_materialize(root, name)) for name in MODELS}, os.path.join(root, "reference.pt"))
+    return root
+
+
+_REFERENCE = {}
+
+
+def _check_case(root, name, mesh, cfg, label):
+    """Distributed forward/backward on this rank's rows; compare with the reference."""
+    path = _materialize(root, name)  # already written by the fixture: returns its path
+    if not _REFERENCE:  # each rank reads the parent's reference once
+        _REFERENCE.update(torch.load(os.path.join(root, "reference.pt")))
+    ref = _REFERENCE[name]
+    ids, mask, weights = _batch()
+    dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    share = len(LENS) // dp_size
+    mine = list(range(dp_rank * share, (dp_rank + 1) * share))  # this dp rank's global rows
+    policy, critic = mp.load_policy(path, mesh, cfg), mp.load_critic(path, mesh, cfg)
+    n_tokens = mask.sum()  # global response tokens (every rank knows the whole batch here)
+    seen = []
+    for rows in mp.microbatches([LENS[i] for i in mine], cfg, mesh):
+        idx, w = ([mine[r] for r in rows], 1.0) if rows else ([mine[0]], 0.0)  # dummy: weight 0
+        lens = [LENS[i] for i in idx]
+        lp, ent = mp.forward_policy(policy, ids[idx], lens, mesh, cfg, TEMPERATURE, True)
+        values = mp.forward_critic(critic, ids[idx], lens, mesh, cfg)
+        loss = ((lp * weights[idx] * mask[idx]).sum() + (values**2 * mask[idx]).sum()) / n_tokens
+        (w * loss).backward()
+        if rows:
+            seen += idx
+            for name, got in (("lp", lp), ("ent", ent), ("values", values)):
+                err = (got.detach() - ref[name][idx]).abs().max().item()
+                assert err <= 1e-5, f"{label}: {name} differs from HF by {err:.2e}"
+    assert sorted(seen) == mine, f"{label}: microbatches covered {seen}, expected {mine}"
+    for prefix, model in (("", policy), ("critic.", critic)):
+        names = set()
+        for name, param in model.named_parameters():
+            full = param.grad.full_tensor()  # collective: the whole gradient on every rank
+            want = ref["grads"][prefix + name]
+            rel = ((full - want).norm() / want.norm().clamp(min=1e-12)).item()
+            assert rel <= 1e-5, f"{label}: grad of {prefix}{name} off by {rel:.2e} relative"
+            names.add(prefix + name)
+        assert names == {n for n in ref["grads"] if n.startswith("critic.") == bool(prefix)}, label
+    # the global grad norm counts every element once, whatever the mesh
+    want_norm = torch.stack([g.norm() for n, g in ref["grads"].items() if not n.startswith("critic.")]).norm()
+    got_norm = mp.clip_grad_norm(list(policy.parameters()), max_norm=1e9)
+    assert abs(got_norm / want_norm.item() - 1) <= 1e-5, f"{label}: grad norm {got_norm} vs {want_norm.item()}"
+    return policy
+
+
+def _equivalence_body(rank, world_size, root, cases, checks=()):
+    for (dp, cp, tp), names, packings, extra in cases:
+        mesh = mp.make_mesh(world_size, tp, cp, "cpu")
+        for name in names:
+            for packing in packings:
+                label = f"{name} dp{dp} cp{cp} tp{tp} packing={packing} {extra}"
+                _check_case(root, name, mesh, _cfg(packing=packing, **extra), label)
+    for check in checks:  # more tests that reuse this spawn (starting ranks is the slow part)
+        globals()[check](root, world_size)
+
+
+def _weights_check(root, world_size):
+    """Refit names/values, the reference swap, clipping and HF export: on 4 ranks FSDP x TP
+    (dp2 tp2), on 2 ranks CP (cp2)."""
+    mesh = mp.make_mesh(world_size, 2 if world_size == 4 else 1, 2 if world_size == 2 else 1, "cpu")
+    path = _materialize(root, "tiny-qwen3")
+    cfg = _cfg(packing=True)
+    policy = mp.load_policy(path, mesh, cfg)
+    checkpoint = load_file(os.path.join(path, "model.safetensors"))
+    full = dict(mp.iter_full_params(policy))
+    assert full.keys() == checkpoint.keys()
+    assert all(torch.equal(full[n], checkpoint[n]) for n in full), "loaded weights differ from the file"
+
+    ids, mask, weights = _batch()
+    forward = lambda: mp.forward_policy(policy, ids, LENS, mesh, cfg, TEMPERATURE, False)[0]
+    with torch.no_grad():
+        lp_initial = forward()  # FSDP2 leaves the root gathered after this: snapshot must not care
+    snapshot = mp.snapshot_weights(policy)
+    (forward() * weights * mask).sum().backward()
+    norm = mp.clip_grad_norm(list(policy.parameters()), max_norm=1e9)
+    mp.clip_grad_norm(list(policy.parameters()), max_norm=norm / 2)  # halves every gradient
+    assert abs(mp.clip_grad_norm(list(policy.parameters()), max_norm=1e9) / norm - 0.5) < 1e-5
+    torch.optim.SGD(policy.parameters(), lr=0.5).step()
+    with torch.no_grad():
+        lp_trained = forward()
+        assert (lp_trained - lp_initial).abs().max() > 1e-3, "the step should change the policy"
+        with mp.swapped_weights(policy, snapshot):
+            assert torch.equal(forward(), lp_initial), "reference forward must see the initial weights"
+        assert torch.equal(forward(), lp_trained), "the live weights must come back exactly"
+
+    out = os.path.join(root, f"export{world_size}")
+    full = dict(mp.iter_full_params(policy))
+    mp.save_hf(policy, out, extra_files={"README.txt": "tiny test export"})
+    if torch.distributed.get_rank() == 0:
+        reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+        assert all(torch.equal(reloaded[n], full[n]) for n in full), "export differs from the trained weights"
+        assert '"ppo"' not in open(os.path.join(out, "config.json")).read(), "our attention leaked into config"
+        assert open(os.path.join(out, "README.txt")).read() == "tiny test export"
+
+
+def _refusals_check(root, world_size):
+    mesh = mp.make_mesh(world_size, 2, 1, "cpu")
+    with pytest.raises(ValueError, match="Gemma3 runs with tp_size=1"):
+        mp.load_policy(_materialize(root, "tiny-gemma3"), mesh, _cfg())
+    path = mp.materialize_tiny_model("tiny-llama", os.path.join(root, "one-kv-head"), SEED, num_key_value_heads=1)
+    with pytest.raises(ValueError, match="tp_size=2 must divide num_key_value_heads=1"):
+        mp.load_policy(path, mesh, _cfg())
+
+
+def _microbatch_check(root, world_size):
+    mesh = mp.make_mesh(world_size, 1, 1, "cpu")
+    lens = [5, 9, 3, 7, 4]
+    # first-fit decreasing into 12 tokens: 9 -> row 0, 7 -> row 1, 5 -> row 1, 4 -> row 2, 3 -> row 0
+    assert mp.microbatches(lens, _cfg(packing=True, max_tokens_per_microbatch=12), mesh) == [[1, 2], [3, 0], [4]]
+    assert mp.microbatches(lens, _cfg(micro_batch_size=2), mesh) == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="max_tokens_per_microbatch=8"):
+        mp.microbatches(lens, _cfg(packing=True, max_tokens_per_microbatch=8), mesh)
+    # a complete checkpoint dir is reused, not rewritten
+    path = _materialize(root, "tiny-llama")
+    stamp = os.path.getmtime(os.path.join(path, "model.safetensors"))
+    assert _materialize(root, "tiny-llama") == path
+    assert os.path.getmtime(os.path.join(path, "model.safetensors")) == stamp
+
+
+FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
+BOTH = (False, True)
+CASES = {  # world size -> [((dp, cp, tp), models, packing values, config overrides)]
+    1: [((1, 1, 1), FAMILIES, BOTH, {})],
+    2: [((2, 1, 1), FAMILIES + ["tiny-gemma3"], BOTH, {}),
+        ((1, 1, 2), FAMILIES, BOTH, {}),
+        ((1, 2, 1), FAMILIES, BOTH, {}),
+        ((1, 2, 1), ["tiny-gemma3"], (True,), {}),  # sliding window + zigzag + packing
+        ((1, 1, 2), ["tiny-qwen3"], (True,), dict(sequence_parallel=True)),
+        ((1, 1, 2), ["tiny-llama-tied", "tiny-qwen3-v263"], (False,), {}),
+        ((2, 1, 1), ["tiny-llama"], (True,), dict(activation_checkpointing=True, cpu_offload=True))],
+    4: [((2, 1, 2), FAMILIES, BOTH, {}),
+        ((1, 2, 2), FAMILIES, BOTH, {}),
+        ((1, 2, 2), ["tiny-qwen2"], (True,), dict(sequence_parallel=True))],
+}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_matches_hf_every_family_and_mesh(root, world_size):
+    checks = {1: ["_microbatch_check"], 2: ["_refusals_check", "_weights_check"], 4: ["_weights_check"]}[world_size]
+    run_ranks(_equivalence_body, world_size, root, CASES[world_size], checks)
+
+
+def test_mesh_sizes_must_multiply_to_world_size():
+    with pytest.raises(ValueError, match=r"world size 6: tp_size=4 \* cp_size=1"):
+        mp.make_mesh(6, 4, 1, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or mp.flash_attn_varlen_func is None,
+                    reason="GPU path: needs CUDA and flash-attn")
+def test_flash_varlen_matches_masked_attention():
+    """The GPU kernel path of ppo_attention against the CPU masked-SDPA path on a packed row."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, 24, 64, generator=g) for heads in (4, 2, 2))  # (1, H, T, D)
+    docs = torch.tensor([0] * 10 + [1] * 9 + [2] * 5)[None]  # (1, T) three packed sequences
+    rows = torch.arange(24)
+    layout = dict(q_rows=rows, kv_rows=rows, q_docs=docs, kv_docs=docs, cu_seqlens=torch.tensor([0, 10, 19, 24]))
+    want, _ = mp.ppo_attention(None, q, k, v, None, scaling=0.125, **layout)
+    cuda = lambda x: x.cuda().bfloat16()
+    got, _ = mp.ppo_attention(None, cuda(q), cuda(k), cuda(v), None, scaling=0.125,
+                              **{n: t.cuda() for n, t in layout.items()})
+    assert (got.float().cpu() - want).abs().max() < 3e-2

@@ -1,0 +1,102 @@
+"""The real-model path on CPU: a tiny Qwen2 saved with a real tokenizer and chat template
+(a byte-level BPE trained here with the `tokenizers` library, nothing downloaded), a small
+GSM8K-format JSONL, 2 PPO steps through the CLI with the vLLM engine and validation."""
+import json
+import os
+import types
+
+import pytest
+import torch.distributed as dist
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+import rollout
+from test_e2e import read_metrics, run_cli
+
+# Qwen's ChatML layout
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PROBLEMS = [(f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+             f"He has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}")
+            for a, b in [(3, 4), (10, 5), (7, 8), (12, 30), (1, 1), (6, 9), (20, 22), (2, 40)]]
+GSM8K_TEXT = rollout.GSM8K_INSTRUCTION + " user assistant"  # so the BPE has merges for these too
+
+
+def save_tokenizer(path, vocab_size=400):
+    corpus = [q + " " + a for q, a in PROBLEMS] * 20 + [GSM8K_TEXT]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+    fast.save_pretrained(path)
+    return fast
+
+
+def write_jsonl(path, pairs):
+    with open(path, "w") as f:
+        for q, a in pairs:
+            f.write(json.dumps({"question": q, "answer": a}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def real_model(tmp_path_factory):
+    """A tiny Qwen2 checkpoint dir with tokenizer files, as a hub download would have."""
+    root = tmp_path_factory.mktemp("real")
+    import model_parallel
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29617")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        path = model_parallel.materialize_tiny_model("tiny-qwen2", str(root), seed=0, vocab_size=448,
+                                                     bos_token_id=0, eos_token_id=2, pad_token_id=0)
+    finally:
+        dist.destroy_process_group()
+    save_tokenizer(path)
+    write_jsonl(root / "train.jsonl", PROBLEMS[:6])
+    write_jsonl(root / "val.jsonl", PROBLEMS[6:])
+    return root, path
+
+
+def test_task_applies_chat_template_and_checks_inputs(real_model, tmp_path):
+    root, path = real_model
+    cfg = types.SimpleNamespace(task="gsm8k", prompts=str(root / "train.jsonl"), val_prompts="",
+                                max_new_tokens=8, max_model_len=256, seed=0, format_reward=0.0)
+    task = rollout.make_task(cfg, path, model_vocab_size=448)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = task.encode(PROBLEMS[0][0])
+    text = tok.decode(ids)
+    assert text.startswith("<|im_start|>user\nTom has 3 apples") and text.endswith("<|im_start|>assistant\n")
+    assert task.eos_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert task.reward("3 + 4 = 7 #### 7", PROBLEMS[0][1], True) == 1.0
+    assert task.prompts(5, 4) == task.prompts(5, 4)
+    with pytest.raises(rollout.TaskError, match="tokenizer"):  # tokenizer larger than the model
+        rollout.make_task(cfg, path, model_vocab_size=100)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n{not json\n")
+    with pytest.raises(rollout.TaskError, match=":2:"):  # the malformed line's number
+        rollout.read_gsm8k(str(bad))
+    bad.write_text(json.dumps({"question": "  ", "answer": "#### 1"}) + "\n")
+    with pytest.raises(rollout.TaskError, match="empty question"):
+        rollout.read_gsm8k(str(bad))
+    cfg.max_model_len = 20
+    with pytest.raises(rollout.TaskError, match="max_model_len"):  # prompt longer than context
+        rollout.make_task(cfg, path, model_vocab_size=448)
+
+
+def test_two_ppo_steps_with_vllm_and_validation(real_model, tmp_path):
+    root, path = real_model
+    run_cli(2, "--task=gsm8k", f"--model={path}", f"--prompts={root}/train.jsonl",
+            f"--val_prompts={root}/val.jsonl", "--eval_every=1", "--rollout_engine=vllm",
+            "--steps=2", "--prompts_per_step=4", "--samples_per_prompt=2", "--max_new_tokens=8",
+            "--micro_batch_size=2", "--max_model_len=256", f"--out_dir={tmp_path}")
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 2
+    for r in rows:
+        assert 0.0 <= r["val_accuracy"] <= 1.0 and 0.0 <= r["reward_mean"] <= 1.0
+        assert r["logprob_mismatch"] <= 1e-3
+    with open(tmp_path / "rollouts" / "step_1.jsonl") as f:
+        sample = json.loads(f.readline())
+    assert sample["prompt"].startswith("Tom has") and "####" in sample["answer"]
