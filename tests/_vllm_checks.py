@@ -1,0 +1,170 @@
+"""The colocated vLLM engine on 2 CPU ranks, measured against independent computations.
+Launched by tests/test_vllm.py (which makes the assertions), or by hand:
+
+    torchrun --standalone --nproc_per_node=2 tests/_vllm_checks.py --rollout_tp_size=1 --dir=/tmp/v1
+    torchrun --standalone --nproc_per_node=2 tests/_vllm_checks.py --rollout_tp_size=2 --dir=/tmp/v2
+
+rollout_tp_size=1: one engine per rank (dp=2); 2: one engine across both ranks. A script and
+not a tests/_dist.run_ranks body because vLLM's shutdown destroys the default process group,
+which run_ranks destroys again afterwards; and engine creation is slow (15-60 s), so one
+launch runs every check in sequence, in the order a PPO step would:
+
+1. sample twice with the same per-sample seeds (and with the batch reversed, other seeds);
+2. the engine's logprobs against a plain single-process HF model of the same checkpoint;
+3. one AdamW step of the FSDP policy, then rollout.refit in small buckets (each recorded);
+4. sample again: the engine's logprobs against the trainer's forward_policy on the same ids;
+5. refit the original weights back: the first samples must come back.
+
+Every rank writes what it measured; rank 0 gathers it into DIR/results.json.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+import model_parallel
+import rollout
+from config import Config
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--rollout_tp_size", type=int, default=1)
+parser.add_argument("--model", default="tiny-llama", help="a tiny preset of model_parallel")
+parser.add_argument("--tied", action="store_true", help="tie lm_head to the embedding")
+parser.add_argument("--dir", required=True, help="for the tiny checkpoint and results.json")
+args = parser.parse_args()
+
+TEMPERATURE, MAX_NEW_TOKENS = 0.7, 12  # T != 1: a wrong temperature convention would show
+BUCKET_MB, SMALL_BUCKET_MB = 1, 0.25  # the tiny model: 5 MB in all, its largest tensors 0.5 MB
+rank, world_size, device = model_parallel.init_distributed()
+cfg = Config(out_dir=args.dir, rollout_engine="vllm", rollout_tp_size=args.rollout_tp_size, seed=7,
+             max_model_len=64, vllm_kv_cache_gb=1, temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS)
+mesh = model_parallel.make_mesh(world_size, 1, 1, "cpu")  # the trainer: FSDP over dp=2
+path = model_parallel.materialize_tiny_model(args.model, args.dir, seed=3, tie_word_embeddings=args.tied)
+policy = model_parallel.load_policy(path, mesh, cfg)
+plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # the reference
+measured = {"rank": rank}
+
+t0 = time.perf_counter()
+engine = rollout.make_engine(cfg, path, device)  # a collective: both ranks build it together
+measured["init_s"] = time.perf_counter() - t0
+
+# Ranks of one vLLM TP group pass identical requests; different groups pass different ones.
+group_index = rank // cfg.rollout_tp_size
+tok = rollout.toy_tokenizer()
+eos_id = tok.encode_single_token(rollout.EOS)
+prompts = [tok.encode(p) for p, _ in rollout.toy_prompts(cfg.seed, f"vllm{group_index}", 6)]
+seeds = [rollout.sample_seed(cfg.seed, group_index, i, 0) for i in range(len(prompts))]
+
+
+def generate(prompt_list, seed_list):
+    return engine.generate(prompt_list, seed_list, MAX_NEW_TOKENS, TEMPERATURE, eos_id)
+
+
+def rows(outs):
+    """Right-padded (b, S) prompt+response ids, lengths, response mask, engine logprobs."""
+    full = [p + r for p, (r, _) in zip(prompts, outs)]
+    S = max(map(len, full))
+    ids = torch.zeros(len(full), S, dtype=torch.long)  # (b, S)
+    mask, engine_lp = torch.zeros(len(full), S, dtype=torch.bool), torch.zeros(len(full), S)  # (b, S)
+    for b, (p, (r, lps)) in enumerate(zip(prompts, outs)):
+        ids[b, :len(p) + len(r)] = torch.tensor(p + r)
+        mask[b, len(p):len(p) + len(r)] = True  # position i holds the action "emit x_i"
+        engine_lp[b, len(p):len(p) + len(r)] = torch.tensor(lps)
+    return ids, [len(f) for f in full], mask, engine_lp
+
+
+@torch.no_grad()
+def plain_logprobs(ids, lens):
+    """log softmax(logits / T) of each token from the unsharded HF model, one row at a time
+    (no padding at all), position i from logits[i-1]."""
+    out = torch.zeros(ids.shape)  # (b, S)
+    for b, n in enumerate(lens):
+        logits = plain(ids[b:b + 1, :n]).logits[0].float()  # (n, V)
+        logp = torch.log_softmax(logits[:-1] / TEMPERATURE, -1)  # (n-1, V) predicts x_1..x_{n-1}
+        out[b, 1:n] = logp.gather(-1, ids[b, 1:n, None])[:, 0]
+    return out
+
+
+def tokens(outs):
+    return [r for r, _ in outs]
+
+
+# ---- 1. seeds: a sample depends on its seed only, not on the call or the batch ---------------
+rng_before = torch.get_rng_state()
+t0 = time.perf_counter()
+first = generate(prompts, seeds)
+measured["first_generate_s"] = time.perf_counter() - t0
+measured["rng_unchanged"] = torch.equal(rng_before, torch.get_rng_state())  # trainer's RNG is its own
+measured["same_seeds_same_samples"] = generate(prompts, seeds) == first  # ids and logprobs
+measured["reversed_batch_same_samples"] = tokens(generate(prompts[::-1], seeds[::-1])[::-1]) == tokens(first)
+measured["batch_of_one_same_sample"] = tokens(generate(prompts[3:4], seeds[3:4])) == tokens(first)[3:4]
+other = generate(prompts, [s + 1 for s in seeds])
+measured["other_seeds_changed"] = sum(a != b for a, b in zip(tokens(other), tokens(first)))
+measured["n_samples"] = len(prompts)
+# one request identical on every rank: the sample must not depend on the rank or its engine
+measured["shared_sample"] = tokens(generate([tok.encode("1+2=")], [12345]))[0]
+measured["group_samples"] = tokens(first)
+
+# ---- 2. before refit: engine logprobs == plain HF on the engine's own samples ----------------
+ids, lens, mask, engine_lp = rows(first)
+measured["diff_before_refit_vs_hf"] = (engine_lp - plain_logprobs(ids, lens))[mask].abs().mean().item()
+measured["n_response_tokens"] = int(mask.sum())
+
+# ---- 3. train one step (FSDP over both ranks), then refit in small recorded buckets ----------
+engine.sleep()  # as train_ppo.py does around training (a no-op on CPU)
+lp, _ = model_parallel.forward_policy(policy, ids, lens, mesh, cfg, temperature=1.0)  # (b, S)
+(-lp[mask].sum() / mask.sum()).backward()  # make the engine's own samples likelier
+torch.optim.AdamW(policy.parameters(), lr=1e-2).step()
+engine.wake_up()
+
+
+def recorded_refit(named_full_tensors, bucket_mb):
+    """rollout.refit, noting the names and byte sizes of every bucket the engine is handed."""
+    buckets, load_weights = [], engine.load_weights
+    engine.load_weights = lambda named: (buckets.append([(n, t.numel() * t.element_size()) for n, t in named]),
+                                         load_weights(named))
+    t0 = time.perf_counter()
+    try:
+        stats = rollout.refit(engine, named_full_tensors, bucket_mb=bucket_mb)
+    finally:
+        engine.load_weights = load_weights
+    return dict(stats, buckets=buckets, bucket_limit_bytes=bucket_mb * 2**20, seconds=time.perf_counter() - t0)
+
+
+measured["refit"] = recorded_refit(model_parallel.iter_full_params(policy), BUCKET_MB)
+measured["param_bytes"] = {n: p.numel() * p.element_size() for n, p in plain.named_parameters()}
+
+# ---- 4. after refit: engine logprobs == the trainer's forward_policy on the same ids ----------
+after = generate(prompts, seeds)
+ids, lens, mask, engine_lp = rows(after)
+with torch.no_grad():
+    trainer_lp, _ = model_parallel.forward_policy(policy, ids, lens, mesh, cfg, temperature=TEMPERATURE)  # (b, S)
+measured["diff_after_refit_vs_trainer"] = (engine_lp - trainer_lp)[mask].abs().mean().item()
+# the update must have moved these logprobs far more than the tolerance, or step 4 proves nothing
+measured["diff_trained_vs_initial"] = (trainer_lp - plain_logprobs(ids, lens))[mask].abs().mean().item()
+measured["samples_changed_by_refit"] = sum(a != b for a, b in zip(tokens(after), tokens(first)))
+
+# ---- 5. refit the initial weights (the plain model's, named as in the checkpoint), in buckets
+# smaller than the largest tensors: those must travel alone, and every fused layer is split
+measured["refit_back"] = recorded_refit(plain.named_parameters(), SMALL_BUCKET_MB)
+back = generate(prompts, seeds)
+measured["refit_back_same_samples"] = tokens(back) == tokens(first)
+measured["refit_back_max_logprob_diff"] = max(abs(a - b) for (_, la), (_, lb) in zip(back, first)
+                                              for a, b in zip(la, lb))
+
+# ---- gather to rank 0, then shut the engine down: last, it destroys the process group --------
+gathered = [None] * world_size
+dist.all_gather_object(gathered, measured)
+if rank == 0:
+    with open(os.path.join(args.dir, "results.json"), "w") as f:
+        json.dump(gathered, f, indent=1)
+    for m in gathered:
+        print(json.dumps({k: v for k, v in m.items() if k not in ("refit", "refit_back", "param_bytes")}), flush=True)
+dist.barrier()
+engine.shutdown()

