@@ -219,6 +219,7 @@ class HFEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.to(device).eval()
         self.params = dict(self.model.named_parameters())  # HF checkpoint names -> tensors
+        self.dtype = self.model.dtype  # refit casts to this
 
     @torch.no_grad()
     def generate(self, prompt_ids: list, seeds: list, max_new_tokens: int,
@@ -341,6 +342,7 @@ class VLLMEngine:
         self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
         self.model = self.worker.model_runner.get_model()
         self.on_gpu, self.reloading = on_gpu, False
+        self.dtype = torch.bfloat16 if on_gpu else torch.float32  # refit casts to this
 
     def generate(self, prompt_ids: list, seeds: list, max_new_tokens: int,
                  temperature: float, eos_id: int) -> list:
@@ -417,12 +419,14 @@ def make_engine(cfg, model_dir: str, device: torch.device):
 # Every rank iterates `named_full_tensors` together (each item is a collective that
 # gathers one parameter to full), casts it to the engine's dtype, and hands the engine a
 # bucket whenever the next tensor would overflow `bucket_mb`. At most one bucket (plus
-# one parameter larger than a bucket on its own) is alive at a time, so the transient
-# memory does not grow with the model, unlike gathering a full state dict first
-# (verl and NeMo-RL both bucket their refit for this reason).
+# one parameter larger than a bucket on its own) is built at a time, and vLLM keeps at
+# most one incomplete layer's tensors from earlier buckets, so the transient memory does
+# not grow with the model, unlike gathering a full state dict first (verl and NeMo-RL
+# both bucket their refit for this reason). The cast is to the engine's dtype (bf16 for
+# vLLM on GPU), so the bucket limit counts the bytes actually sent.
 
-def refit(engine, named_full_tensors, bucket_mb: int, dtype=torch.float32) -> dict:
-    limit = bucket_mb * 2**20
+def refit(engine, named_full_tensors, bucket_mb: float) -> dict:
+    limit, dtype = bucket_mb * 2**20, engine.dtype
     bucket, size, largest, total = [], 0, 0, 0
     for name, tensor in named_full_tensors:
         tensor = tensor.detach().to(dtype)

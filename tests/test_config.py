@@ -70,3 +70,12 @@ def test_cli_help_lists_every_field():
                          capture_output=True, text=True, timeout=60).stdout
     for name in config.Config.__dataclass_fields__:
         assert f"--{name}=" in out
+
+
+def test_every_shipped_config_parses():
+    """A config file with a renamed or mistyped key would fail only on a GPU node: catch it here."""
+    import glob
+    files = glob.glob(os.path.join(ROOT, "configs", "*.toml"))
+    assert len(files) >= 4
+    for path in files:
+        config.parse_args(["--config", path])
