@@ -30,8 +30,12 @@ class Config:
     seed: int = 1  # one seed for prompts, sampling, init of the value head: the whole run
     steps: int = 20  # number of PPO steps (one rollout + one update each)
     plot_every: int = 5  # redraw out_dir/curves.png every N steps (and at the end); 0 = never
-    save_every: int = 0  # checkpoint every N steps (0 = never)
-    resume: str = ""  # "" = fresh run; "auto" = newest checkpoint in out_dir; or a checkpoint path
+    save_every: int = 0  # checkpoint out_dir/ckpt/step_N every N steps and at the end (0 = only on SIGTERM/SIGINT)
+    keep_checkpoints: int = 2  # keep the newest N checkpoints, delete older ones (0 = keep all)
+    resume: str = ""  # "" = fresh run; "auto" = newest complete checkpoint in out_dir/ckpt (fresh if none); or a step_N dir
+    export_hf: bool = True  # at the end, write the policy as an HF checkpoint dir out_dir/hf (+ the model's tokenizer files)
+    max_skipped_steps: int = 3  # stop when this many steps in a row skipped an update for a NaN/inf loss or grad norm (0 = never)
+    collective_timeout_s: int = 1800  # a collective waiting longer raises (a dead or stuck rank) instead of hanging
     replay_rollouts: str = ""  # a previous run's out_dir/rollouts: train on those instead of generating
     # model
     model: str = "tiny-llama"  # HF checkpoint dir, or a built-in tiny preset: tiny-llama/qwen2/qwen3/gemma3
@@ -95,7 +99,7 @@ CHOICES = {"rollout_engine": ("auto", "vllm", "hf"), "kl_estimator": ("k1", "k3"
 POSITIVE = ("steps", "tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size",
             "prompts_per_step", "samples_per_prompt", "max_new_tokens", "rollout_tp_size",
             "refit_bucket_mb", "max_model_len", "vllm_gpu_memory_utilization", "vllm_kv_cache_gb",
-            "sft_batch_size", "ppo_epochs", "num_minibatches", "temperature")
+            "sft_batch_size", "ppo_epochs", "num_minibatches", "temperature", "collective_timeout_s")
 
 
 def field_docs() -> dict:
@@ -179,7 +183,7 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be > 0")
     for key in ("kl_coef", "tis_cap", "eval_every", "format_reward", "clip_ratio", "value_clip", "entropy_coef", "max_grad_norm",
                 "lr", "critic_lr", "sft_lr", "weight_decay", "sft_steps", "warmup_steps",
-                "save_every", "plot_every", "logprob_chunk_size"):
+                "save_every", "plot_every", "logprob_chunk_size", "keep_checkpoints", "max_skipped_steps"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be >= 0")
     if not (0.0 <= cfg.gamma <= 1.0 and 0.0 <= cfg.lam <= 1.0):
@@ -218,10 +222,9 @@ def validate(cfg: Config, world_size: int) -> None:
                           "(the HF engine is one full model per rank)")
     if cfg.sequence_parallel and cfg.tp_size == 1:
         raise ConfigError("sequence_parallel=true needs tp_size > 1 (it shards activations over tp)")
-    if cfg.save_every or cfg.resume:
-        raise ConfigError("save_every/resume: checkpointing is not implemented yet; leave them unset")
-    if cfg.resume and cfg.resume != "auto" and not os.path.exists(cfg.resume):
-        raise ConfigError(f"resume={cfg.resume!r} does not exist: give a checkpoint dir or 'auto'")
+    if cfg.resume and cfg.resume != "auto" and not os.path.isdir(cfg.resume):
+        raise ConfigError(f"resume={cfg.resume!r} does not exist: give a checkpoint dir "
+                          f"(out_dir/ckpt/step_N) or 'auto'")
     if cfg.task == "gsm8k" and not os.path.isfile(cfg.prompts):
         raise ConfigError(f"task=gsm8k needs prompts=FILE (a GSM8K-format JSONL file); "
                           f"{cfg.prompts!r} is not a file")

@@ -1,7 +1,7 @@
 """Everything about where tensors live: the (dp, cp, tp) mesh, loading an HF checkpoint into
 sharded modules (FSDP2 + tensor parallel), context-parallel and packed attention, the critic,
-the reference-weight swap, the global grad norm, and HF export. train_ppo.py asks for
-"logprobs of these rows" and never sees a shard.
+the reference-weight swap, the global grad norm, training checkpoints and HF export.
+train_ppo.py asks for "logprobs of these rows" and never sees a shard.
 
     torchrun --nproc_per_node=4 train_ppo.py --tp_size=2 --cp_size=1   # dp = 4 / (2*1) = 2
 
@@ -17,16 +17,25 @@ Where the ideas come from (code and prose are our own):
    CP and the zigzag ring attention of zhuzilin/ring-flash-attention (Liu et al. 2023).
 4. First-fit-decreasing packing with block-diagonal attention: Krell et al. 2021,
    "Efficient sequence packing without cross-contamination"; verl / NeMo-RL sequence packing.
+5. Mesh-agnostic checkpoints through torch.distributed.checkpoint's get/set_state_dict, written
+   to a temp dir and renamed: torchtitan's checkpointing (components/checkpoint.py).
 """
+import datetime
 import math
 import os
+import random
+import re
 import shutil
+import time
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -49,14 +58,17 @@ def _opt(cfg, name, default):
 # -----------------------------------------------------------------------------
 # Distributed set-up: one code path for `python train_ppo.py` (a world of one) and torchrun.
 
-def init_distributed():
-    """(rank, world_size, device); initializes the default process group once."""
+def init_distributed(timeout_s=1800):
+    """(rank, world_size, device); initializes the default process group once. A collective
+    that waits more than timeout_s raises instead of blocking forever (a dead or stuck rank);
+    when a rank dies, torchrun also stops the others (SIGTERM, then SIGKILL after 30 s)."""
     if not dist.is_initialized():
         for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                            ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
             os.environ.setdefault(key, value)  # what torchrun would set for one process
         # gloo also on GPU machines for the few CPU-side collectives
-        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -247,15 +259,19 @@ def _tp_plan(family, sequence_parallel, critic):
 # Loading: every rank builds the model on the meta device (no memory), shards it (TP, then
 # FSDP2), allocates only its shards, and receives the weights from rank 0 one tensor at a time.
 
+class CheckpointError(ValueError):
+    """A model dir or training checkpoint that cannot be used: one line, exit 2."""
+
+
 def _check_supported(config, tp_size):
     family = config.model_type
     if family not in ("llama", "qwen2", "qwen3", "gemma3_text"):
-        raise ValueError(f"model_type {family!r} is not supported: llama, qwen2, qwen3, gemma3_text (tp=1)")
+        raise CheckpointError(f"model_type {family!r} is not supported: llama, qwen2, qwen3, gemma3_text (tp=1)")
     if family == "gemma3_text" and tp_size > 1:
-        raise ValueError("Gemma3 runs with tp_size=1 only (FSDP, CP and packing work): no TP plan for it here")
+        raise CheckpointError("Gemma3 runs with tp_size=1 only (FSDP, CP and packing work): no TP plan for it here")
     for field in ("num_attention_heads", "num_key_value_heads"):
         if getattr(config, field) % tp_size:
-            raise ValueError(f"tp_size={tp_size} must divide {field}={getattr(config, field)}: each tp rank "
+            raise CheckpointError(f"tp_size={tp_size} must divide {field}={getattr(config, field)}: each tp rank "
                              f"computes whole heads")
 
 
@@ -265,6 +281,30 @@ def _read_checkpoint(path):
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     handles = [safe_open(os.path.join(path, f), framework="pt") for f in files]
     return {name: h for h in handles for name in h.keys()}
+
+
+def check_hf_dir(path, tp_size):
+    """Refuse (CheckpointError, one line) a model dir that loading would fail on later: no dir,
+    no or unreadable config.json, an unsupported family or tp split, missing or corrupt weights.
+    Reads only config.json and the safetensors headers: fast, on every rank."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(f"model={path!r} is not an HF checkpoint dir (no config.json): give a dir "
+                              f"written by save_pretrained, or a preset: {', '.join(TINY_PRESETS)}")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path}/config.json cannot be read: {str(e).splitlines()[0]}") from None
+    _check_supported(config, tp_size)
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} has no *.safetensors weights (.bin files are not read here: "
+                              f"re-save them with save_pretrained)")
+    from safetensors import SafetensorError, safe_open
+    for f in files:
+        try:  # the header lists every tensor's byte range: a truncated file fails here
+            safe_open(os.path.join(path, f), framework="pt")
+        except SafetensorError as e:
+            raise CheckpointError(f"{path}/{f} is corrupt ({e}): download or save it again") from None
 
 
 def _build(path, mesh, cfg, critic):
@@ -535,6 +575,15 @@ def clip_grad_norm(params, max_norm):
     return float(norm)
 
 
+def peak_memory_gb():
+    """This process's peak so far: torch's allocated GPU memory, or on CPU the max resident set
+    (ru_maxrss, KiB on Linux), which also counts the interpreter and libraries."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 # -----------------------------------------------------------------------------
 # Full weights: refit of the rollout engine and HF export.
 
@@ -549,10 +598,17 @@ def iter_full_params(model):
         yield name, full
 
 
-def save_hf(model, path, extra_files=None):
+# What a model dir holds besides config and weights, copied into an export as it is
+# (AutoTokenizer, vLLM's tokenizer and its default sampling settings read these).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+
+
+def save_hf(model, path, extra_files=None, copy_from=None):
     """Write an HF checkpoint dir (config.json + model.safetensors, fp32) loadable by
-    from_pretrained and vLLM; extra_files: {file name: text} written beside. Collective; rank 0
-    writes to a temp dir and renames it, so `path` is never half-written."""
+    from_pretrained and vLLM; extra_files: {file name: text} written beside; copy_from: a model
+    dir whose TOKENIZER_FILES are copied in. Collective; rank 0 writes to a temp dir and renames
+    it, so `path` is never half-written."""
     from safetensors.torch import save_file
     master = dist.get_rank() == 0
     state = {name: full.to("cpu", torch.float32).contiguous() for name, full in iter_full_params(model) if master}
@@ -564,6 +620,107 @@ def save_hf(model, path, extra_files=None):
         for file_name, text in (extra_files or {}).items():
             with open(os.path.join(tmp, file_name), "w") as f:
                 f.write(text)
+        for file_name in TOKENIZER_FILES if copy_from else ():
+            if os.path.isfile(os.path.join(copy_from, file_name)):
+                shutil.copy(os.path.join(copy_from, file_name), tmp)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
     dist.barrier()
+
+
+# -----------------------------------------------------------------------------
+# Training checkpoints (torchtitan's recipe): torch.distributed.checkpoint (DCP) writes one file
+# per rank with each shard's global offsets, and reads back whatever pieces the loading mesh's
+# shards need. get_state_dict/set_state_dict name everything by the plain module FQN, so a
+# checkpoint saved at dp=2 loads at tp=2 (or dp=1, cp=2, ...). Beside it, every rank saves its
+# small trainer state (step, LR schedulers, RNG states) with torch.save.
+# `parts` is {name: (model, optimizer, LR scheduler)}, the same names when saving and loading.
+
+def _rng_state():
+    return dict(torch=torch.get_rng_state(), python=random.getstate(), numpy=np.random.get_state(),
+                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def _set_rng_state(state):
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _is_complete(path):
+    """A checkpoint dir is complete once renamed from .tmp: DCP's .metadata (written last, by rank
+    0) and rank 0's trainer state are both in it."""
+    return (not path.rstrip("/").endswith(".tmp") and os.path.isfile(os.path.join(path, ".metadata"))
+            and os.path.isfile(os.path.join(path, "trainer_state_rank0.pt")))
+
+
+def _complete_steps(root):
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(int(m[1]) for m in map(re.compile(r"step_(\d+)").fullmatch, names)
+                  if m and _is_complete(os.path.join(root, m[0])))
+
+
+def find_checkpoint(resume, out_dir):
+    """The checkpoint dir to resume from, or None for a fresh run. resume="auto": the newest
+    complete out_dir/ckpt/step_N (None if there is none yet: the same command line starts and
+    restarts a preemptible job); a path: that dir, refused unless complete."""
+    if resume == "auto":
+        steps = _complete_steps(os.path.join(out_dir, "ckpt"))
+        return os.path.join(out_dir, "ckpt", f"step_{steps[-1]}") if steps else None
+    if resume and not _is_complete(resume):
+        raise CheckpointError(f"resume={resume!r} is not a complete checkpoint (a step_N dir with .metadata "
+                              f"and trainer_state_rank0.pt): give out_dir/ckpt/step_N, or resume=auto")
+    return resume or None
+
+
+def _sharded_state(parts):
+    """{name: model state, name_optimizer: optimizer state}, DTensor shards named by FQN."""
+    state = {}
+    for name, (model, optimizer, _) in parts.items():
+        _reshard(model)  # the registered parameters must be the sharded ones
+        state[name], state[name + "_optimizer"] = get_state_dict(model, optimizer)
+    return state
+
+
+def save_checkpoint(root, step, parts, keep):
+    """Save parts, the number of steps done and every RNG state as root/step_N. Collective.
+    Written to step_N.tmp and renamed once every rank is done, so a dir named step_N is always
+    complete (resume ignores .tmp dirs); then only the newest `keep` remain (0 = all)."""
+    rank, path = dist.get_rank(), os.path.join(root, f"step_{step}")
+    if rank == 0:
+        shutil.rmtree(path + ".tmp", ignore_errors=True)  # left by a run killed while saving
+        os.makedirs(path + ".tmp")
+    dist.barrier()
+    dcp.save(_sharded_state(parts), checkpoint_id=path + ".tmp")  # collective; files fsynced
+    trainer_state = dict(step=step, rng=_rng_state(), schedulers={n: p[2].state_dict() for n, p in parts.items()})
+    torch.save(trainer_state, os.path.join(path + ".tmp", f"trainer_state_rank{rank}.pt"))
+    time.sleep(float(os.environ.get("PPO_TEST_PAUSE_BEFORE_RENAME_S", "0")))  # tests kill the run here
+    dist.barrier()  # every rank's files are written
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(path + ".tmp", path)  # atomic on one file system
+        for old in _complete_steps(root)[:-keep] if keep else []:
+            shutil.rmtree(os.path.join(root, f"step_{old}"))
+        for name in os.listdir(root):  # saves that were killed before their rename
+            if name.endswith(".tmp"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(path, parts):
+    """Load a save_checkpoint dir into parts (any mesh) and this rank's RNG states; return the
+    number of steps done. A rank the saving run did not have takes rank 0's RNG states."""
+    state = _sharded_state(parts)
+    dcp.load(state, checkpoint_id=path)  # collective: each rank reads the pieces its shards cover
+    for name, (model, optimizer, _) in parts.items():
+        set_state_dict(model, optimizer, model_state_dict=state[name], optim_state_dict=state[name + "_optimizer"])
+    own = os.path.join(path, f"trainer_state_rank{dist.get_rank()}.pt")
+    trainer_state = torch.load(own if os.path.isfile(own) else os.path.join(path, "trainer_state_rank0.pt"),
+                               weights_only=False)  # our own file: numpy RNG state is not a tensor
+    _set_rng_state(trainer_state["rng"])
+    for name, (_, _, scheduler) in parts.items():
+        scheduler.load_state_dict(trainer_state["schedulers"][name])
+    return trainer_state["step"]

@@ -22,7 +22,7 @@ The algorithm is PPO with a learned critic and GAE, as used for RLHF by Instruct
   7. ppo_epochs x minibatches x microbatches of clipped policy and value losses
   8. global grad-norm clip, AdamW step (policy and critic each have their own)
   9. refit: the new policy weights are streamed into the rollout engine
- 10. metrics, rollout dump, plot
+ 10. metrics, rollout dump, plot; a checkpoint every save_every steps (resume=auto continues)
 Deviations from the paper's PPO, on purpose:
   1. the minibatch split is fixed across epochs (no reshuffle), so that it does not
      depend on the mesh and every mesh trains on the same minibatches;
@@ -33,6 +33,7 @@ Deliberately left out: pretraining-loss mixing (PPO-ptx), reward normalization.
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -200,7 +201,7 @@ def validate(engine, task, cfg, rank, world_size):
 
 
 def main(cfg):
-    rank, world_size, device = model_parallel.init_distributed()
+    rank, world_size, device = model_parallel.init_distributed(cfg.collective_timeout_s)
     hf_logging.set_verbosity_error()  # one console line per step: no load reports or bars
     hf_logging.disable_progress_bar()
     master = rank == 0  # rank 0 alone writes files and prints
@@ -216,10 +217,13 @@ def main(cfg):
     model_dir = cfg.model
     if model_dir in model_parallel.TINY_PRESETS:  # write the preset as a real HF checkpoint
         model_dir = model_parallel.materialize_tiny_model(cfg.model, cfg.out_dir, cfg.seed)
-    try:  # prompts, tokenizer, reward; bad input is refused before any heavy work
+    try:  # model files, checkpoint, prompts, tokenizer: bad input is refused before any heavy work
+        for path in filter(None, (model_dir, cfg.critic_model)):
+            model_parallel.check_hf_dir(path, cfg.tp_size)
+        resume_dir = model_parallel.find_checkpoint(cfg.resume, cfg.out_dir)
         task = rollout.make_task(cfg, model_dir, AutoConfig.from_pretrained(model_dir).vocab_size)
-    except rollout.TaskError as e:
-        print0(f"task error: {e}")
+    except (rollout.TaskError, model_parallel.CheckpointError) as e:
+        print0(f"input error: {e}")
         sys.exit(2)
     eos_id, pad_id = task.eos_id, task.pad_id
 
@@ -254,13 +258,19 @@ def main(cfg):
 
     # ---- models: policy, reference (a CPU copy of the policy's shards), critic, engine
     policy = model_parallel.load_policy(model_dir, mesh, cfg)
-    ref_snapshot = model_parallel.snapshot_weights(policy)  # the initial policy's local shards
+    ref_snapshot = model_parallel.snapshot_weights(policy)  # initial policy's shards (model_dir: also on resume)
     critic = model_parallel.load_critic(cfg.critic_model or model_dir, mesh, cfg)
     opt_pi = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     opt_v = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
     warmup = lambda step: min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, warmup) for o in (opt_pi, opt_v)]
+    parts = {"policy": (policy, opt_pi, scheds[0]), "critic": (critic, opt_v, scheds[1])}  # a checkpoint's content
+    # resume: weights, optimizer, LR and RNG states, and the number of steps done
+    start_step = model_parallel.load_checkpoint(resume_dir, parts) if resume_dir else 0
+    print0(f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir else "fresh start")
     engine = None if cfg.replay_rollouts else rollout.make_engine(cfg, model_dir, device)
+    if engine is not None and start_step:  # the engine loaded model_dir: give it the resumed policy
+        rollout.refit(engine, model_parallel.iter_full_params(policy), cfg.refit_bucket_mb)
     my_indices = local_indices(cfg.global_batch_size, cfg.num_minibatches, dp_size, dp_rank)
     R, ranks_per_dp = cfg.rollout_tp_size, cfg.tp_size * cfg.cp_size  # mesh: dp outermost
     gen_indices = sorted({j for r in range(rank // R * R, rank // R * R + R)  # my vLLM TP group
@@ -268,11 +278,15 @@ def main(cfg):
                                                  dp_size, r // ranks_per_dp)})
     K = cfg.samples_per_prompt
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    if master and os.path.exists(metrics_path):
-        os.remove(metrics_path)  # a fresh run starts a fresh log
-    t_start = time.time()
+    if master and os.path.exists(metrics_path):  # a fresh run starts a fresh log, a resumed one goes on
+        kept = [line for line in open(metrics_path) if json.loads(line)["step"] < start_step]
+        open(metrics_path, "w").writelines(kept)
+    stop = torch.zeros(1)  # SIGTERM (preemption), Ctrl-C: finish the step, save, exit 0; a second one kills
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda num, _: (stop.fill_(1), signal.signal(num, signal.SIG_DFL)))
+    t_start, bad_steps = time.time(), 0
 
-    for step in range(cfg.steps):
+    for step in range(start_step, cfg.steps):
         t_step = time.time()
         m = {"step": step}
         # ---- 1-3. prompts, rollout, reward
@@ -339,12 +353,14 @@ def main(cfg):
         # ---- 7-8. PPO epochs over fixed minibatches; one optimizer step per minibatch
         share = len(samples) // cfg.num_minibatches
         sums = torch.zeros(6)  # pg loss, vf loss, clipped tokens, tokens, pi grad norm, v grad norm
+        skipped = [0, 0]  # updates skipped for a NaN/inf loss or grad norm: policy, critic
         for epoch in range(cfg.ppo_epochs):
             for mb in range(cfg.num_minibatches):
                 sl = slice(mb * share, (mb + 1) * share)
                 mb_lens = lens[sl]
                 mb_tokens = dp_sum(mask[sl].sum())  # global response tokens of this minibatch
                 for model, opt, which in ((policy, opt_pi, 0), (critic, opt_v, 1)):
+                    mb_loss = torch.zeros(())  # this rank's share of the minibatch loss
                     for micro in model_parallel.microbatches(mb_lens, cfg, mesh):
                         idx, w = ([sl.start + i for i in micro], 1.0) if micro else ([sl.start], 0.0)
                         i_lens = [lens[i] for i in idx]
@@ -361,16 +377,22 @@ def main(cfg):
                             loss = value_loss(v, old_values[idx], returns[idx], mask[idx],
                                               cfg.value_clip, mb_tokens)
                         (w * loss).backward()
-                        sums[which] += w * loss.detach()
+                        mb_loss += w * loss.detach()
                     gn = model_parallel.clip_grad_norm(list(model.parameters()), cfg.max_grad_norm)
+                    sums[which] += mb_loss
                     sums[4 + which] += gn
-                    opt.step()
+                    # NaN/inf loss on a dp rank or grad norm: skip the update (as Megatron-LM does)
+                    finite = dp_sum(torch.tensor([float(math.isfinite(gn) and mb_loss.isfinite())])).item() == dp_size
+                    if finite:
+                        opt.step()
+                    skipped[which] += not finite
                     opt.zero_grad(set_to_none=True)
         for s in scheds:
             s.step()
         t_train = time.time() - t_train
 
         # ---- 9. refit: push the updated policy into the engine (a collective on every rank)
+        # (also after skipped updates: on GPU the sleeping engine has dropped its weights)
         t_refit = time.time()
         if engine is not None:
             engine.wake_up()
@@ -402,21 +424,34 @@ def main(cfg):
                  entropy=ent_sum / n_tok, clip_frac=sums[2].item() / (n_tok * cfg.ppo_epochs),
                  grad_norm=sums[4].item() / n_updates, critic_grad_norm=sums[5].item() / n_updates,
                  logprob_mismatch=mis_sum / n_tok, token_mult_prob_error=mult_sum / n_tok,
-                 response_len_mean=n_tok / n_seq,
+                 response_len_mean=n_tok / n_seq, skipped_updates=sum(skipped),
                  tokens_per_s=all_tok / step_time, time_rollout_s=t_rollout, time_train_s=t_train,
-                 time_refit_s=t_refit, time_step_s=step_time)
+                 time_refit_s=t_refit, time_step_s=step_time, peak_mem_gb=model_parallel.peak_memory_gb())
         if master:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(m) + "\n")
             elapsed = time.time() - t_start
-            eta = elapsed / (step + 1) * (cfg.steps - step - 1)
+            eta = elapsed / (step + 1 - start_step) * (cfg.steps - step - 1)
             print0(f"step {step + 1}/{cfg.steps} | reward {reward_mean:.3f} | kl {m['kl']:.4f} | "
                    f"pg {m['policy_loss']:+.4f} | vf {m['value_loss']:.4f} | "
                    f"len {m['response_len_mean']:.1f} | {step_time:.1f}s/step | "
                    f"elapsed {elapsed:.0f}s | eta {eta:.0f}s")
             if cfg.plot_every and ((step + 1) % cfg.plot_every == 0 or step + 1 == cfg.steps):
                 plot_curves(metrics_path, os.path.join(cfg.out_dir, "curves.png"))
+        bad_steps = bad_steps + 1 if sum(skipped) else 0  # steps in a row with a skipped update
+        if cfg.max_skipped_steps and bad_steps >= cfg.max_skipped_steps:
+            print0(f"stopping: {bad_steps} steps in a row skipped updates (NaN/inf loss or grad norm): lower lr or check the rewards")
+            sys.exit(1)
+        # ---- checkpoint every save_every steps, at the end, and on a signal to any rank
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # ranks may get the signal at different steps
+        if stop.item() or (cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps)):
+            model_parallel.save_checkpoint(os.path.join(cfg.out_dir, "ckpt"), step + 1, parts, cfg.keep_checkpoints)
+        if stop.item():
+            print0(f"stopped by a signal after step {step + 1}: checkpoint saved; --resume=auto goes on")
+            break
     dist.barrier()
+    if cfg.export_hf and not stop.item():  # tokenizer files from the original model dir, if it has them
+        model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"), copy_from=cfg.model)
     if engine is not None:
         engine.shutdown()  # vLLM destroys the process group itself, so this comes last
     elif dist.is_initialized():

@@ -1,0 +1,202 @@
+"""Checkpoints and HF export through the real CLI (torchrun, 2 CPU ranks, the HF engine).
+
+Four runs share the work (each CLI launch costs ~30 s of imports on 2 cores):
+  straight: 4 steps at dp=2, a checkpoint every 2 steps, the HF export at the end;
+  stopped:  2 steps at dp=2 and stop; then resumed for 2 more on the same mesh, and that
+            process is SIGKILLed inside its final save, after writing and before the rename;
+  then the same out_dir resumed at tp=2: the killed save is ignored and step_2 loads.
+The export is compared with the trainer's own logprobs in transformers and in vLLM.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import model_parallel
+from _dist import _free_port
+from test_e2e import ROOT, TORCHRUN, close, read_metrics, run_cli
+
+ARGS = ("--config", "configs/test_tiny.toml", "--rollout_engine=hf", "--sft_steps=30")
+VOLATILE = ("tokens_per_s", "peak_mem_gb")  # and every time_* key: wall clock, not training
+COMPARED = ("policy_loss", "value_loss", "kl", "grad_norm", "reward_mean")
+
+
+def training_numbers(row):
+    return {k: v for k, v in row.items() if k not in VOLATILE and not k.startswith("time_")}
+
+
+def tokenizer_model_dir(root):
+    """A tiny-llama checkpoint dir with tokenizer files beside it, as a hub download has: the
+    export must carry them over. (The toy task itself uses its own byte tokenizer.)"""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    path = model_parallel.materialize_tiny_model("tiny-llama", str(root), seed=1)
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "3": 1, "+": 2, "4": 3, "=": 4}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # "3+4=" -> 3, +, 4, =
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+    return path
+
+
+def torchrun_workers(pid):
+    """pids of the worker processes torchrun `pid` started: they run in sessions of their own, so
+    killing torchrun's process group does not reach them."""
+    workers = []
+    for child in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:  # the parent pid field
+                    workers.append(int(child))
+        except OSError:
+            continue
+    return workers
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    root = tmp_path_factory.mktemp("straight")
+    model = tokenizer_model_dir(root)
+    out = str(root / "out")
+    run_cli(2, *ARGS, f"--model={model}", "--steps=4", "--save_every=2", f"--out_dir={out}")
+    return out, model
+
+
+@pytest.fixture(scope="module")
+def resumed(straight, tmp_path_factory):
+    """2 steps and stop; resume for 2 (killed in its last save); resume again at tp=2."""
+    _, model = straight
+    out = str(tmp_path_factory.mktemp("resumed") / "out")
+    run_cli(2, *ARGS, f"--model={model}", "--steps=2", "--save_every=2", f"--out_dir={out}")
+    after_stop = read_metrics(out)
+
+    # resume on the same mesh; the save of step 4 pauses between writing and renaming (the test
+    # hook in model_parallel.save_checkpoint), and we SIGKILL torchrun and both ranks right there
+    cmd = [TORCHRUN, "--nproc_per_node=2", "--standalone", "train_ppo.py", *ARGS, f"--model={model}",
+           "--steps=4", "--save_every=2", "--resume=auto", f"--out_dir={out}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                         "PPO_TEST_PAUSE_BEFORE_RENAME_S": "300"})
+    tmp_dir = os.path.join(out, "ckpt", "step_4.tmp")
+    written = os.path.join(tmp_dir, "trainer_state_rank0.pt")  # the last file a rank writes
+    deadline = time.time() + 400
+    while not os.path.isfile(written) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    for pid in torchrun_workers(proc.pid) + [proc.pid]:  # every file written, the rename not done
+        os.kill(pid, signal.SIGKILL)
+    log = proc.communicate()[0]
+    assert os.path.isfile(written), f"the run never reached its step-4 save:\n{log[-3000:]}"
+    assert os.path.isfile(os.path.join(tmp_dir, ".metadata"))  # complete content, yet not renamed
+    killed_rows = read_metrics(out)  # rows are written before the step's checkpoint
+    killed_listing = sorted(os.listdir(os.path.join(out, "ckpt")))
+
+    stdout = run_cli(2, *ARGS, f"--model={model}", "--steps=4", "--save_every=2", "--resume=auto",
+                     "--tp_size=2", f"--out_dir={out}")
+    return dict(out=out, after_stop=after_stop, killed_rows=killed_rows, killed_listing=killed_listing,
+                log=log, stdout=stdout)
+
+
+def test_resume_same_mesh_is_identical(straight, resumed):
+    """Rows 3-4 after a stop at step 2 and a resume equal the straight run's, bit for bit."""
+    full = read_metrics(straight[0])
+    assert [r["step"] for r in resumed["after_stop"]] == [0, 1]
+    assert "resumed from" in resumed["log"] and "step_2" in resumed["log"]
+    rows = resumed["killed_rows"]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert any(r["reward_mean"] > 0 for r in full), "a run with no reward compares too little"
+    for a, b in zip(full, rows):
+        assert training_numbers(a) == training_numbers(b), a["step"]
+
+
+def test_killed_save_is_ignored_and_resume_on_another_mesh_matches(straight, resumed):
+    """The step-4 save was killed before its rename: resume=auto takes step_2 instead, on tp=2,
+    and the run goes on to match the straight run (dp=2) to fp32 reduction noise."""
+    assert resumed["killed_listing"] == ["step_2", "step_4.tmp"]
+    assert f"resumed from {resumed['out']}/ckpt/step_2" in resumed["stdout"]
+    full, rows = read_metrics(straight[0]), read_metrics(resumed["out"])
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for a, b in zip(full[2:], rows[2:]):
+        for k in COMPARED:
+            assert close(a[k], b[k]), (a["step"], k, a[k], b[k])
+    # the new step-4 save replaced the killed one; keep_checkpoints=2 keeps both
+    assert sorted(os.listdir(os.path.join(resumed["out"], "ckpt"))) == ["step_2", "step_4"]
+
+
+def test_keep_checkpoints_and_complete_only(straight, tmp_path):
+    out, _ = straight
+    assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["step_2", "step_4"]
+    assert model_parallel.find_checkpoint("auto", out) == os.path.join(out, "ckpt", "step_4")
+    assert model_parallel.find_checkpoint("auto", str(tmp_path)) is None  # nothing yet: a fresh run
+    half = tmp_path / "ckpt" / "step_9"  # as if renamed without rank 0's files: not complete
+    shutil.copytree(os.path.join(out, "ckpt", "step_4"), half)
+    os.remove(half / "trainer_state_rank0.pt")
+    assert model_parallel.find_checkpoint("auto", str(tmp_path)) is None
+
+
+VLLM_SCRIPT = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+path, seqs = sys.argv[1], json.loads(sys.argv[2])
+llm = LLM(model=path, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=2**28,
+          skip_tokenizer_init=True, max_model_len=64, seed=0)
+outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs],
+                    SamplingParams(prompt_logprobs=0, max_tokens=1, detokenize=False), use_tqdm=False)
+print("LOGPROBS " + json.dumps([[0.0] + [lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:])]
+                                for s, o in zip(seqs, outs)]))
+"""
+
+
+def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(straight, monkeypatch):
+    out, model = straight
+    export = os.path.join(out, "hf")
+    with open(os.path.join(out, "rollouts", "step_3.jsonl")) as f:
+        seqs = [s["prompt_ids"] + s["response_ids"] for s in map(json.loads, f)]
+    lens = [len(s) for s in seqs]
+    ids = torch.tensor([s + [0] * (max(lens) - len(s)) for s in seqs])  # (b, S) right-padded
+
+    # the trainer: a fresh policy (1 rank) with the final checkpoint's weights, its forward path
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = model_parallel.make_mesh(1, 1, 1, "cpu")
+        policy = model_parallel.load_policy(os.path.join(out, "sft"), mesh, None)
+        opt = torch.optim.AdamW(policy.parameters())
+        parts = {"policy": (policy, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0))}
+        assert model_parallel.load_checkpoint(os.path.join(out, "ckpt", "step_4"), parts) == 4
+        with torch.no_grad():
+            trainer, _ = model_parallel.forward_policy(policy, ids, lens, mesh, None)  # (b, S)
+    finally:
+        dist.destroy_process_group()
+
+    hf = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(input_ids=ids).logits  # (b, S, V)
+    plain = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]  # (b, S-1)
+
+    proc = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, export, json.dumps(seqs)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    line = [x for x in proc.stdout.splitlines() if x.startswith("LOGPROBS ")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    vllm = json.loads(line[0][len("LOGPROBS "):])
+
+    worst_hf = worst_vllm = 0.0
+    for b, n in enumerate(lens):
+        assert trainer[b, n - 1] != 0  # the checkpointed policy was actually run
+        worst_hf = max(worst_hf, (trainer[b, 1:n] - plain[b, :n - 1]).abs().max().item())
+        worst_vllm = max(worst_vllm, (trainer[b, :n] - torch.tensor(vllm[b])).abs().max().item())
+    print(f"max |trainer - transformers| {worst_hf:.2e}, max |trainer - vLLM| {worst_vllm:.2e}")
+    assert worst_hf <= 1e-4 and worst_vllm <= 1e-4, (worst_hf, worst_vllm)
+
+    # the model dir's tokenizer files came along and load
+    assert os.path.isfile(os.path.join(export, "tokenizer.json"))
+    assert AutoTokenizer.from_pretrained(export)("3+4=")["input_ids"] == \
+        AutoTokenizer.from_pretrained(model)("3+4=")["input_ids"] == [1, 2, 3, 4]
