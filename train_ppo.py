@@ -335,6 +335,7 @@ def main(cfg):
                                           mesh, cfg, temperature=cfg.temperature, with_entropy=False)
             old_values, _ = forward_batch(model_parallel.forward_critic, critic, ids, lens, mesh, cfg)
             old_values = old_values * mask  # (b, S)
+            t_logprobs = time.time() - t_train
 
             # ---- 5. per-token reward: -kl_coef * KL everywhere, + score on the last token
             kl = kl_penalty(old_lp, ref_lp, cfg.kl_estimator) * mask  # (b, S)
@@ -425,7 +426,7 @@ def main(cfg):
                  grad_norm=sums[4].item() / n_updates, critic_grad_norm=sums[5].item() / n_updates,
                  logprob_mismatch=mis_sum / n_tok, token_mult_prob_error=mult_sum / n_tok,
                  response_len_mean=n_tok / n_seq, skipped_updates=sum(skipped),
-                 tokens_per_s=all_tok / step_time, time_rollout_s=t_rollout, time_train_s=t_train,
+                 tokens_per_s=all_tok / step_time, time_rollout_s=t_rollout, time_train_s=t_train, time_logprobs_s=t_logprobs,
                  time_refit_s=t_refit, time_step_s=step_time, peak_mem_gb=model_parallel.peak_memory_gb())
         if master:
             with open(metrics_path, "a") as f:

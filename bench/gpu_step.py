@@ -43,7 +43,7 @@ def main():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     subprocess.run([torchrun, "--standalone", f"--nproc_per_node={args.nproc}", "train_ppo.py",
                     "--config", args.config, f"--steps={args.steps}", f"--out_dir={out}",
-                    "--save_every=0", *extra], cwd=ROOT, check=True)
+                    "--save_every=0", "--export_hf=false", *extra], cwd=ROOT, check=True)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
