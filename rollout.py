@@ -6,7 +6,6 @@ asks for "these prompts, sampled with these seeds" and gets back token ids, the 
 own logprob of each sampled token, and a score per sequence.
 """
 import hashlib
-import importlib.util
 import json
 import os
 import random
@@ -402,10 +401,6 @@ class VLLMEngine:
     def shutdown(self) -> None:
         """vLLM's shutdown destroys the default process group itself: call it last."""
         self.llm.llm_engine.engine_core.shutdown()
-
-
-def vllm_available() -> bool:
-    return importlib.util.find_spec("vllm") is not None
 
 
 def make_engine(cfg, model_dir: str, device: torch.device):

@@ -167,13 +167,20 @@ def collate(prompts, responses, pad_id, engine_logprobs=None):
     return ids, mask, engine_lp, lens
 
 
+def micro_rows(rows, start=0):
+    """Row indices of a microbatch (offset by `start`) and its loss weight. An empty one is a
+    dummy that keeps FSDP's collectives matched across dp ranks: it reruns a real row
+    with weight 0, so it costs compute but changes nothing."""
+    return ([start + i for i in rows], 1.0) if rows else ([start], 0.0)
+
+
 def forward_batch(fn, model, ids, lens, mesh, cfg, **kw):
     """Run a no-grad forward over the microbatches of a batch and concatenate the rows.
     Every dp rank runs the same number of forwards (dummies included: FSDP's all-gathers
     are collectives), and a dummy's output is dropped."""
     outs = [None, None]
     for rows in model_parallel.microbatches(lens, cfg, mesh):
-        idx = rows or [0]  # a dummy reruns row 0 and is thrown away
+        idx, _ = micro_rows(rows)  # a dummy's output is thrown away below
         res = fn(model, ids[idx], [lens[i] for i in idx], mesh, cfg, **kw)
         res = res if isinstance(res, tuple) else (res, None)
         for k in range(2):
@@ -243,7 +250,7 @@ def main(cfg):
                                              [task.target(a) for _, a in mine], pad_id)
                 n_tok = dp_sum(mask.sum())
                 for rows in model_parallel.microbatches(lens, cfg, mesh):
-                    idx, w = (rows, 1.0) if rows else ([0], 0.0)
+                    idx, w = micro_rows(rows)
                     lp, _ = model_parallel.forward_policy(policy, ids[idx], [lens[i] for i in idx],
                                                           mesh, cfg, 1.0, False)
                     (-w * masked_sum(lp, mask[idx]) / n_tok).backward()  # mean NLL of answers
@@ -293,6 +300,7 @@ def main(cfg):
         if engine is not None and task.val and cfg.eval_every and step % cfg.eval_every == 0:
             m["val_accuracy"] = validate(engine, task, cfg, rank, world_size)
         prompts = task.prompts(step, cfg.prompts_per_step)
+        prompt_ids = [task.encode(p) for p, _ in prompts]  # (chat template applied)
         if cfg.replay_rollouts:
             dumped = rollout.load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
             samples = [dumped[j] for j in my_indices]
@@ -300,13 +308,13 @@ def main(cfg):
             # The ranks of one vLLM tensor-parallel group must pass identical requests: the
             # group generates the samples of all its members, and each keeps its own.
             outs = dict(zip(gen_indices, engine.generate(
-                [task.encode(prompts[j // K][0]) for j in gen_indices],
+                [prompt_ids[j // K] for j in gen_indices],
                 [rollout.sample_seed(cfg.seed, step, j // K, j % K) for j in gen_indices],
                 cfg.max_new_tokens, cfg.temperature, eos_id)))
             engine.sleep()  # GPU: vLLM frees its memory for training
             samples = []
             for j in my_indices:
-                (resp, lps), p = outs[j], task.encode(prompts[j // K][0])
+                (resp, lps), p = outs[j], prompt_ids[j // K]
                 text, finished = task.decode(resp), resp[-1] == eos_id
                 samples.append({"index": j, "prompt": prompts[j // K][0], "response": text,
                                 "answer": prompts[j // K][1], "prompt_ids": p, "response_ids": resp,
@@ -363,7 +371,7 @@ def main(cfg):
                 for model, opt, which in ((policy, opt_pi, 0), (critic, opt_v, 1)):
                     mb_loss = torch.zeros(())  # this rank's share of the minibatch loss
                     for micro in model_parallel.microbatches(mb_lens, cfg, mesh):
-                        idx, w = ([sl.start + i for i in micro], 1.0) if micro else ([sl.start], 0.0)
+                        idx, w = micro_rows(micro, sl.start)
                         i_lens = [lens[i] for i in idx]
                         if which == 0:
                             lp, ent = model_parallel.forward_policy(policy, ids[idx], i_lens, mesh, cfg,
