@@ -49,6 +49,8 @@ class Config:
     logprob_chunk_size: int = 0  # tokens per chunk in the logprob softmax (0 = no chunking)
     activation_checkpointing: bool = False  # recompute decoder layers in backward (GPU memory)
     cpu_offload: bool = False  # FSDP2 CPU offload of params/grads/optimizer state (GPU memory)
+    dtype: str = "auto"  # compute dtype: bf16 (FSDP2 mixed precision, fp32 master weights), fp32; auto = bf16 on CUDA, fp32 on CPU
+    attention: str = "auto"  # masked (SDPA + document mask), varlen (flash-attn's varlen contract; a PyTorch stand-in without it); auto = varlen on CUDA with flash-attn
     # task and rollout
     task: str = "toy_add"  # toy_add: "a+b=" (operands 0..4), reward 1 for the exact sum; gsm8k: math word problems
     prompts: str = ""  # gsm8k: JSONL file of {"question", "answer": "... #### N"} lines
@@ -63,7 +65,12 @@ class Config:
     rollout_tp_size: int = 1  # vLLM tensor-parallel size (ranks that share one engine)
     refit_bucket_mb: int = 64  # weights pushed into the engine in buckets of at most this size
     max_model_len: int = 512  # vLLM: longest prompt + response, in tokens
-    vllm_gpu_memory_utilization: float = 0.5  # vLLM on GPU: fraction of GPU memory for weights + KV cache
+    # 0.3 of an 80 GB GPU = 24 GB for vLLM while it generates (the trainer keeps its state): Qwen2.5-1.5B
+    # in bf16 is 3 GB, its KV cache ~28 KB/token, so ~21 GB hold ~750k tokens, far more than 64 sequences
+    # x 1024 per GPU need. The trainer keeps its fp32 params + grads + AdamW (16 bytes/param, both
+    # models: 16 GB for 0.5B on 1 GPU) and its activations in the other 56 GB; sleep mode hands
+    # vLLM's 24 GB back during training.
+    vllm_gpu_memory_utilization: float = 0.3  # vLLM on GPU: fraction of GPU memory for its weights + KV cache (the trainer shares the GPU)
     vllm_kv_cache_gb: int = 1  # vLLM on CPU: KV cache size in GiB (per rank)
     tis_cap: float = 0.0  # truncated importance sampling cap for engine/trainer mismatch (0 = off)
     # supervised warm-up (SFT) before PPO: gives PPO a policy worth improving
@@ -71,6 +78,7 @@ class Config:
     sft_batch_size: int = 32  # global: sequences per SFT step
     sft_lr: float = 1e-3  # AdamW lr of the warm-up
     # PPO
+    advantage_estimator: str = "gae"  # gae: learned critic + GAE (PPO); grpo: group-normalized scores, no critic (DeepSeekMath)
     lr: float = 1e-5  # policy AdamW learning rate
     critic_lr: float = 1e-5  # critic AdamW learning rate
     warmup_steps: int = 0  # linear LR warm-up (in PPO steps) for policy and critic
@@ -94,7 +102,9 @@ class Config:
 
 
 # Fields whose value must be one of a few strings, and what each accepts.
-CHOICES = {"rollout_engine": ("auto", "vllm", "hf"), "kl_estimator": ("k1", "k3"), "task": ("toy_add", "gsm8k")}
+CHOICES = {"rollout_engine": ("auto", "vllm", "hf"), "kl_estimator": ("k1", "k3"), "task": ("toy_add", "gsm8k"),
+           "dtype": ("auto", "bf16", "fp32"), "attention": ("auto", "masked", "varlen"),
+           "advantage_estimator": ("gae", "grpo")}
 # Fields that must be >= 1 (integers) and > 0 (floats).
 POSITIVE = ("steps", "tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size",
             "prompts_per_step", "samples_per_prompt", "max_new_tokens", "rollout_tp_size",
