@@ -724,3 +724,12 @@ def load_checkpoint(path, parts):
     for name, (_, _, scheduler) in parts.items():
         scheduler.load_state_dict(trainer_state["schedulers"][name])
     return trainer_state["step"]
+
+
+
+def resolve_auto(cfg, device_type):
+    """Replace "auto" in cfg.dtype and cfg.attention by what runs on this device."""
+    if cfg.dtype == "auto":
+        cfg.dtype = "bf16" if device_type == "cuda" else "fp32"
+    if cfg.attention == "auto":
+        cfg.attention = "varlen" if device_type == "cuda" and flash_attn_varlen_func is not None else "masked"

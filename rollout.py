@@ -10,8 +10,9 @@ import json
 import os
 import random
 import re
+import warnings
 from contextlib import contextmanager
-from types import SimpleNamespace
+from typing import Optional, Protocol
 
 import numpy as np
 import tiktoken
@@ -119,15 +120,54 @@ def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> i
 
 
 # -----------------------------------------------------------------------------
-# A task is what the trainer asks of the data side, the same for the toy and for GSM8K:
-#   prompts(step, n) -> [(prompt text, reference answer)], identical on every rank
-#   encode(prompt) -> prompt token ids (the chat template applied for chat models)
-#   target(answer) -> token ids of the reference answer + EOS (for the SFT warm-up)
-#   decode(ids) -> text;  reward(text, answer, finished) -> float in [0, 1]
-#   eos_id, pad_id, val (held-out (prompt, answer) pairs or [])
+# Tasks. A task is everything the trainer asks of the data side; the toy task and GSM8K
+# implement the same Protocol, and so does a forker's own task (README, "How to fork").
+
+class Task(Protocol):
+    eos_id: Optional[int]  # generation stops after this token; None = always max_new_tokens
+    pad_id: int  # fills the right-padded (b, S) rows; never a loss token
+    val: list  # held-out (prompt, answer) pairs for validation, or []
+
+    def prompts(self, step, n: int) -> list:
+        """n (prompt text, reference answer) pairs for `step`, identical on every rank."""
+
+    def encode(self, prompt: str) -> list:
+        """Prompt token ids (the chat template applied, for chat models)."""
+
+    def target(self, answer: str) -> list:
+        """Token ids of the reference answer + EOS (what the SFT warm-up imitates)."""
+
+    def decode(self, ids: list) -> str: ...
+
+    def reward(self, text: str, answer: str, finished: bool) -> float:
+        """Score in [0, 1] of one response; finished = it ended with eos_id (not cut off)."""
+
 
 class TaskError(ValueError):
     """Bad task input (file, line, prompt length, tokenizer): one line, exit 2."""
+
+
+class ToyTask:
+    """`a+b=` with operands 0..4, the byte tokenizer above; subclass it for a toy task of your own."""
+
+    def __init__(self, seed: int):
+        self.seed, self.tok, self.val = seed, toy_tokenizer(), []
+        self.eos_id, self.pad_id = self.tok.encode_single_token(EOS), self.tok.encode_single_token(PAD)
+
+    def prompts(self, step, n):
+        return toy_prompts(self.seed, step, n)
+
+    def encode(self, prompt):
+        return self.tok.encode(prompt)
+
+    def target(self, answer):
+        return self.tok.encode(answer) + [self.eos_id]
+
+    def decode(self, ids):
+        return decode(self.tok, ids)
+
+    def reward(self, text, answer, finished):
+        return toy_reward(text, answer, finished)
 
 
 def read_gsm8k(path: str) -> list:
@@ -161,72 +201,115 @@ def read_gsm8k(path: str) -> list:
 GSM8K_INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
 
 
-def make_task(cfg, model_dir: str, model_vocab_size: int) -> SimpleNamespace:
-    if cfg.task == "toy_add":
-        tok = toy_tokenizer()
-        eos = tok.encode_single_token(EOS)
-        return SimpleNamespace(
-            prompts=lambda step, n: toy_prompts(cfg.seed, step, n),
-            encode=tok.encode, target=lambda answer: tok.encode(answer) + [eos],
-            decode=lambda ids: decode(tok, ids), reward=toy_reward,
-            eos_id=eos, pad_id=tok.encode_single_token(PAD), val=[])
-    # A real checkpoint brings its own tokenizer and chat template (Qwen2.5, Llama 3, ...).
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    if len(tok) > model_vocab_size:
-        raise TaskError(f"the tokenizer of {model_dir} has {len(tok)} tokens but the model's "
-                        f"vocab is {model_vocab_size}: tokenizer and checkpoint do not match")
+class GSM8KTask:
+    """Math word problems from JSONL files, with the checkpoint's own tokenizer and chat template
+    (Qwen2.5, Llama 3, ...). Every prompt is checked at start: fail now, not when it is drawn."""
 
-    def encode(question):
+    def __init__(self, cfg, model_dir: str, model_vocab_size: int):
+        from transformers import AutoTokenizer
+        self.tok, self.seed, self.format_reward = AutoTokenizer.from_pretrained(model_dir), cfg.seed, cfg.format_reward
+        if len(self.tok) > model_vocab_size:
+            raise TaskError(f"the tokenizer of {model_dir} has {len(self.tok)} tokens but the model's "
+                            f"vocab is {model_vocab_size}: tokenizer and checkpoint do not match")
+        self.train = read_gsm8k(cfg.prompts)
+        self.val = read_gsm8k(cfg.val_prompts) if cfg.val_prompts else []
+        for name, pairs in (("prompts", self.train), ("val_prompts", self.val)):
+            for i, (question, _) in enumerate(pairs):
+                if len(self.encode(question)) + cfg.max_new_tokens > cfg.max_model_len:
+                    raise TaskError(f"{name} line {i + 1}: prompt of {len(self.encode(question))} tokens + "
+                                    f"max_new_tokens={cfg.max_new_tokens} exceeds max_model_len="
+                                    f"{cfg.max_model_len}: raise max_model_len or shorten the prompt")
+        self.eos_id = self.tok.eos_token_id
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
+
+    def prompts(self, step, n):
+        rng = random.Random(f"{self.seed}/prompts/{step}")  # seeded by step, not by rank
+        return [self.train[rng.randrange(len(self.train))] for _ in range(n)]
+
+    def encode(self, question):
         text = question + GSM8K_INSTRUCTION
-        if tok.chat_template:
-            return list(tok.apply_chat_template([{"role": "user", "content": text}],
-                                                add_generation_prompt=True, tokenize=True,
-                                                return_dict=False))
-        return tok.encode(text)
+        if self.tok.chat_template:
+            return list(self.tok.apply_chat_template([{"role": "user", "content": text}],
+                                                     add_generation_prompt=True, tokenize=True, return_dict=False))
+        return self.tok.encode(text)
 
-    train = read_gsm8k(cfg.prompts)
-    val = read_gsm8k(cfg.val_prompts) if cfg.val_prompts else []
-    for name, pairs in (("prompts", train), ("val_prompts", val)):
-        for i, (question, _) in enumerate(pairs):  # fail now, not when the prompt is drawn
-            if len(encode(question)) + cfg.max_new_tokens > cfg.max_model_len:
-                raise TaskError(f"{name} line {i + 1}: prompt of {len(encode(question))} tokens + "
-                                f"max_new_tokens={cfg.max_new_tokens} exceeds max_model_len="
-                                f"{cfg.max_model_len}: raise max_model_len or shorten the prompt")
+    def target(self, answer):
+        return self.tok.encode(answer) + [self.eos_id]
 
-    def prompts(step, n):
-        rng = random.Random(f"{cfg.seed}/prompts/{step}")  # seeded by step, not by rank
-        return [train[rng.randrange(len(train))] for _ in range(n)]
+    def decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=True)
 
-    eos = tok.eos_token_id
-    return SimpleNamespace(
-        prompts=prompts, encode=encode, target=lambda answer: tok.encode(answer) + [eos],
-        decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-        reward=lambda text, answer, finished: math_reward(text, answer, cfg.format_reward),
-        eos_id=eos, pad_id=tok.pad_token_id if tok.pad_token_id is not None else eos, val=val)
+    def reward(self, text, answer, finished):
+        # a response cut off by max_new_tokens scores 0: otherwise a truncated chain of thought
+        # whose last number happens to be the answer would earn the full reward
+        return math_reward(text, answer, self.format_reward) if finished else 0.0
+
+
+def make_task(cfg, model_dir: str, model_vocab_size: int) -> Task:
+    return ToyTask(cfg.seed) if cfg.task == "toy_add" else GSM8KTask(cfg, model_dir, model_vocab_size)
+
+
+def validation_accuracy(engine, task: Task, cfg) -> float:
+    """Greedy accuracy on the held-out prompts. They are split over the vLLM groups
+    (rollout_tp_size consecutive ranks pass identical requests), the count summed."""
+    rank, groups = torch.distributed.get_rank(), torch.distributed.get_world_size() // cfg.rollout_tp_size
+    mine = task.val[rank // cfg.rollout_tp_size::groups]
+    correct = 0.0
+    if mine:
+        outs = engine.generate([task.encode(q) for q, _ in mine], [0] * len(mine),
+                               cfg.max_new_tokens, 0.0, task.eos_id)  # temperature 0: greedy
+        correct = sum(task.reward(task.decode(r), a, r[-1] == task.eos_id) == 1.0
+                      for (r, _), (_, a) in zip(outs, mine))
+    total = torch.tensor([float(correct)])
+    torch.distributed.all_reduce(total)  # every member of a vLLM group counted the same prompts
+    return total.item() / cfg.rollout_tp_size / len(task.val)
 
 
 # -----------------------------------------------------------------------------
+# Engines. The trainer calls an engine in this order every step: generate, sleep (training
+# runs), then `refit` below: wake_up(["weights"]), load_weights per bucket, finish_refit,
+# wake_up(["kv_cache"]). The HF engine and the vLLM engine implement the same Protocol.
+
+class Engine(Protocol):
+    dtype: torch.dtype  # refit casts the trained weights to this
+
+    def generate(self, prompt_ids: list, seeds: list, max_new_tokens: int, temperature: float,
+                 eos_id: Optional[int]) -> list:
+        """One (response ids, engine logprob of each sampled token) per prompt; sample k is drawn
+        with seeds[k] alone, so it does not depend on the batch. temperature 0 = greedy."""
+
+    def sleep(self) -> None:
+        """Training runs now: free what the engine can (GPU memory)."""
+
+    def wake_up(self, tags: list) -> None:
+        """Take back the memory of `tags` ("weights", "kv_cache") before refit / generation."""
+
+    def load_weights(self, named_tensors: list) -> None:
+        """One refit bucket: (HF checkpoint name, full tensor) pairs."""
+
+    def finish_refit(self) -> None:
+        """All buckets are in: finalize, drop caches computed with the old weights."""
+
+    def shutdown(self) -> None: ...
+
+
 # The HF engine: a plain (unsharded) transformers model on each rank with a hand-written
 # sampling loop. It is the fallback when vLLM is absent and the simplest place to read how
 # generation works. It is refit from the trained weights after every step by exactly the
 # code path vLLM uses (`refit` below), so its samples always come from the current policy.
 
 class HFEngine:
-    def __init__(self, model_dir: str, device: torch.device):
-        self.device = device
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    def __init__(self, model_dir: str, device: torch.device, dtype=torch.float32):
+        self.device, self.dtype = device, dtype  # refit casts to dtype
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         self.model.to(device).eval()
         self.params = dict(self.model.named_parameters())  # HF checkpoint names -> tensors
-        self.dtype = self.model.dtype  # refit casts to this
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list, seeds: list, max_new_tokens: int,
-                 temperature: float, eos_id: int) -> list:
-        """One (response ids, engine logprob of each sampled token) per prompt.
-        Prompts are left-padded so that every row's next token sits in the last column."""
+    def generate(self, prompt_ids, seeds, max_new_tokens, temperature, eos_id):
+        """Prompts are left-padded so that every row's next token sits in the last column."""
         B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
-        ids = torch.full((B, P), eos_id, dtype=torch.long)  # (B, P) left-padded prompts
+        ids = torch.zeros((B, P), dtype=torch.long)  # (B, P) left-padded prompts
         mask = torch.zeros(B, P, dtype=torch.long)  # (B, P) 1 = real token
         for b, p in enumerate(prompt_ids):
             ids[b, P - len(p):], mask[b, P - len(p):] = torch.tensor(p), 1
@@ -253,7 +336,7 @@ class HFEngine:
                 if not done[b]:
                     responses[b].append(token[b, 0].item())
                     logprobs[b].append(logp[b, token[b, 0]].item())
-                    done[b] = token[b, 0].item() == eos_id
+                    done[b] = token[b, 0].item() == eos_id  # never with eos_id None
             if all(done):
                 break
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=self.device)], 1)
@@ -263,24 +346,22 @@ class HFEngine:
         return list(zip(responses, logprobs))
 
     @torch.no_grad()
-    def load_weights(self, named_tensors: list) -> None:
-        """One refit bucket: full tensors named as in the HF checkpoint."""
+    def load_weights(self, named_tensors):
         for name, tensor in named_tensors:
             if name not in self.params:
                 raise KeyError(f"refit: the engine has no parameter named {name!r}")
             self.params[name].copy_(tensor)
 
-    def finish_refit(self) -> None:
+    def finish_refit(self):
         """Nothing is cached across calls here (vLLM resets its prefix cache instead)."""
 
+    def sleep(self):
+        """The HF engine keeps its memory (it is the CPU / debugging fallback)."""
 
-    def sleep(self) -> None:
-        """Training runs now (vLLM frees its GPU memory here; the HF engine keeps it)."""
+    def wake_up(self, tags):
+        """Nothing was freed."""
 
-    def wake_up(self) -> None:
-        """Refit and generation follow."""
-
-    def shutdown(self) -> None:
+    def shutdown(self):
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
@@ -291,13 +372,13 @@ class HFEngine:
 # support, distributed_executor_backend="external_launcher": vLLM joins the torch world
 # that torchrun made (so init_process_group must come first) and carves its own
 # tensor-parallel groups out of it, consecutive blocks of rollout_tp_size ranks.
-# Lines marked "GPU only" were read from vLLM's source, not run here (see README).
+# Lines marked "GPU only" were read from vLLM's source, not run here (README, "Verified on").
 
 @contextmanager
 def _trainer_state_kept():
     """vLLM in-process reseeds the global RNGs, draws from the global torch RNG while
-    sampling, and on CPU turns torch.set_num_threads into a no-op for the process
-    (all measured). Put everything back so the trainer's state is the trainer's."""
+    sampling, and on CPU turns torch.set_num_threads into a no-op for the process.
+    Put everything back so the trainer's state is the trainer's."""
     states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     threads, set_threads = torch.get_num_threads(), torch.set_num_threads
@@ -316,41 +397,38 @@ def _trainer_state_kept():
 class VLLMEngine:
     def __init__(self, model_dir: str, cfg):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the console readable
         from vllm import LLM  # imported here: the HF engine works without vLLM
-        on_gpu = torch.cuda.is_available()
+        self.on_gpu, self.asleep = torch.cuda.is_available(), set()  # asleep: memory tags freed by sleep()
+        self.dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32  # refit casts to this
         kwargs = dict(
             model=model_dir, distributed_executor_backend="external_launcher",
-            tensor_parallel_size=cfg.rollout_tp_size,
+            tensor_parallel_size=cfg.rollout_tp_size, dtype=str(self.dtype).removeprefix("torch."),
             data_parallel_size=1,  # >1 makes vLLM sync every decode step across ranks
             skip_tokenizer_init=True,  # token ids in and out; the tokenizer is ours
             seed=cfg.seed, max_model_len=cfg.max_model_len,
             # log_softmax(logits / T) of the sampled token: the trainer's convention
             # (the default "raw_logprobs" ignores the temperature: off by ~0.1 here)
             logprobs_mode="processed_logprobs")
-        if on_gpu:
-            kwargs.update(dtype="bfloat16",  # GPU only
-                          gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,  # GPU only
+        if self.on_gpu:
+            kwargs.update(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,  # GPU only
                           enable_sleep_mode=True)  # GPU only: free weights + KV during training
         else:
-            kwargs.update(dtype="float32", enforce_eager=True,  # no compile step on CPU
+            kwargs.update(enforce_eager=True,  # no compile step on CPU
                           kv_cache_memory_bytes=cfg.vllm_kv_cache_gb * 2**30)  # else 90% of RAM
         with _trainer_state_kept():
             self.llm = LLM(**kwargs)  # a collective: every rank constructs it together
         # in-process handles, possible only without multiprocessing: refit writes here
         self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
         self.model = self.worker.model_runner.get_model()
-        self.on_gpu, self.reloading = on_gpu, False
-        self.dtype = torch.bfloat16 if on_gpu else torch.float32  # refit casts to this
+        self.reloading = False
 
-    def generate(self, prompt_ids: list, seeds: list, max_new_tokens: int,
-                 temperature: float, eos_id: int) -> list:
+    def generate(self, prompt_ids, seeds, max_new_tokens, temperature, eos_id):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         # one SamplingParams per sample: its seed gives the request its own generator.
         # Without a tokenizer vLLM knows no EOS: stop_token_ids does (and keeps the token).
-        params = [SamplingParams(seed=s, temperature=temperature, max_tokens=max_new_tokens,
-                                 logprobs=0, stop_token_ids=[eos_id], detokenize=False)
+        params = [SamplingParams(seed=s, temperature=temperature, max_tokens=max_new_tokens, logprobs=0,
+                                 stop_token_ids=[] if eos_id is None else [eos_id], detokenize=False)
                   for s in seeds]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
         with _trainer_state_kept():
@@ -364,11 +442,11 @@ class VLLMEngine:
     # Refit uses vLLM's layerwise reloading (docs.vllm.ai, "training/layerwise"), split
     # over buckets: initialize once, load_weights per bucket through vLLM's own loaders
     # (they fuse q/k/v and gate/up, shard for TP, repack for the CPU kernels as soon as a
-    # layer is complete), finalize once. Measured dead ends: reload_weights per bucket
-    # processes a layer split across buckets half-loaded (NaN); load_weights on the live
-    # model fails after the CPU repacking removed the weight loaders. vLLM holds on to a
-    # layer's tensors until the layer is complete: never reuse a bucket's buffers.
-    def load_weights(self, named_tensors: list) -> None:
+    # layer is complete), finalize once. reload_weights per bucket would process a layer
+    # split across buckets half-loaded (NaN), and load_weights on the live model fails
+    # after the CPU repacking removed the weight loaders. vLLM holds on to a layer's
+    # tensors until the layer is complete: never reuse a bucket's buffers.
+    def load_weights(self, named_tensors):
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
         with set_current_vllm_config(self.worker.vllm_config), torch.no_grad():
@@ -377,36 +455,39 @@ class VLLMEngine:
                 self.reloading = True
             self.model.load_weights(named_tensors)
 
-    def finish_refit(self) -> None:
+    def finish_refit(self):
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
         with set_current_vllm_config(self.worker.vllm_config), torch.no_grad():
             finalize_layerwise_reload(self.model, self.worker.model_runner.model_config)
             # a tied lm_head receives no weight of its own, so its CPU-packed copy would
-            # stay stale (measured: |d logprob| 2e-2): repack it from the shared weight
+            # stay stale (|d logprob| ~2e-2): repack it from the shared weight
             lm_head = getattr(self.model, "lm_head", None)
             if lm_head is not None and self.worker.model_config.hf_text_config.tie_word_embeddings:
                 lm_head.quant_method.process_weights_after_loading(lm_head)
         self.reloading = False
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 
-    def sleep(self) -> None:
-        if self.on_gpu:
-            self.llm.sleep(level=2)  # GPU only: drop weights and KV cache; refit rewrites all
+    def sleep(self):
+        if self.on_gpu:  # GPU only: level 2 drops weights and KV cache; refit rewrites every weight
+            self.llm.sleep(level=2)
+            self.asleep = {"weights", "kv_cache"}
 
-    def wake_up(self) -> None:
-        if self.on_gpu:
-            self.llm.wake_up()  # GPU only: weights are garbage until finish_refit
+    def wake_up(self, tags):
+        tags = [t for t in tags if t in self.asleep]  # on CPU nothing sleeps
+        if tags:  # GPU only: memory back, contents garbage until refit / the next generate
+            self.llm.wake_up(tags=tags)
+            self.asleep -= set(tags)
 
-    def shutdown(self) -> None:
+    def shutdown(self):
         """vLLM's shutdown destroys the default process group itself: call it last."""
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def make_engine(cfg, model_dir: str, device: torch.device):
+def make_engine(cfg, model_dir: str, device: torch.device) -> Engine:
     if cfg.rollout_engine == "vllm":
         return VLLMEngine(model_dir, cfg)
-    return HFEngine(model_dir, device)
+    return HFEngine(model_dir, device, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
 
 
 # -----------------------------------------------------------------------------
@@ -419,8 +500,12 @@ def make_engine(cfg, model_dir: str, device: torch.device):
 # not grow with the model, unlike gathering a full state dict first (verl and NeMo-RL
 # both bucket their refit for this reason). The cast is to the engine's dtype (bf16 for
 # vLLM on GPU), so the bucket limit counts the bytes actually sent.
+# On GPU the sleeping engine takes its weight memory back first and its KV cache only
+# after the last bucket (vLLM's documented order, also TRL's and verl's), so the refit's
+# gathered tensors never coexist with the KV cache.
 
-def refit(engine, named_full_tensors, bucket_mb: float) -> dict:
+def refit(engine: Engine, named_full_tensors, bucket_mb: float) -> dict:
+    engine.wake_up(["weights"])
     limit, dtype = bucket_mb * 2**20, engine.dtype
     bucket, size, largest, total = [], 0, 0, 0
     for name, tensor in named_full_tensors:
@@ -435,7 +520,28 @@ def refit(engine, named_full_tensors, bucket_mb: float) -> dict:
     if bucket:
         engine.load_weights(bucket)
     engine.finish_refit()
+    engine.wake_up(["kv_cache"])
     return {"refit_bytes": total, "refit_largest_bucket_bytes": largest}
+
+
+# -----------------------------------------------------------------------------
+# Console: the one place where third-party output is silenced. Each message below was
+# read and found harmless; errors are never hidden (vLLM still logs at ERROR).
+#  - vLLM WARNINGs: "RotaryEmbedding: Failed to load weights" at every refit (the rotary
+#    cache is not a checkpoint tensor: vLLM puts its own copy back), "Chat template warmup
+#    failed" (we skip vLLM's tokenizer on purpose), "CPU backend doesn't allow to use
+#    torch.set_num_threads" (we restore the thread count ourselves), "Triton is installed,
+#    but doesn't include CPU backend".
+#  - a FutureWarning from vLLM's own use of torch.distributed.reduce_op.
+#  - transformers' load reports and progress bars.
+
+def quiet_third_party_output() -> None:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vLLM is first imported
+    warnings.filterwarnings("ignore", message=r"`torch.distributed.reduce_op` is deprecated",
+                            category=FutureWarning)
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
 
 # -----------------------------------------------------------------------------

@@ -12,7 +12,7 @@
 
 The algorithm is PPO with a learned critic and GAE, as used for RLHF by InstructGPT
 (Ouyang et al., 2022) and documented in "The N+ implementation details of RLHF with PPO"
-(Huang et al., 2024). One step, in the order of the code below:
+(Huang et al., 2024). One step, in the order of main() below:
   1. draw prompts (same RNG on every rank); each data-parallel (dp) rank keeps its slice
   2. rollout: the engine samples responses and returns its own logprob of each token
   3. reward: a rule-based score per sequence, placed on its last response token
@@ -23,6 +23,24 @@ The algorithm is PPO with a learned critic and GAE, as used for RLHF by Instruct
   8. global grad-norm clip, AdamW step (policy and critic each have their own)
   9. refit: the new policy weights are streamed into the rollout engine
  10. metrics, rollout dump, plot; a checkpoint every save_every steps (resume=auto continues)
+advantage_estimator="grpo" swaps steps 4-6 for group-normalized scores and drops the critic.
+
+How one row lines up. Every (b, S) tensor in this file follows one convention: position i
+holds everything about the action "emit token x_i given x_<i". A model's logits at position
+i predict x_{i+1}, so the logprob of x_i comes from the logits at i-1, and the value of the
+state before x_i from the critic's head on the hidden state at i-1 (the right shift that
+NeMo-RL, verl, OpenRLHF and TRL all use). Prompt "2+3=", response "5<eos>":
+
+    position i            0     1     2     3     4            5
+    token x_i             2     +     3     =     5            <eos>
+    response mask         0     0     0     0     1            1
+    logprobs[i]           0     .     .     .     logits[3]    logits[4]    (log pi(x_i | x_<i))
+    values[i]             0     .     .     .     head(h[3])   head(h[4])   (V of the state x_<i)
+    rewards[i]            0     0     0     0     -kl_coef*kl  score - kl_coef*kl
+
+('.' = computed, but masked out of every loss.) Position 0 has no prediction and holds 0, as
+does every sequence start in a packed row; losses and statistics only see the mask.
+
 Deviations from the paper's PPO, on purpose:
   1. the minibatch split is fixed across epochs (no reshuffle), so that it does not
      depend on the mesh and every mesh trains on the same minibatches;
@@ -36,6 +54,9 @@ import os
 import signal
 import sys
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional
 
 import config
 
@@ -47,20 +68,24 @@ if __name__ == "__main__":
 import torch  # noqa: E402  (after the config check, on purpose)
 import torch.distributed as dist  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
 
 import model_parallel  # noqa: E402
 import rollout  # noqa: E402
 
 # -----------------------------------------------------------------------------
-# PPO math: small pure functions on (B, S) tensors in DESIGN.md's alignment, importable
-# by tests and readers. Position i is the action "emit x_i"; `mask` is 1 on response
-# tokens. Losses are sums over tokens divided by `num_tokens`, the number of response
-# tokens in the *global* minibatch, so neither dp nor the microbatch size changes them.
+# PPO math: small pure functions on (B, S) tensors in the alignment above, importable by
+# tests and readers. `mask` is 1 on response tokens. Losses are sums over tokens divided by
+# `num_tokens`, the number of response tokens in the *global* minibatch, so neither dp nor
+# the microbatch size changes them.
 
 
 def masked_sum(x, mask):
     return (x * mask).sum()
+
+
+def ratio_from_log(log_ratio):
+    """exp of a log-ratio clamped to +-20 (as verl does): one wild token must not make inf/NaN."""
+    return torch.exp(log_ratio.clamp(-20.0, 20.0))
 
 
 def kl_penalty(logprobs, ref_logprobs, kind="k1"):
@@ -87,14 +112,24 @@ def compute_gae(rewards, values, mask, gamma, lam):
     next_adv = torch.zeros_like(next_value)  # (B,)
     advantages = torch.zeros_like(values)  # (B, S)
     for t in reversed(range(S)):
-        m = mask[:, t].bool()  # (B,)
+        is_response = mask[:, t].bool()  # (B,)
         delta = rewards[:, t] + gamma * next_value - values[:, t]  # (B,)
         adv = delta + gamma * lam * next_adv  # (B,)
-        advantages[:, t] = torch.where(m, adv, 0.0)
-        next_value = torch.where(m, values[:, t], next_value)  # carried across gaps
-        next_adv = torch.where(m, adv, next_adv)
+        advantages[:, t] = torch.where(is_response, adv, 0.0)
+        next_value = torch.where(is_response, values[:, t], next_value)  # carried across gaps
+        next_adv = torch.where(is_response, adv, next_adv)
     returns = (advantages + values) * mask  # (B, S)
     return advantages, returns
+
+
+def grpo_advantages(scores, group_size, eps=1e-4):
+    """GRPO's outcome-supervised advantage (Shao et al., 2024, DeepSeekMath, sec. 4.1.2): each
+    response's score minus the mean of its prompt's group of `group_size` responses, divided
+    by the group's (unbiased) std; groups with equal scores get 0. scores: (N,) for the
+    *global* batch, prompt-major (response j belongs to prompt j // group_size)."""
+    groups = scores.view(-1, group_size)  # (N/K, K)
+    normalized = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + eps)  # (N/K, K)
+    return normalized.view(-1)  # (N,)
 
 
 def masked_whiten(x, mask, group=None, eps=1e-8):
@@ -118,7 +153,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio, num_tokens
     pi_trainer / pi_engine for the mismatch between the engine and the trainer.
     Returns (loss, number of tokens whose ratio was clipped)."""
     num_tokens = mask.sum() if num_tokens is None else num_tokens
-    ratio = torch.exp(logprobs - old_logprobs)  # (B, S)
+    ratio = ratio_from_log(logprobs - old_logprobs)  # (B, S)
     unclipped = -advantages * ratio  # (B, S)
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)  # (B, S)
     per_token = torch.maximum(unclipped, clipped)  # (B, S) the pessimistic bound
@@ -141,317 +176,496 @@ def value_loss(values, old_values, returns, mask, value_clip, num_tokens=None):
 
 
 # -----------------------------------------------------------------------------
-# Plumbing: which samples a rank owns, batches as tensors, logging.
+# Plumbing: which samples a rank owns, batches as tensors, microbatches, statistics.
+
+def print0(*args):
+    if dist.get_rank() == 0:  # rank 0 alone prints (and writes files)
+        print(*args, flush=True)
+
+
+def dp_sum(tensor, mesh):
+    """In-place sum over the dp ranks (each holds a share of the global batch)."""
+    dist.all_reduce(tensor, group=mesh["dp"].get_group())
+    return tensor
+
 
 def local_indices(global_batch, num_minibatches, dp_size, dp_rank):
     """Global sample indices of this dp rank, minibatch-major. Global minibatch m is the
     contiguous block [m*M, (m+1)*M) of the step's samples on every mesh, and rank r keeps
     its r-th slice of each block: so minibatch membership does not depend on dp."""
-    M = global_batch // num_minibatches
-    share = M // dp_size
-    return [m * M + dp_rank * share + i for m in range(num_minibatches) for i in range(share)]
+    per_minibatch = global_batch // num_minibatches
+    per_rank = per_minibatch // dp_size
+    return [m * per_minibatch + dp_rank * per_rank + i
+            for m in range(num_minibatches) for i in range(per_rank)]
 
 
-def collate(prompts, responses, pad_id, engine_logprobs=None):
-    """Right-padded (b, S) tensors: ids, response mask, engine logprobs, lengths."""
+def dp_rank_of(mesh, rank):
+    """The dp coordinate of a global rank, read from the mesh's grid of ranks."""
+    return int((mesh.mesh == rank).nonzero()[0, 0])
+
+
+@dataclass
+class Batch:
+    """This rank's sequences as right-padded (b, S) tensors, in the alignment of the docstring.
+    The no-grad passes and the advantage step fill in the fields after `lens`."""
+    ids: torch.Tensor  # (b, S) prompt + response token ids, pad_id after the end
+    mask: torch.Tensor  # (b, S) 1 on response tokens
+    engine_lp: torch.Tensor  # (b, S) the engine's logprob of each response token
+    lens: list  # b ints: prompt + response tokens of each row
+    old_lp: Optional[torch.Tensor] = None  # (b, S) policy that sampled, as the trainer computes it
+    ref_lp: Optional[torch.Tensor] = None  # (b, S) reference (initial) policy
+    entropy: Optional[torch.Tensor] = None  # (b, S) of the policy's next-token distribution
+    values: Optional[torch.Tensor] = None  # (b, S) critic before the update (gae only)
+    advantages: Optional[torch.Tensor] = None  # (b, S)
+    returns: Optional[torch.Tensor] = None  # (b, S) value targets (gae only)
+    tis: Optional[torch.Tensor] = None  # (b, S) truncated importance weights
+
+
+def make_batch(prompts, responses, pad_id, engine_logprobs=None):
+    """A Batch from token id lists (prompt i, response i, engine logprobs of response i)."""
     lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
-    b, S = len(lens), max(lens)
-    ids = torch.full((b, S), pad_id, dtype=torch.long)  # (b, S)
-    mask = torch.zeros(b, S)  # (b, S) 1 where the token was generated
-    engine_lp = torch.zeros(b, S)  # (b, S) engine's logprob of each generated token
+    ids = torch.full((len(lens), max(lens)), pad_id, dtype=torch.long)  # (b, S)
+    mask = torch.zeros(ids.shape)  # (b, S)
+    engine_lp = torch.zeros(ids.shape)  # (b, S)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         ids[i, :lens[i]] = torch.tensor(p + r)
         mask[i, len(p):lens[i]] = 1
         if engine_logprobs is not None:
-            engine_lp[i, len(p):lens[i]] = torch.tensor(engine_logprobs[i])
-    return ids, mask, engine_lp, lens
+            engine_lp[i, len(p):lens[i]] = torch.tensor(engine_logprobs[i], dtype=torch.float32)
+    return Batch(ids, mask, engine_lp, lens)
 
 
-def micro_rows(rows, start=0):
-    """Row indices of a microbatch (offset by `start`) and its loss weight. An empty one is a
-    dummy that keeps FSDP's collectives matched across dp ranks: it reruns a real row
-    with weight 0, so it costs compute but changes nothing."""
-    return ([start + i for i in rows], 1.0) if rows else ([start], 0.0)
+def micro_rows(micro, rows):
+    """Batch rows of a microbatch (indices into `rows`) and its loss weight. An empty one is a
+    dummy that keeps FSDP's collectives matched across dp ranks: it reruns a real row with
+    weight 0, so it costs compute but changes nothing."""
+    return ([rows[i] for i in micro], 1.0) if micro else ([rows[0]], 0.0)
 
 
-def forward_batch(fn, model, ids, lens, mesh, cfg, **kw):
-    """Run a no-grad forward over the microbatches of a batch and concatenate the rows.
-    Every dp rank runs the same number of forwards (dummies included: FSDP's all-gathers
-    are collectives), and a dummy's output is dropped."""
-    outs = [None, None]
-    for rows in model_parallel.microbatches(lens, cfg, mesh):
-        idx, _ = micro_rows(rows)  # a dummy's output is thrown away below
-        res = fn(model, ids[idx], [lens[i] for i in idx], mesh, cfg, **kw)
-        res = res if isinstance(res, tuple) else (res, None)
-        for k in range(2):
-            if rows and res[k] is not None:
-                if outs[k] is None:
-                    outs[k] = torch.zeros(ids.shape, dtype=res[k].dtype)  # (b, S)
-                outs[k][rows] = res[k]  # packing reorders rows: put each back in its place
-    return tuple(outs)
+class StepStats:
+    """Named sums for one step's metrics. `add` takes this rank's share of a global sum
+    (summed over dp once, at the end); `add_global` a number every rank already has."""
+
+    def __init__(self):
+        self.shares, self.globals = {}, {}
+
+    def add(self, **shares):
+        for name, value in shares.items():
+            self.shares[name] = self.shares.get(name, 0.0) + float(value)
+
+    def add_global(self, **values):
+        for name, value in values.items():
+            self.globals[name] = self.globals.get(name, 0.0) + float(value)
+
+    def totals(self, mesh):
+        """Every sum over the global batch: one all-reduce for all of them."""
+        names = sorted(self.shares)
+        summed = dp_sum(torch.tensor([self.shares[n] for n in names], dtype=torch.float64), mesh)
+        return dict(zip(names, summed.tolist()), **self.globals)
 
 
-def validate(engine, task, cfg, rank, world_size):
-    """Greedy accuracy on the held-out prompts. The prompts are split over the vLLM groups
-    (rollout_tp_size consecutive ranks pass identical requests), the count summed."""
-    groups = world_size // cfg.rollout_tp_size
-    mine = task.val[rank // cfg.rollout_tp_size::groups]
-    correct = 0.0
-    if mine:
-        outs = engine.generate([task.encode(q) for q, _ in mine], [0] * len(mine),
-                               cfg.max_new_tokens, 0.0, task.eos_id)  # temperature 0: greedy
-        correct = sum(task.reward(task.decode(r), a, r[-1] == task.eos_id) == 1.0
-                      for (r, _), (_, a) in zip(outs, mine))
-    total = torch.tensor([float(correct)])
-    dist.all_reduce(total)  # every member of a vLLM group counted the same prompts
-    return total.item() / cfg.rollout_tp_size / len(task.val)
+@contextmanager
+def timed(times, name):
+    """times[name] = wall seconds of the block (after the GPU's queued work is done)."""
+    start = time.time()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # GPU only: kernels run asynchronously
+    times[name] = time.time() - start
 
 
-def main(cfg):
-    rank, world_size, device = model_parallel.init_distributed(cfg.collective_timeout_s)
-    hf_logging.set_verbosity_error()  # one console line per step: no load reports or bars
-    hf_logging.disable_progress_bar()
-    master = rank == 0  # rank 0 alone writes files and prints
-    print0 = lambda *a: print(*a, flush=True) if master else None
-    mesh = model_parallel.make_mesh(world_size, cfg.tp_size, cfg.cp_size, device.type)
-    dp_group, dp_size, dp_rank = mesh["dp"].get_group(), mesh["dp"].size(), mesh["dp"].get_local_rank()
-    dp_sum = lambda t: (dist.all_reduce(t, group=dp_group), t)[1]  # sum over dp ranks
-    if master:
-        os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
-        config.save(cfg, os.path.join(cfg.out_dir, "config.json"))
-        print0(json.dumps(vars(cfg)))
-    print0(f"mesh dp={dp_size} cp={cfg.cp_size} tp={cfg.tp_size} on {world_size} x {device.type}")
+# -----------------------------------------------------------------------------
+# Set-up: distributed, inputs checked, models loaded (after an optional SFT warm-up).
+
+def prepare_inputs(cfg, task):
+    """Model dir (a tiny preset is written as a real HF checkpoint), the checkpoint to resume
+    from, and the task. Bad input is refused here, before any heavy work: one line, exit 2."""
     model_dir = cfg.model
-    if model_dir in model_parallel.TINY_PRESETS:  # write the preset as a real HF checkpoint
+    if model_dir in model_parallel.TINY_PRESETS:
         model_dir = model_parallel.materialize_tiny_model(cfg.model, cfg.out_dir, cfg.seed)
-    try:  # model files, checkpoint, prompts, tokenizer: bad input is refused before any heavy work
+    try:
         for path in filter(None, (model_dir, cfg.critic_model)):
             model_parallel.check_hf_dir(path, cfg.tp_size)
         resume_dir = model_parallel.find_checkpoint(cfg.resume, cfg.out_dir)
-        task = rollout.make_task(cfg, model_dir, AutoConfig.from_pretrained(model_dir).vocab_size)
+        if task is None:
+            task = rollout.make_task(cfg, model_dir, AutoConfig.from_pretrained(model_dir).vocab_size)
     except (rollout.TaskError, model_parallel.CheckpointError) as e:
         print0(f"input error: {e}")
         sys.exit(2)
-    eos_id, pad_id = task.eos_id, task.pad_id
+    return model_dir, resume_dir, task
 
-    # ---- supervised warm-up: SFT on the task's reference answers, the usual first stage
-    # of RLHF. Kept short on purpose: PPO should start from a policy that knows the
-    # format and is right sometimes, and has the rest to learn from reward.
-    if cfg.sft_steps:
-        sft_dir = os.path.join(cfg.out_dir, "sft")
-        if not os.path.isfile(os.path.join(sft_dir, "config.json")):
-            policy = model_parallel.load_policy(model_dir, mesh, cfg)
-            opt = torch.optim.AdamW(policy.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
-            share = cfg.sft_batch_size // dp_size
-            for it in range(cfg.sft_steps):
-                pairs = task.prompts(f"sft{it}", cfg.sft_batch_size)
-                mine = pairs[dp_rank * share:(dp_rank + 1) * share]
-                ids, mask, _, lens = collate([task.encode(p) for p, _ in mine],
-                                             [task.target(a) for _, a in mine], pad_id)
-                n_tok = dp_sum(mask.sum())
-                for rows in model_parallel.microbatches(lens, cfg, mesh):
-                    idx, w = micro_rows(rows)
-                    lp, _ = model_parallel.forward_policy(policy, ids[idx], [lens[i] for i in idx],
-                                                          mesh, cfg, 1.0, False)
-                    (-w * masked_sum(lp, mask[idx]) / n_tok).backward()  # mean NLL of answers
-                model_parallel.clip_grad_norm(list(policy.parameters()), cfg.max_grad_norm)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                if it % 10 == 0 or it == cfg.sft_steps - 1:
-                    print0(f"sft {it + 1}/{cfg.sft_steps}")
-            model_parallel.save_hf(policy, sft_dir)
-            del policy, opt
-        model_dir = sft_dir
 
-    # ---- models: policy, reference (a CPU copy of the policy's shards), critic, engine
+def sft_warmup(model_dir, task, cfg, mesh):
+    """Supervised warm-up on the task's reference answers, the usual first stage of RLHF,
+    kept short on purpose: PPO should start from a policy that knows the format and is right
+    sometimes. Saved as out_dir/sft (reused when present); returns that dir."""
+    sft_dir = os.path.join(cfg.out_dir, "sft")
+    if os.path.isfile(os.path.join(sft_dir, "config.json")):
+        return sft_dir
     policy = model_parallel.load_policy(model_dir, mesh, cfg)
-    ref_snapshot = model_parallel.snapshot_weights(policy)  # initial policy's shards (model_dir: also on resume)
-    critic = model_parallel.load_critic(cfg.critic_model or model_dir, mesh, cfg)
-    opt_pi = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    opt_v = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
-    warmup = lambda step: min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, warmup) for o in (opt_pi, opt_v)]
-    parts = {"policy": (policy, opt_pi, scheds[0]), "critic": (critic, opt_v, scheds[1])}  # a checkpoint's content
-    # resume: weights, optimizer, LR and RNG states, and the number of steps done
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+    per_rank = cfg.sft_batch_size // mesh["dp"].size()
+    for it in range(cfg.sft_steps):
+        pairs = task.prompts(f"sft{it}", cfg.sft_batch_size)
+        mine = pairs[mesh["dp"].get_local_rank() * per_rank:][:per_rank]
+        batch = make_batch([task.encode(p) for p, _ in mine], [task.target(a) for _, a in mine], task.pad_id)
+        num_tokens = dp_sum(batch.mask.sum(), mesh)  # global answer tokens
+
+        def nll(idx):  # mean negative log-likelihood of the answers
+            lp, _ = model_parallel.forward_policy(policy, batch.ids[idx], [batch.lens[i] for i in idx], mesh, cfg)
+            return -masked_sum(lp, batch.mask[idx]) / num_tokens, {}
+
+        loss_share, _ = backward_microbatches(nll, list(range(len(mine))), batch, cfg, mesh)
+        optimizer_step(policy, optimizer, loss_share, cfg, mesh)
+        if it % 10 == 0 or it == cfg.sft_steps - 1:
+            print0(f"sft {it + 1}/{cfg.sft_steps}")
+    model_parallel.save_hf(policy, sft_dir)
+    return sft_dir
+
+
+def build_models(model_dir, cfg, mesh):
+    """{name: (model, AdamW, LR schedule)} for the policy and (gae only) the critic, the
+    content of a checkpoint; and the reference policy: a copy of the policy's initial shards."""
+    policy = model_parallel.load_policy(model_dir, mesh, cfg)
+    reference = model_parallel.snapshot_weights(policy)
+    models = {"policy": (policy, cfg.lr)}
+    if cfg.advantage_estimator == "gae":  # GRPO has no critic: none is loaded, trained or saved
+        models["critic"] = (model_parallel.load_critic(cfg.critic_model or model_dir, mesh, cfg), cfg.critic_lr)
+    parts = {}
+    for name, (model, lr) in models.items():
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+        warmup = lambda step: min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0  # noqa: E731
+        parts[name] = (model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup))
+    return parts, reference
+
+
+# -----------------------------------------------------------------------------
+# Steps 1-3: prompts, rollout, reward.
+
+def generate(engine, task, cfg, step, prompts, mesh):
+    """Sample this rank's responses and score them. The ranks of one vLLM tensor-parallel group
+    (rollout_tp_size consecutive ranks) must pass identical requests: the group generates the
+    samples of all its members' dp slices, and each keeps its own."""
+    rank, K = dist.get_rank(), cfg.samples_per_prompt
+    group = range(rank - rank % cfg.rollout_tp_size, rank - rank % cfg.rollout_tp_size + cfg.rollout_tp_size)
+    wanted = sorted({j for member in group for j in local_indices(
+        cfg.global_batch_size, cfg.num_minibatches, mesh["dp"].size(), dp_rank_of(mesh, member))})
+    prompt_ids = [task.encode(p) for p, _ in prompts]  # (chat template applied)
+    outs = engine.generate([prompt_ids[j // K] for j in wanted],
+                           [rollout.sample_seed(cfg.seed, step, j // K, j % K) for j in wanted],
+                           cfg.max_new_tokens, cfg.temperature, task.eos_id)
+    by_index = dict(zip(wanted, outs))
+    samples = []
+    for j in local_indices(cfg.global_batch_size, cfg.num_minibatches, mesh["dp"].size(), mesh["dp"].get_local_rank()):
+        (response, lps), (prompt, answer) = by_index[j], prompts[j // K]
+        text, finished = task.decode(response), bool(response) and response[-1] == task.eos_id
+        samples.append(dict(index=j, prompt=prompt, response=text, answer=answer, prompt_ids=prompt_ids[j // K],
+                            response_ids=response, engine_logprobs=lps, reward=task.reward(text, answer, finished)))
+    return samples
+
+
+def rollouts(engine, task, cfg, step, mesh):
+    """Steps 1-3: this rank's samples, and every sample of the step by global index.
+    The tp x cp ranks of one dp slice must train on identical rows, but their engines may
+    disagree (vLLM's batching and KV-cache sizing differ per GPU, so sampling is not
+    bit-identical across GPUs): every rank takes the copy of its group's first rank, from
+    the all-gather that also serves the dump."""
+    if cfg.replay_rollouts:
+        dumped = rollout.load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
+        samples = [dumped[j] for j in local_indices(cfg.global_batch_size, cfg.num_minibatches,
+                                                    mesh["dp"].size(), mesh["dp"].get_local_rank())]
+    else:
+        prompts = task.prompts(step, cfg.prompts_per_step)
+        samples = generate(engine, task, cfg, step, prompts, mesh)
+        engine.sleep()  # GPU: vLLM frees its memory for training
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, samples)  # collective: every rank's samples on every rank
+    samples = gathered[int(mesh.mesh[mesh["dp"].get_local_rank(), 0, 0])]  # my dp slice, one copy
+    every = {s["index"]: s for part in gathered for s in part}
+    if dist.get_rank() == 0:
+        rollout.dump_rollouts(os.path.join(cfg.out_dir, "rollouts", f"step_{step}.jsonl"), list(every.values()))
+    return samples, [every[j]["reward"] for j in range(cfg.global_batch_size)]
+
+
+# -----------------------------------------------------------------------------
+# Steps 4-6: no-grad forward passes, per-token rewards, advantages.
+
+def forward_batch(forward, batch, cfg, mesh):
+    """Run `forward(ids, lens)` (a tensor or a tuple of (rows, S) tensors) without grad over the
+    batch's microbatches; return full (b, S) tensors in row order (packing reorders rows).
+    Every dp rank runs the same number of forwards, dummies included: they are collectives."""
+    outs = None
+    for micro in model_parallel.microbatches(batch.lens, cfg, mesh):
+        idx, _ = micro_rows(micro, list(range(len(batch.lens))))
+        result = forward(batch.ids[idx], [batch.lens[i] for i in idx])
+        result = result if isinstance(result, tuple) else (result,)
+        if outs is None:
+            outs = [None if r is None else torch.zeros(batch.ids.shape, dtype=r.dtype) for r in result]
+        for out, r in zip(outs, result):
+            if micro and out is not None:
+                out[idx] = r  # (rows, S); a dummy's output is dropped
+    return outs
+
+
+@torch.no_grad()
+def score(policy, reference, critic, batch, cfg, mesh):
+    """Step 4: the old policy's logprobs and entropy, the reference's logprobs (the initial
+    weights swapped into the same module), and the critic's values."""
+    batch.old_lp, batch.entropy = forward_batch(
+        lambda ids, lens: model_parallel.forward_policy(policy, ids, lens, mesh, cfg, cfg.temperature, True),
+        batch, cfg, mesh)
+    with model_parallel.swapped_weights(policy, reference):
+        batch.ref_lp, _ = forward_batch(
+            lambda ids, lens: model_parallel.forward_policy(policy, ids, lens, mesh, cfg, cfg.temperature),
+            batch, cfg, mesh)
+    if critic is not None:
+        (values,) = forward_batch(lambda ids, lens: model_parallel.forward_critic(critic, ids, lens, mesh, cfg),
+                                  batch, cfg, mesh)
+        batch.values = values * batch.mask  # (b, S)
+
+
+@torch.no_grad()
+def compute_advantages(batch, scores, all_scores, cfg, mesh):
+    """Steps 5-6. gae: per-token reward = -kl_coef * KL at every response token, + the score on
+    the last one; GAE; whitened over the global batch. grpo: the group-normalized score on
+    every response token (its KL is a loss term instead, in update_policy)."""
+    rows, last = torch.arange(len(batch.lens)), torch.tensor(batch.lens) - 1  # (b,), (b,)
+    if cfg.advantage_estimator == "grpo":
+        mine = local_indices(cfg.global_batch_size, cfg.num_minibatches, mesh["dp"].size(), mesh["dp"].get_local_rank())
+        group_adv = grpo_advantages(torch.tensor(all_scores), cfg.samples_per_prompt)[mine]  # (b,)
+        batch.advantages = group_adv[:, None] * batch.mask  # (b, S)
+    else:
+        rewards = -cfg.kl_coef * kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator) * batch.mask  # (b, S)
+        rewards[rows, last] += scores
+        batch.advantages, batch.returns = compute_gae(rewards, batch.values, batch.mask, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:
+            batch.advantages = masked_whiten(batch.advantages, batch.mask, group=mesh["dp"].get_group())
+    # Truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings
+    # you off-policy RL training", 2025): the engine sampled from pi_engine, not from the
+    # trainer's pi_old; weight each token by min(pi_old / pi_engine, cap).
+    batch.tis = torch.clamp(ratio_from_log(batch.old_lp - batch.engine_lp), max=cfg.tis_cap) * batch.mask
+
+
+# -----------------------------------------------------------------------------
+# Steps 7-8: the update. One optimizer step per minibatch and model; gradients accumulate
+# over the minibatch's microbatches.
+
+def backward_microbatches(loss_fn, rows, batch, cfg, mesh):
+    """Forward + backward of `loss_fn(batch rows) -> (loss, {name: number})` over the
+    microbatches of `rows`; returns this rank's share of the loss and its weighted sums of
+    the numbers."""
+    loss_share, sums = 0.0, {}
+    for micro in model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh):
+        idx, weight = micro_rows(micro, rows)
+        loss, parts = loss_fn(idx)
+        (weight * loss).backward()
+        loss_share += weight * float(loss.detach())
+        for name, value in parts.items():
+            sums[name] = sums.get(name, 0.0) + weight * float(value)
+    return loss_share, sums
+
+
+def optimizer_step(model, optimizer, loss_share, cfg, mesh):
+    """Clip the global grad norm; step unless the norm or the loss on some dp rank is NaN/inf
+    (then skip, weights and AdamW state untouched, as Megatron-LM does). Returns (norm, skipped)."""
+    norm = model_parallel.clip_grad_norm(list(model.parameters()), cfg.max_grad_norm)
+    finite = torch.tensor([float(math.isfinite(norm) and math.isfinite(loss_share))])
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=mesh["dp"].get_group())
+    if finite.item():
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, not finite.item()
+
+
+def update_policy(policy, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
+    """One minibatch of the clipped surrogate (+ entropy bonus; + GRPO's KL loss)."""
+    def loss_fn(idx):
+        lp, entropy = model_parallel.forward_policy(policy, batch.ids[idx], [batch.lens[i] for i in idx],
+                                                    mesh, cfg, cfg.temperature, cfg.entropy_coef > 0)
+        mask = batch.mask[idx]
+        pg_loss, n_clipped = policy_loss(lp, batch.old_lp[idx], batch.advantages[idx], mask, cfg.clip_ratio,
+                                         num_tokens, batch.tis[idx] if cfg.tis_cap else None)
+        loss, parts = pg_loss, dict(policy_loss=pg_loss.detach(), clipped_tokens=n_clipped)
+        if cfg.entropy_coef > 0:  # a bonus: maximize entropy
+            bonus = cfg.entropy_coef * masked_sum(entropy, mask) / num_tokens
+            loss, parts["entropy_bonus"] = loss - bonus, bonus.detach()
+        if cfg.advantage_estimator == "grpo":
+            # DeepSeekMath eq. 3-4: beta * KL(pi || pi_ref) in the loss, k3 on the current policy
+            kl = cfg.kl_coef * masked_sum(kl_penalty(lp, batch.ref_lp[idx], "k3"), mask) / num_tokens
+            loss, parts["kl_loss"] = loss + kl, kl.detach()
+        return loss, parts
+
+    loss_share, sums = backward_microbatches(loss_fn, rows, batch, cfg, mesh)
+    norm, skipped = optimizer_step(policy, optimizer, loss_share, cfg, mesh)
+    stats.add(**sums)
+    stats.add_global(grad_norm=norm, skipped_updates=skipped)
+
+
+def update_critic(critic, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
+    """One minibatch of the clipped value loss."""
+    def loss_fn(idx):
+        values = model_parallel.forward_critic(critic, batch.ids[idx], [batch.lens[i] for i in idx], mesh, cfg)
+        loss = value_loss(values, batch.values[idx], batch.returns[idx], batch.mask[idx], cfg.value_clip, num_tokens)
+        return loss, {"value_loss": loss.detach()}
+
+    loss_share, sums = backward_microbatches(loss_fn, rows, batch, cfg, mesh)
+    norm, skipped = optimizer_step(critic, optimizer, loss_share, cfg, mesh)
+    stats.add(**sums)
+    stats.add_global(critic_grad_norm=norm, skipped_updates=skipped)
+
+
+# -----------------------------------------------------------------------------
+# Step 10: metrics, plot, checkpoints.
+
+def batch_stats(batch, scores, cfg, stats):
+    """This rank's shares of the per-token and per-sequence sums that the metrics need."""
+    mask = batch.mask
+    kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
+    mismatch = (batch.old_lp - batch.engine_lp).abs()  # (b, S)
+    stats.add(tokens=mask.sum(), kl=masked_sum(kl, mask), entropy=masked_sum(batch.entropy, mask),
+              mismatch=masked_sum(mismatch, mask), mult_prob_error=masked_sum(torch.exp(mismatch), mask),
+              sequences=len(batch.lens), all_tokens=sum(batch.lens), reward=scores.sum(), reward_sq=(scores ** 2).sum())
+    if batch.returns is not None:  # explained variance = 1 - Var(R - V) / Var(R), over response tokens
+        err = (batch.returns - batch.values) * mask  # (b, S)
+        stats.add(ret=batch.returns.sum(), ret_sq=(batch.returns ** 2).sum(), err=err.sum(), err_sq=(err ** 2).sum())
+
+
+def step_metrics(sums, cfg):
+    """Named means from the global sums (see README, "What is logged")."""
+    n_tok, n_seq, n_updates = sums["tokens"], sums["sequences"], cfg.ppo_epochs * cfg.num_minibatches
+    reward_mean = sums["reward"] / n_seq
+    m = dict(reward_mean=reward_mean, reward_std=math.sqrt(max(sums["reward_sq"] / n_seq - reward_mean ** 2, 0.0)),
+             kl=sums["kl"] / n_tok, entropy=sums["entropy"] / n_tok, response_len_mean=n_tok / n_seq,
+             logprob_mismatch=sums["mismatch"] / n_tok, token_mult_prob_error=sums["mult_prob_error"] / n_tok,
+             clip_frac=sums["clipped_tokens"] / (n_tok * cfg.ppo_epochs), skipped_updates=int(sums["skipped_updates"]))
+    for name in ("policy_loss", "entropy_bonus", "kl_loss", "value_loss", "grad_norm", "critic_grad_norm"):
+        if name in sums:
+            m[name] = sums[name] / n_updates
+    if "ret" in sums:
+        var_ret = sums["ret_sq"] / n_tok - (sums["ret"] / n_tok) ** 2
+        var_err = sums["err_sq"] / n_tok - (sums["err"] / n_tok) ** 2
+        m["value_explained_var"] = 1 - var_err / max(var_ret, 1e-12)
+    return m
+
+
+def log_step(step, metrics, cfg, t_start, start_step):
+    """Append the row to metrics.jsonl, print one line, redraw the plot (rank 0)."""
+    if dist.get_rank() != 0:
+        return
+    with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    elapsed = time.time() - t_start
+    eta = elapsed / (step + 1 - start_step) * (cfg.steps - step - 1)
+    loss = f"vf {metrics['value_loss']:.4f}" if "value_loss" in metrics else f"kl_loss {metrics['kl_loss']:.4f}"
+    print(f"step {step + 1}/{cfg.steps} | reward {metrics['reward_mean']:.3f} | kl {metrics['kl']:.4f} | "
+          f"pg {metrics['policy_loss']:+.4f} | {loss} | len {metrics['response_len_mean']:.1f} | "
+          f"{metrics['time_step_s']:.1f}s/step | elapsed {elapsed:.0f}s | eta {eta:.0f}s", flush=True)
+    if cfg.plot_every and ((step + 1) % cfg.plot_every == 0 or step + 1 == cfg.steps):
+        plot_curves(os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "curves.png"))
+
+
+def plot_curves(metrics_path, png_path):
+    """reward, KL and the two losses against step, from metrics.jsonl (rank 0)."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display on a training node
+    import matplotlib.pyplot as plt
+    rows = [json.loads(line) for line in open(metrics_path)]
+    keys = ("reward_mean", "kl", "policy_loss", "value_loss" if "value_loss" in rows[0] else "kl_loss")
+    fig, axes = plt.subplots(2, 2, figsize=(9, 6))
+    for ax, key in zip(axes.flat, keys):
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows])
+        ax.set_title(key)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(png_path + ".tmp.png")
+    plt.close(fig)
+    os.replace(png_path + ".tmp.png", png_path)
+
+
+def install_stop_handler():
+    """SIGTERM (preemption) or Ctrl-C: finish the step, save, exit 0. A second signal kills."""
+    stop = torch.zeros(1)
+
+    def handler(signum, frame):
+        stop.fill_(1)
+        signal.signal(signum, signal.SIG_DFL)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    return stop
+
+
+def start_metrics_log(cfg, start_step):
+    """A fresh run starts a fresh metrics.jsonl; a resumed one keeps the rows before its step."""
+    path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    if dist.get_rank() == 0 and os.path.exists(path):
+        kept = [line for line in open(path) if json.loads(line)["step"] < start_step]
+        open(path, "w").writelines(kept)
+
+
+# -----------------------------------------------------------------------------
+
+def main(cfg, task=None):
+    """Train with PPO. `task`: any rollout.Task (default: the config's toy_add or gsm8k)."""
+    rollout.quiet_third_party_output()
+    rank, world_size, device = model_parallel.init_distributed(cfg.collective_timeout_s)
+    model_parallel.resolve_auto(cfg, device.type)  # dtype, attention: "auto" -> what runs here
+    mesh = model_parallel.make_mesh(world_size, cfg.tp_size, cfg.cp_size, device.type)
+    if rank == 0:
+        os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
+        config.save(cfg, os.path.join(cfg.out_dir, "config.json"))
+    print0(f"mesh dp={mesh['dp'].size()} cp={cfg.cp_size} tp={cfg.tp_size} on {world_size} x {device.type}, "
+           f"{cfg.dtype}, {cfg.attention} attention, {cfg.advantage_estimator}, {cfg.rollout_engine} engine")
+    model_dir, resume_dir, task = prepare_inputs(cfg, task)
+    if cfg.sft_steps:
+        model_dir = sft_warmup(model_dir, task, cfg, mesh)
+    parts, reference = build_models(model_dir, cfg, mesh)
+    policy, critic = parts["policy"][0], parts.get("critic", (None,))[0]
     start_step = model_parallel.load_checkpoint(resume_dir, parts) if resume_dir else 0
     print0(f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir else "fresh start")
     engine = None if cfg.replay_rollouts else rollout.make_engine(cfg, model_dir, device)
     if engine is not None and start_step:  # the engine loaded model_dir: give it the resumed policy
         rollout.refit(engine, model_parallel.iter_full_params(policy), cfg.refit_bucket_mb)
-    my_indices = local_indices(cfg.global_batch_size, cfg.num_minibatches, dp_size, dp_rank)
-    R, ranks_per_dp = cfg.rollout_tp_size, cfg.tp_size * cfg.cp_size  # mesh: dp outermost
-    gen_indices = sorted({j for r in range(rank // R * R, rank // R * R + R)  # my vLLM TP group
-                          for j in local_indices(cfg.global_batch_size, cfg.num_minibatches,
-                                                 dp_size, r // ranks_per_dp)})
-    K = cfg.samples_per_prompt
-    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    if master and os.path.exists(metrics_path):  # a fresh run starts a fresh log, a resumed one goes on
-        kept = [line for line in open(metrics_path) if json.loads(line)["step"] < start_step]
-        open(metrics_path, "w").writelines(kept)
-    stop = torch.zeros(1)  # SIGTERM (preemption), Ctrl-C: finish the step, save, exit 0; a second one kills
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda num, _: (stop.fill_(1), signal.signal(num, signal.SIG_DFL)))
-    t_start, bad_steps = time.time(), 0
+    start_metrics_log(cfg, start_step)
+    stop, t_start, bad_steps = install_stop_handler(), time.time(), 0
+    per_minibatch = cfg.global_batch_size // cfg.num_minibatches // mesh["dp"].size()  # rows per rank
+    minibatches = [list(range(m * per_minibatch, (m + 1) * per_minibatch)) for m in range(cfg.num_minibatches)]
 
     for step in range(start_step, cfg.steps):
-        t_step = time.time()
-        m = {"step": step}
-        # ---- 1-3. prompts, rollout, reward
-        if engine is not None and task.val and cfg.eval_every and step % cfg.eval_every == 0:
-            m["val_accuracy"] = validate(engine, task, cfg, rank, world_size)
-        prompts = task.prompts(step, cfg.prompts_per_step)
-        prompt_ids = [task.encode(p) for p, _ in prompts]  # (chat template applied)
-        if cfg.replay_rollouts:
-            dumped = rollout.load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
-            samples = [dumped[j] for j in my_indices]
-        else:
-            # The ranks of one vLLM tensor-parallel group must pass identical requests: the
-            # group generates the samples of all its members, and each keeps its own.
-            outs = dict(zip(gen_indices, engine.generate(
-                [prompt_ids[j // K] for j in gen_indices],
-                [rollout.sample_seed(cfg.seed, step, j // K, j % K) for j in gen_indices],
-                cfg.max_new_tokens, cfg.temperature, eos_id)))
-            engine.sleep()  # GPU: vLLM frees its memory for training
-            samples = []
-            for j in my_indices:
-                (resp, lps), p = outs[j], prompt_ids[j // K]
-                text, finished = task.decode(resp), resp[-1] == eos_id
-                samples.append({"index": j, "prompt": prompts[j // K][0], "response": text,
-                                "answer": prompts[j // K][1], "prompt_ids": p, "response_ids": resp,
-                                "engine_logprobs": lps,
-                                "reward": task.reward(text, prompts[j // K][1], finished)})
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, samples)  # rank 0 writes everyone's samples
-        if master:
-            unique = {s["index"]: s for part in gathered for s in part}.values()
-            rollout.dump_rollouts(os.path.join(cfg.out_dir, "rollouts", f"step_{step}.jsonl"), list(unique))
-        ids, mask, engine_lp, lens = collate([s["prompt_ids"] for s in samples],
-                                             [s["response_ids"] for s in samples],
-                                             pad_id, [s["engine_logprobs"] for s in samples])
-        score = torch.tensor([s["reward"] for s in samples])  # (b,)
-        last = torch.tensor(lens) - 1  # (b,) position of each row's last response token
-        rows = torch.arange(len(samples))
-        t_rollout = time.time() - t_step
-
-        # ---- 4. three forward passes without grad, on the training mesh
-        t_train = time.time()
-        with torch.no_grad():
-            old_lp, entropy = forward_batch(model_parallel.forward_policy, policy, ids, lens,
-                                            mesh, cfg, temperature=cfg.temperature, with_entropy=True)
-            with model_parallel.swapped_weights(policy, ref_snapshot):  # reference = initial policy
-                ref_lp, _ = forward_batch(model_parallel.forward_policy, policy, ids, lens,
-                                          mesh, cfg, temperature=cfg.temperature, with_entropy=False)
-            old_values, _ = forward_batch(model_parallel.forward_critic, critic, ids, lens, mesh, cfg)
-            old_values = old_values * mask  # (b, S)
-            t_logprobs = time.time() - t_train
-
-            # ---- 5. per-token reward: -kl_coef * KL everywhere, + score on the last token
-            kl = kl_penalty(old_lp, ref_lp, cfg.kl_estimator) * mask  # (b, S)
-            rewards = -cfg.kl_coef * kl  # (b, S)
-            rewards[rows, last] += score
-
-            # ---- 6. GAE, then whiten advantages over the global batch
-            advantages, returns = compute_gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
-            if cfg.whiten_advantages:
-                advantages = masked_whiten(advantages, mask, group=dp_group)
-            # Truncated importance sampling (Yao et al., "Your efficient RL framework secretly
-            # brings you off-policy RL training", 2025): the engine sampled from pi_engine, not
-            # from the trainer's pi_old; weight each token by min(pi_old / pi_engine, cap).
-            tis = torch.clamp(torch.exp(old_lp - engine_lp), max=cfg.tis_cap) * mask  # (b, S)
-
-        # ---- 7-8. PPO epochs over fixed minibatches; one optimizer step per minibatch
-        share = len(samples) // cfg.num_minibatches
-        sums = torch.zeros(6)  # pg loss, vf loss, clipped tokens, tokens, pi grad norm, v grad norm
-        skipped = [0, 0]  # updates skipped for a NaN/inf loss or grad norm: policy, critic
-        for epoch in range(cfg.ppo_epochs):
-            for mb in range(cfg.num_minibatches):
-                sl = slice(mb * share, (mb + 1) * share)
-                mb_lens = lens[sl]
-                mb_tokens = dp_sum(mask[sl].sum())  # global response tokens of this minibatch
-                for model, opt, which in ((policy, opt_pi, 0), (critic, opt_v, 1)):
-                    mb_loss = torch.zeros(())  # this rank's share of the minibatch loss
-                    for micro in model_parallel.microbatches(mb_lens, cfg, mesh):
-                        idx, w = micro_rows(micro, sl.start)
-                        i_lens = [lens[i] for i in idx]
-                        if which == 0:
-                            lp, ent = model_parallel.forward_policy(policy, ids[idx], i_lens, mesh, cfg,
-                                                                    cfg.temperature, cfg.entropy_coef > 0)
-                            loss, n_clip = policy_loss(lp, old_lp[idx], advantages[idx], mask[idx],
-                                                       cfg.clip_ratio, mb_tokens, tis[idx] if cfg.tis_cap else None)
-                            if cfg.entropy_coef > 0:  # bonus: maximize entropy
-                                loss = loss - cfg.entropy_coef * masked_sum(ent, mask[idx]) / mb_tokens
-                            sums[2] += w * n_clip
-                        else:
-                            v = model_parallel.forward_critic(critic, ids[idx], i_lens, mesh, cfg)
-                            loss = value_loss(v, old_values[idx], returns[idx], mask[idx],
-                                              cfg.value_clip, mb_tokens)
-                        (w * loss).backward()
-                        mb_loss += w * loss.detach()
-                    gn = model_parallel.clip_grad_norm(list(model.parameters()), cfg.max_grad_norm)
-                    sums[which] += mb_loss
-                    sums[4 + which] += gn
-                    # NaN/inf loss on a dp rank or grad norm: skip the update (as Megatron-LM does)
-                    finite = dp_sum(torch.tensor([float(math.isfinite(gn) and mb_loss.isfinite())])).item() == dp_size
-                    if finite:
-                        opt.step()
-                    skipped[which] += not finite
-                    opt.zero_grad(set_to_none=True)
-        for s in scheds:
-            s.step()
-        t_train = time.time() - t_train
-
-        # ---- 9. refit: push the updated policy into the engine (a collective on every rank)
-        # (also after skipped updates: on GPU the sleeping engine has dropped its weights)
-        t_refit = time.time()
-        if engine is not None:
-            engine.wake_up()
-            m.update(rollout.refit(engine, model_parallel.iter_full_params(policy), cfg.refit_bucket_mb))
-        t_refit = time.time() - t_refit
-
-        # ---- 10. metrics: sums over dp ranks, then means
-        n_updates = cfg.ppo_epochs * cfg.num_minibatches
-        sums[:2] = dp_sum(sums[:2].clone())  # each rank's loss is its share of the global loss
-        sums[2] = dp_sum(sums[2:3].clone())[0]
-        err = (returns - old_values) * mask  # (b, S) critic's error on the returns
-        tok_stats = dp_sum(torch.stack([
-            mask.sum(), masked_sum(kl, mask), masked_sum(entropy, mask),
-            masked_sum((old_lp - engine_lp).abs(), mask), masked_sum(torch.exp((old_lp - engine_lp).abs()), mask),
-            score.sum(), (score ** 2).sum(),
-            torch.tensor(float(len(samples))), torch.tensor(float(sum(lens))),
-            returns.sum(), (returns ** 2).sum(), err.sum(), (err ** 2).sum()]).double())
-        (n_tok, kl_sum, ent_sum, mis_sum, mult_sum, r_sum, r_sq, n_seq, all_tok,
-         ret_sum, ret_sq, err_sum, err_sq) = tok_stats.tolist()
-        reward_mean = r_sum / n_seq
-        # explained variance = 1 - Var(R - V) / Var(R) over the global batch's response tokens
-        var_ret = ret_sq / n_tok - (ret_sum / n_tok) ** 2
-        var_err = err_sq / n_tok - (err_sum / n_tok) ** 2
-        step_time = time.time() - t_step
-        m.update(reward_mean=reward_mean, reward_std=math.sqrt(max(r_sq / n_seq - reward_mean ** 2, 0.0)),
-                 kl=kl_sum / n_tok, policy_loss=sums[0].item() / n_updates,
-                 value_loss=sums[1].item() / n_updates,
-                 value_explained_var=1 - var_err / max(var_ret, 1e-12),
-                 entropy=ent_sum / n_tok, clip_frac=sums[2].item() / (n_tok * cfg.ppo_epochs),
-                 grad_norm=sums[4].item() / n_updates, critic_grad_norm=sums[5].item() / n_updates,
-                 logprob_mismatch=mis_sum / n_tok, token_mult_prob_error=mult_sum / n_tok,
-                 response_len_mean=n_tok / n_seq, skipped_updates=sum(skipped),
-                 tokens_per_s=all_tok / step_time, time_rollout_s=t_rollout, time_train_s=t_train, time_logprobs_s=t_logprobs,
-                 time_refit_s=t_refit, time_step_s=step_time, peak_mem_gb=model_parallel.peak_memory_gb())
-        if master:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(m) + "\n")
-            elapsed = time.time() - t_start
-            eta = elapsed / (step + 1 - start_step) * (cfg.steps - step - 1)
-            print0(f"step {step + 1}/{cfg.steps} | reward {reward_mean:.3f} | kl {m['kl']:.4f} | "
-                   f"pg {m['policy_loss']:+.4f} | vf {m['value_loss']:.4f} | "
-                   f"len {m['response_len_mean']:.1f} | {step_time:.1f}s/step | "
-                   f"elapsed {elapsed:.0f}s | eta {eta:.0f}s")
-            if cfg.plot_every and ((step + 1) % cfg.plot_every == 0 or step + 1 == cfg.steps):
-                plot_curves(metrics_path, os.path.join(cfg.out_dir, "curves.png"))
-        bad_steps = bad_steps + 1 if sum(skipped) else 0  # steps in a row with a skipped update
+        metrics, times, stats = {"step": step}, {}, StepStats()
+        with timed(times, "time_step_s"):
+            if engine is not None and task.val and cfg.eval_every and step % cfg.eval_every == 0:
+                metrics["val_accuracy"] = rollout.validation_accuracy(engine, task, cfg)
+            with timed(times, "time_rollout_s"):  # 1-3. prompts, rollout, reward
+                samples, all_scores = rollouts(engine, task, cfg, step, mesh)
+                batch = make_batch([s["prompt_ids"] for s in samples], [s["response_ids"] for s in samples],
+                                   task.pad_id, [s["engine_logprobs"] for s in samples])
+                scores = torch.tensor([s["reward"] for s in samples])  # (b,)
+            with timed(times, "time_logprobs_s"):  # 4-6. no-grad passes, rewards, advantages
+                score(policy, reference, critic, batch, cfg, mesh)
+                compute_advantages(batch, scores, all_scores, cfg, mesh)
+            with timed(times, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches
+                for epoch in range(cfg.ppo_epochs):
+                    for rows in minibatches:
+                        num_tokens = dp_sum(batch.mask[rows].sum(), mesh)  # global response tokens
+                        update_policy(policy, parts["policy"][1], batch, rows, num_tokens, cfg, mesh, stats)
+                        if critic is not None:
+                            update_critic(critic, parts["critic"][1], batch, rows, num_tokens, cfg, mesh, stats)
+                for _, _, schedule in parts.values():
+                    schedule.step()
+            with timed(times, "time_refit_s"):  # 9. push the policy into the engine (a collective)
+                if engine is not None:  # also after skipped updates: on GPU the engine dropped its weights
+                    metrics.update(rollout.refit(engine, model_parallel.iter_full_params(policy), cfg.refit_bucket_mb))
+            batch_stats(batch, scores, cfg, stats)  # 10. metrics: one all-reduce, then named means
+            sums = stats.totals(mesh)
+        metrics.update(step_metrics(sums, cfg), **times, tokens_per_s=sums["all_tokens"] / times["time_step_s"],
+                       peak_mem_gb=model_parallel.peak_memory_gb())
+        log_step(step, metrics, cfg, t_start, start_step)
+        bad_steps = bad_steps + 1 if metrics["skipped_updates"] else 0  # steps in a row with a skipped update
         if cfg.max_skipped_steps and bad_steps >= cfg.max_skipped_steps:
-            print0(f"stopping: {bad_steps} steps in a row skipped updates (NaN/inf loss or grad norm): lower lr or check the rewards")
+            print0(f"stopping: {bad_steps} steps in a row skipped updates (NaN/inf loss or grad norm): "
+                   "lower lr or check the rewards")
             sys.exit(1)
-        # ---- checkpoint every save_every steps, at the end, and on a signal to any rank
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # ranks may get the signal at different steps
         if stop.item() or (cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps)):
             model_parallel.save_checkpoint(os.path.join(cfg.out_dir, "ckpt"), step + 1, parts, cfg.keep_checkpoints)
@@ -465,23 +679,6 @@ def main(cfg):
         engine.shutdown()  # vLLM destroys the process group itself, so this comes last
     elif dist.is_initialized():
         dist.destroy_process_group()
-
-
-def plot_curves(metrics_path, png_path):
-    """reward, KL and both losses against step, from metrics.jsonl (rank 0)."""
-    import matplotlib
-    matplotlib.use("Agg")  # no display on a training node
-    import matplotlib.pyplot as plt
-    rows = [json.loads(line) for line in open(metrics_path)]
-    fig, axes = plt.subplots(2, 2, figsize=(9, 6))
-    for ax, key in zip(axes.flat, ("reward_mean", "kl", "policy_loss", "value_loss")):
-        ax.plot([r["step"] for r in rows], [r[key] for r in rows])
-        ax.set_title(key)
-        ax.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(png_path + ".tmp.png")
-    plt.close(fig)
-    os.replace(png_path + ".tmp.png", png_path)
 
 
 if __name__ == "__main__":
