@@ -7,6 +7,7 @@ own logprob of each sampled token, and a score per sequence.
 """
 import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -405,7 +406,7 @@ class VLLMEngine:
             tensor_parallel_size=cfg.rollout_tp_size, dtype=str(self.dtype).removeprefix("torch."),
             data_parallel_size=1,  # >1 makes vLLM sync every decode step across ranks
             skip_tokenizer_init=True,  # token ids in and out; the tokenizer is ours
-            seed=cfg.seed, max_model_len=cfg.max_model_len,
+            seed=cfg.seed, max_model_len=cfg.max_model_len, use_tqdm_on_load=False,
             # log_softmax(logits / T) of the sampled token: the trainer's convention
             # (the default "raw_logprobs" ignores the temperature: off by ~0.1 here)
             logprobs_mode="processed_logprobs")
@@ -536,7 +537,8 @@ def refit(engine: Engine, named_full_tensors, bucket_mb: float) -> dict:
 #  - transformers' load reports and progress bars.
 
 def quiet_third_party_output() -> None:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vLLM is first imported
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vLLM configures its logging,
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # which it does only once an engine is built
     warnings.filterwarnings("ignore", message=r"`torch.distributed.reduce_op` is deprecated",
                             category=FutureWarning)
     from transformers.utils import logging as hf_logging

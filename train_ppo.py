@@ -380,8 +380,9 @@ def rollouts(engine, task, cfg, step, mesh):
         engine.sleep()  # GPU: vLLM frees its memory for training
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, samples)  # collective: every rank's samples on every rank
-    samples = gathered[int(mesh.mesh[mesh["dp"].get_local_rank(), 0, 0])]  # my dp slice, one copy
-    every = {s["index"]: s for part in gathered for s in part}
+    firsts = [int(first) for first in mesh.mesh[:, 0, 0]]  # the first rank of each dp slice
+    samples = gathered[firsts[mesh["dp"].get_local_rank()]]  # (the copy that every rank trains on)
+    every = {s["index"]: s for first in firsts for s in gathered[first]}
     if dist.get_rank() == 0:
         rollout.dump_rollouts(os.path.join(cfg.out_dir, "rollouts", f"step_{step}.jsonl"), list(every.values()))
     return samples, [every[j]["reward"] for j in range(cfg.global_batch_size)]

@@ -1,0 +1,178 @@
+"""The trainer's loop (train_ppo.main) run in-process on spawned gloo ranks, with stand-in
+engines that record what the trainer asks of them; and GRPO's advantages by hand."""
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import config
+import model_parallel
+import rollout
+import train_ppo
+from _dist import run_ranks
+
+
+def _grpo_body(rank, world_size):
+    """2 prompts x 4 samples, 2 minibatches, dp=2: rank 0 holds samples 0,1,4,5 and rank 1
+    holds 2,3,6,7, so each prompt's group of 4 is split across the two ranks."""
+    cfg = config.Config(prompts_per_step=2, samples_per_prompt=4, num_minibatches=2, advantage_estimator="grpo")
+    mesh = model_parallel.make_mesh(world_size, 1, 1, "cpu")
+    scores = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0]  # global, prompt-major
+    # by hand: group 0 has mean 1/4 and unbiased std sqrt((.75^2 + 3 * .25^2) / 3) = 1/2, so
+    # (1 - .25) / (.5 + eps) and (0 - .25) / (.5 + eps); group 1: mean 3/4, std 1/2 (eps = 1e-4)
+    by_hand = [d / (0.5 + 1e-4) for d in (0.75, -0.25, -0.25, -0.25, 0.25, 0.25, -0.75, 0.25)]
+    mine = [[0, 1, 4, 5], [2, 3, 6, 7]][rank]
+    batch = train_ppo.make_batch([[1, 2]] * 4, [[3, 4, 5]] * 4, pad_id=0)
+    batch.old_lp = batch.ref_lp = batch.engine_lp
+    train_ppo.compute_advantages(batch, torch.tensor([scores[j] for j in mine]), scores, cfg, mesh)
+    for row, j in enumerate(mine):  # the same advantage on every response token, 0 elsewhere
+        expected = torch.tensor([0.0, 0.0] + [by_hand[j]] * 3)
+        torch.testing.assert_close(batch.advantages[row], expected, atol=1e-6, rtol=0)
+
+
+def test_grpo_advantages_by_hand_with_groups_split_across_dp_ranks():
+    run_ranks(_grpo_body, 2)
+
+
+class RecordingEngine(rollout.HFEngine):
+    """The HF engine noting every call the trainer makes. On rank 1 it samples with other seeds,
+    as a second GPU's engine may (vLLM's batching differs per GPU): the rows differ per rank."""
+
+    def __init__(self, model_dir, device):
+        super().__init__(model_dir, device)
+        self.calls, self.generated = [], []
+
+    def generate(self, prompt_ids, seeds, max_new_tokens, temperature, eos_id):
+        self.calls.append("generate")
+        seeds = [s + 1000 * dist.get_rank() for s in seeds]
+        self.generated.append(super().generate(prompt_ids, seeds, max_new_tokens, temperature, eos_id))
+        return self.generated[-1]
+
+    def sleep(self):
+        self.calls.append("sleep")
+
+    def wake_up(self, tags):
+        self.calls.append("wake_up " + ",".join(tags))
+
+    def load_weights(self, named_tensors):
+        self.calls.append("load_weights")
+        super().load_weights(named_tensors)
+
+    def finish_refit(self):
+        self.calls.append("finish_refit")
+
+    def shutdown(self):
+        self.calls.append("shutdown")  # keeps the process group: the test still needs it
+
+
+def _recording_body(rank, world_size, out_dir):
+    cfg = config.Config(out_dir=out_dir, tp_size=2, steps=2, prompts_per_step=4, samples_per_prompt=2,
+                        max_new_tokens=4, micro_batch_size=8, entropy_coef=0.1, rollout_engine="hf",
+                        export_hf=False, plot_every=0)
+    config.validate(cfg, world_size)
+    engines, trained, make_batch = [], [], train_ppo.make_batch
+
+    def make_engine(cfg, model_dir, device):
+        engines.append(RecordingEngine(model_dir, device))
+        return engines[-1]
+
+    def recording_make_batch(*args):  # the rows this rank trains on
+        trained.append(make_batch(*args))
+        return trained[-1]
+
+    rollout.make_engine, train_ppo.make_batch = make_engine, recording_make_batch
+    train_ppo.main(cfg)
+    engine = engines[0]
+
+    # the GPU order: the engine sleeps while the trainer trains, then takes its weight memory
+    # back, is refit, and only then takes its KV cache back (every step)
+    per_step = ["generate", "sleep", "wake_up weights"] + ["load_weights"] * (engine.calls.count("load_weights") // 2)
+    per_step += ["finish_refit", "wake_up kv_cache"]
+    assert engine.calls == per_step * 2 + ["shutdown"], engine.calls
+
+    # both tp ranks trained on the same rows although their engines sampled differently
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, ([b.ids.tolist() for b in trained], engine.generated))
+    (rows0, generated0), (rows1, generated1) = everyone
+    assert generated0 != generated1, "the stand-in engines should disagree, or the test proves nothing"
+    assert rows0 == rows1
+    # ... and those rows are rank 0's samples, which the rollout dump holds too
+    with open(os.path.join(out_dir, "rollouts", "step_0.jsonl")) as f:
+        dumped = [json.loads(line) for line in f]
+    assert [s["response_ids"] for s in dumped] == [ids for ids, _ in generated0[0]]
+
+    # the entropy bonus is logged apart from the surrogate: at step 0 (one epoch, one minibatch,
+    # ratio 1) the surrogate is -mean(whitened advantages) = 0, the bonus 0.1 * mean entropy
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        first = json.loads(f.readline())
+    assert abs(first["policy_loss"]) < 1e-5, first
+    assert first["entropy_bonus"] == pytest.approx(0.1 * first["entropy"], rel=1e-4)
+
+
+def test_engine_calls_in_gpu_order_and_tp_ranks_train_on_one_copy_of_the_rollouts(tmp_path):
+    run_ranks(_recording_body, 2, str(tmp_path))
+
+
+class FakeLLM:
+    """Stands in for vllm.LLM where CPU cannot run it: sleep mode is CUDA-only."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def sleep(self, level):
+        self.calls.append(f"sleep level={level}")
+
+    def wake_up(self, tags):
+        self.calls.append(f"wake_up {tags}")
+
+
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_vllm_engine_sleep_mode_calls(on_gpu):
+    """The few GPU-only lines of VLLMEngine: level-2 sleep, then weights, refit, KV cache."""
+    calls = []
+    engine = rollout.VLLMEngine.__new__(rollout.VLLMEngine)  # no vLLM model behind it
+    engine.llm, engine.on_gpu, engine.asleep, engine.dtype = FakeLLM(calls), on_gpu, set(), torch.float32
+    engine.load_weights = lambda bucket: calls.append(f"load {[name for name, _ in bucket]}")
+    engine.finish_refit = lambda: calls.append("finish_refit")
+    engine.sleep()
+    rollout.refit(engine, iter([("a", torch.zeros(2)), ("b", torch.zeros(2))]), bucket_mb=1)
+    on_gpu_calls = ["sleep level=2", "wake_up ['weights']", "load ['a', 'b']", "finish_refit", "wake_up ['kv_cache']"]
+    assert calls == (on_gpu_calls if on_gpu else ["load ['a', 'b']", "finish_refit"])
+
+
+def _grpo_run_body(rank, world_size, out_dir):
+    def no_critic(*args):
+        raise AssertionError("GRPO must not build a critic")
+    model_parallel.load_critic = no_critic
+    rollout.HFEngine.shutdown = lambda self: None  # keep the process group: the spawn helper ends it
+    cfg = config.Config(out_dir=out_dir, advantage_estimator="grpo", steps=2, prompts_per_step=2,
+                        samples_per_prompt=4, num_minibatches=2, max_new_tokens=4, micro_batch_size=2,
+                        rollout_engine="hf", save_every=2, export_hf=False, plot_every=0)
+    config.validate(cfg, world_size)
+    train_ppo.main(cfg)
+
+
+def test_grpo_runs_without_a_critic(tmp_path):
+    run_ranks(_grpo_run_body, 2, str(tmp_path))
+    with open(tmp_path / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 2 and all("kl_loss" in r and "value_loss" not in r for r in rows)
+    saved = torch.distributed.checkpoint.FileSystemReader(str(tmp_path / "ckpt" / "step_2")).read_metadata()
+    keys = list(saved.state_dict_metadata)
+    assert any(k.startswith("policy.") for k in keys) and not any(k.startswith("critic") for k in keys)
+
+
+def test_policy_ratio_is_clamped_before_exp():
+    logprobs, old = torch.tensor([[0.0, 1000.0]]), torch.tensor([[0.0, 0.0]])  # a wild token
+    loss, _ = train_ppo.policy_loss(logprobs, old, torch.tensor([[0.0, -1.0]]), torch.ones(1, 2), 0.2)
+    assert torch.isfinite(loss)
+
+
+def test_gsm8k_reward_needs_the_end_of_text():
+    task = rollout.GSM8KTask.__new__(rollout.GSM8KTask)  # only the reward: no tokenizer needed
+    task.format_reward = 0.0
+    assert task.reward("so the answer is 7", "3 + 4 = 7 #### 7", finished=True) == 1.0
+    # cut off by max_new_tokens while the last number happened to be the answer
+    assert task.reward("so the answer is 7", "3 + 4 = 7 #### 7", finished=False) == 0.0
