@@ -129,19 +129,11 @@ class Task(Protocol):
     pad_id: int  # fills the right-padded (b, S) rows; never a loss token
     val: list  # held-out (prompt, answer) pairs for validation, or []
 
-    def prompts(self, step, n: int) -> list:
-        """n (prompt text, reference answer) pairs for `step`, identical on every rank."""
-
-    def encode(self, prompt: str) -> list:
-        """Prompt token ids (the chat template applied, for chat models)."""
-
-    def target(self, answer: str) -> list:
-        """Token ids of the reference answer + EOS (what the SFT warm-up imitates)."""
-
+    def prompts(self, step, n: int) -> list: ...  # n (prompt, answer) pairs, the same on every rank
+    def encode(self, prompt: str) -> list: ...  # prompt token ids (chat template applied, if any)
+    def target(self, answer: str) -> list: ...  # answer ids + EOS: what the SFT warm-up imitates
     def decode(self, ids: list) -> str: ...
-
-    def reward(self, text: str, answer: str, finished: bool) -> float:
-        """Score in [0, 1] of one response; finished = it ended with eos_id (not cut off)."""
+    def reward(self, text: str, answer: str, finished: bool) -> float: ...  # finished: ended with EOS
 
 
 class TaskError(ValueError):
@@ -274,23 +266,14 @@ def validation_accuracy(engine, task: Task, cfg) -> float:
 class Engine(Protocol):
     dtype: torch.dtype  # refit casts the trained weights to this
 
+    # One (response ids, engine logprob of each sampled token) per prompt. Sample k is drawn with
+    # seeds[k] alone, so it does not depend on the batch; temperature 0 = greedy.
     def generate(self, prompt_ids: list, seeds: list, max_new_tokens: int, temperature: float,
-                 eos_id: Optional[int]) -> list:
-        """One (response ids, engine logprob of each sampled token) per prompt; sample k is drawn
-        with seeds[k] alone, so it does not depend on the batch. temperature 0 = greedy."""
-
-    def sleep(self) -> None:
-        """Training runs now: free what the engine can (GPU memory)."""
-
-    def wake_up(self, tags: list) -> None:
-        """Take back the memory of `tags` ("weights", "kv_cache") before refit / generation."""
-
-    def load_weights(self, named_tensors: list) -> None:
-        """One refit bucket: (HF checkpoint name, full tensor) pairs."""
-
-    def finish_refit(self) -> None:
-        """All buckets are in: finalize, drop caches computed with the old weights."""
-
+                 eos_id: Optional[int]) -> list: ...
+    def sleep(self) -> None: ...  # training runs now: free what can be freed (GPU memory)
+    def wake_up(self, tags: list) -> None: ...  # memory of "weights" / "kv_cache" back
+    def load_weights(self, named_tensors: list) -> None: ...  # one refit bucket of (HF name, full tensor)
+    def finish_refit(self) -> None: ...  # all buckets are in: drop caches made by the old weights
     def shutdown(self) -> None: ...
 
 

@@ -2,6 +2,8 @@
 engines that record what the trainer asks of them; and GRPO's advantages by hand."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -176,3 +178,29 @@ def test_gsm8k_reward_needs_the_end_of_text():
     assert task.reward("so the answer is 7", "3 + 4 = 7 #### 7", finished=True) == 1.0
     # cut off by max_new_tokens while the last number happened to be the answer
     assert task.reward("so the answer is 7", "3 + 4 = 7 #### 7", finished=False) == 0.0
+
+
+def test_readme_recipe_for_your_own_task_runs_as_written(tmp_path):
+    """The "Your own task and reward" block of README.md, copied verbatim into a file and
+    launched the way its first line says (smaller: test_tiny, 2 steps)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md")).read()
+    section = readme[readme.index("### Your own task and reward"):]
+    recipe = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
+    script = tmp_path / "my_task.py"
+    script.write_text(recipe)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run([torchrun, "--nproc_per_node=2", "--standalone", str(script), "--config",
+                           "configs/test_tiny.toml", "--steps=2", f"--out_dir={tmp_path / 'out'}"],
+                          cwd=root, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(tmp_path / "out" / "rollouts" / "step_1.jsonl") as f:
+        samples = [json.loads(line) for line in f]
+    assert len(samples) == 8  # test_tiny: 4 prompts x 2 samples
+    for s in samples:  # the task's prompts, answers and reward, not the toy task's
+        word = s["prompt"][:-1]
+        assert s["prompt"].endswith(">") and len(word) == 3 and set(word) <= set("abcd")
+        assert s["answer"] == word[::-1]
+        finished = s["response_ids"][-1] == rollout.ToyTask(0).eos_id
+        assert s["reward"] == float(finished and s["response"] == s["answer"])
