@@ -199,9 +199,11 @@ def local_indices(global_batch, num_minibatches, dp_size, dp_rank):
             for m in range(num_minibatches) for i in range(per_rank)]
 
 
-def dp_rank_of(mesh, rank):
-    """The dp coordinate of a global rank, read from the mesh's grid of ranks."""
-    return int((mesh.mesh == rank).nonzero()[0, 0])
+def samples_of(cfg, mesh, rank=None):
+    """Global sample indices of a rank's dp slice (default: this rank's); the rank's dp
+    coordinate is read from the mesh's grid of ranks."""
+    dp_rank = mesh["dp"].get_local_rank() if rank is None else int((mesh.mesh == rank).nonzero()[0, 0])
+    return local_indices(cfg.global_batch_size, cfg.num_minibatches, mesh["dp"].size(), dp_rank)
 
 
 @dataclass
@@ -221,8 +223,9 @@ class Batch:
     tis: Optional[torch.Tensor] = None  # (b, S) truncated importance weights
 
 
-def make_batch(prompts, responses, pad_id, engine_logprobs=None):
-    """A Batch from token id lists (prompt i, response i, engine logprobs of response i)."""
+def make_batch(prompts, responses, pad_id, engine_logprobs=None, device="cpu"):
+    """A Batch on `device` from token id lists (prompt i, response i, its engine logprobs).
+    On a GPU the whole step then stays there: nothing goes back to the CPU in the update."""
     lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
     ids = torch.full((len(lens), max(lens)), pad_id, dtype=torch.long)  # (b, S)
     mask = torch.zeros(ids.shape)  # (b, S)
@@ -232,7 +235,7 @@ def make_batch(prompts, responses, pad_id, engine_logprobs=None):
         mask[i, len(p):lens[i]] = 1
         if engine_logprobs is not None:
             engine_lp[i, len(p):lens[i]] = torch.tensor(engine_logprobs[i], dtype=torch.float32)
-    return Batch(ids, mask, engine_lp, lens)
+    return Batch(ids.to(device), mask.to(device), engine_lp.to(device), lens)
 
 
 def micro_rows(micro, rows):
@@ -308,7 +311,8 @@ def sft_warmup(model_dir, task, cfg, mesh):
     for it in range(cfg.sft_steps):
         pairs = task.prompts(f"sft{it}", cfg.sft_batch_size)
         mine = pairs[mesh["dp"].get_local_rank() * per_rank:][:per_rank]
-        batch = make_batch([task.encode(p) for p, _ in mine], [task.target(a) for _, a in mine], task.pad_id)
+        batch = make_batch([task.encode(p) for p, _ in mine], [task.target(a) for _, a in mine], task.pad_id,
+                           device=mesh.device_type)
         num_tokens = dp_sum(batch.mask.sum(), mesh)  # global answer tokens
 
         def nll(idx):  # mean negative log-likelihood of the answers
@@ -348,15 +352,14 @@ def generate(engine, task, cfg, step, prompts, mesh):
     samples of all its members' dp slices, and each keeps its own."""
     rank, K = dist.get_rank(), cfg.samples_per_prompt
     group = range(rank - rank % cfg.rollout_tp_size, rank - rank % cfg.rollout_tp_size + cfg.rollout_tp_size)
-    wanted = sorted({j for member in group for j in local_indices(
-        cfg.global_batch_size, cfg.num_minibatches, mesh["dp"].size(), dp_rank_of(mesh, member))})
+    wanted = sorted({j for member in group for j in samples_of(cfg, mesh, member)})
     prompt_ids = [task.encode(p) for p, _ in prompts]  # (chat template applied)
     outs = engine.generate([prompt_ids[j // K] for j in wanted],
                            [rollout.sample_seed(cfg.seed, step, j // K, j % K) for j in wanted],
                            cfg.max_new_tokens, cfg.temperature, task.eos_id)
     by_index = dict(zip(wanted, outs))
     samples = []
-    for j in local_indices(cfg.global_batch_size, cfg.num_minibatches, mesh["dp"].size(), mesh["dp"].get_local_rank()):
+    for j in samples_of(cfg, mesh):
         (response, lps), (prompt, answer) = by_index[j], prompts[j // K]
         text, finished = task.decode(response), bool(response) and response[-1] == task.eos_id
         samples.append(dict(index=j, prompt=prompt, response=text, answer=answer, prompt_ids=prompt_ids[j // K],
@@ -372,8 +375,7 @@ def rollouts(engine, task, cfg, step, mesh):
     the all-gather that also serves the dump."""
     if cfg.replay_rollouts:
         dumped = rollout.load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
-        samples = [dumped[j] for j in local_indices(cfg.global_batch_size, cfg.num_minibatches,
-                                                    mesh["dp"].size(), mesh["dp"].get_local_rank())]
+        samples = [dumped[j] for j in samples_of(cfg, mesh)]
     else:
         prompts = task.prompts(step, cfg.prompts_per_step)
         samples = generate(engine, task, cfg, step, prompts, mesh)
@@ -401,7 +403,7 @@ def forward_batch(forward, batch, cfg, mesh):
         result = forward(batch.ids[idx], [batch.lens[i] for i in idx])
         result = result if isinstance(result, tuple) else (result,)
         if outs is None:
-            outs = [None if r is None else torch.zeros(batch.ids.shape, dtype=r.dtype) for r in result]
+            outs = [None if r is None else r.new_zeros(batch.ids.shape) for r in result]
         for out, r in zip(outs, result):
             if micro and out is not None:
                 out[idx] = r  # (rows, S); a dummy's output is dropped
@@ -432,8 +434,8 @@ def compute_advantages(batch, scores, all_scores, cfg, mesh):
     every response token (its KL is a loss term instead, in update_policy)."""
     rows, last = torch.arange(len(batch.lens)), torch.tensor(batch.lens) - 1  # (b,), (b,)
     if cfg.advantage_estimator == "grpo":
-        mine = local_indices(cfg.global_batch_size, cfg.num_minibatches, mesh["dp"].size(), mesh["dp"].get_local_rank())
-        group_adv = grpo_advantages(torch.tensor(all_scores), cfg.samples_per_prompt)[mine]  # (b,)
+        group_adv = grpo_advantages(torch.tensor(all_scores), cfg.samples_per_prompt)[samples_of(cfg, mesh)]  # (b,)
+        group_adv = group_adv.to(batch.mask.device)
         batch.advantages = group_adv[:, None] * batch.mask  # (b, S)
     else:
         rewards = -cfg.kl_coef * kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator) * batch.mask  # (b, S)
@@ -640,8 +642,8 @@ def main(cfg, task=None):
             with timed(times, "time_rollout_s"):  # 1-3. prompts, rollout, reward
                 samples, all_scores = rollouts(engine, task, cfg, step, mesh)
                 batch = make_batch([s["prompt_ids"] for s in samples], [s["response_ids"] for s in samples],
-                                   task.pad_id, [s["engine_logprobs"] for s in samples])
-                scores = torch.tensor([s["reward"] for s in samples])  # (b,)
+                                   task.pad_id, [s["engine_logprobs"] for s in samples], device)
+                scores = torch.tensor([s["reward"] for s in samples], device=device)  # (b,)
             with timed(times, "time_logprobs_s"):  # 4-6. no-grad passes, rewards, advantages
                 score(policy, reference, critic, batch, cfg, mesh)
                 compute_advantages(batch, scores, all_scores, cfg, mesh)
