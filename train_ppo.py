@@ -267,6 +267,17 @@ class StepStats:
         return dict(zip(names, summed.tolist()), **self.globals)
 
 
+def memory_used_gb():
+    """GPU: memory in use on the device by any allocator (torch.cuda.mem_get_info; vLLM's
+    sleeping pool counts in max_memory_allocated although it went back to the driver).
+    CPU: the process's peak resident set (ru_maxrss, KiB on Linux; libraries included)."""
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        return (total - free) / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 @contextmanager
 def timed(times, name):
     """times[name] = wall seconds of the block (after the GPU's queued work is done)."""
@@ -656,13 +667,14 @@ def main(cfg, task=None):
                             update_critic(critic, parts["critic"][1], batch, rows, num_tokens, cfg, mesh, stats)
                 for _, _, schedule in parts.values():
                     schedule.step()
+                metrics["mem_used_gb"] = memory_used_gb()  # (training's peak is about here)
             with timed(times, "time_refit_s"):  # 9. push the policy into the engine (a collective)
                 if engine is not None:  # also after skipped updates: on GPU the engine dropped its weights
                     metrics.update(rollout.refit(engine, model_parallel.iter_full_params(policy), cfg.refit_bucket_mb))
             batch_stats(batch, scores, cfg, stats)  # 10. metrics: one all-reduce, then named means
             sums = stats.totals(mesh)
-        metrics.update(step_metrics(sums, cfg), **times, tokens_per_s=sums["all_tokens"] / times["time_step_s"],
-                       peak_mem_gb=model_parallel.peak_memory_gb())
+        metrics.update(step_metrics(sums, cfg), **times, tokens=int(sums["all_tokens"]),
+                       tokens_per_s=sums["all_tokens"] / times["time_step_s"])
         log_step(step, metrics, cfg, t_start, start_step)
         bad_steps = bad_steps + 1 if metrics["skipped_updates"] else 0  # steps in a row with a skipped update
         if cfg.max_skipped_steps and bad_steps >= cfg.max_skipped_steps:

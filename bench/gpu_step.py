@@ -6,16 +6,20 @@
 Runs the real trainer (torchrun train_ppo.py) for --steps steps, skips the first (vLLM and
 CUDA warm-up), and reports the median over the rest of, from metrics.jsonl:
   generate_s   time_rollout_s: vLLM generation (+ reward)
-  logprobs_s   time_logprobs_s: the three no-grad passes (old, reference, values)
-  train_s      time_train_s - time_logprobs_s: the PPO update of policy and critic
+  logprobs_s   time_logprobs_s: the no-grad passes (old policy, reference, values) + advantages
+  update_s     time_update_s: the PPO update of policy and critic
   refit_s      time_refit_s: gathering the policy and loading it into vLLM
-  tokens_per_s_per_gpu  (prompt + response tokens of the global batch) / step time / GPUs
-  train_mfu    model FLOPs of the update / (train_s * GPUs * peak bf16 FLOP/s): 6 N per token
-               for each of policy and critic per epoch (forward + backward, Kaplan et al.
-               2020's 6N rule, attention ignored), over --peak_tflops per GPU (989: H100/H200
-               dense bf16)
-  peak_mem_gb  the largest per-step peak_mem_gb (torch.cuda.max_memory_allocated)
-Last line: RESULT key=value ...
+  tokens_per_s_per_gpu  (prompt + response tokens of the step) / step time / GPUs
+  update_mfu   model FLOPs of the update / (update_s * GPUs * peak bf16 FLOP/s), per step, with
+               6 FLOPs per token per matmul weight (forward + backward, Kaplan et al. 2020),
+               attention scores ignored, per PPO epoch: the policy's decoder weights and its
+               LM head (vocab x hidden, counted once even when tied to the embedding, whose
+               lookup is not a matmul), the critic's decoder weights and its hidden x 1 head.
+               Counting 6 x all parameters for both models would overstate it by 8-16%.
+  mem_used_gb  the largest per-step mem_used_gb: GPU memory in use by any allocator
+               (torch.cuda.mem_get_info), sampled after the update
+The attention path and dtype that ran are read back from the run's config.json.
+--peak_tflops per GPU defaults to 989 (H100/H200 dense bf16). Last line: RESULT key=value ...
 """
 import argparse
 import json
@@ -28,6 +32,25 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def matmul_weights(model_config, critic):
+    """Weights that multiply every token (see update_mfu above), from the model's config alone."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):  # shapes only, no memory
+        model = AutoModelForCausalLM.from_config(model_config)
+    decoder = sum(p.numel() for p in model.model.layers.parameters())
+    head = model_config.hidden_size * (1 if critic else model_config.vocab_size)
+    return decoder + head
+
+
+def update_flops(model_config, tokens, ppo_epochs, with_critic):
+    """FLOPs of one step's PPO update: 6 per token per matmul weight, per epoch."""
+    weights = matmul_weights(model_config, critic=False)
+    if with_critic:
+        weights += matmul_weights(model_config, critic=True)
+    return 6 * weights * tokens * ppo_epochs
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="configs/gsm8k_qwen2.5_0.5b_1gpu.toml")
@@ -37,8 +60,8 @@ def main():
     args, extra = p.parse_known_args()  # anything else goes to the trainer (--key=value)
     import torch
     if not torch.cuda.is_available():
-        sys.exit("bench/gpu_step.py needs CUDA GPUs (none found); on CPU use bench/refit.py, "
-                 "bench/logprob_memory.py or bench/packing.py")
+        sys.exit("bench/gpu_step.py needs CUDA GPUs (none found); on CPU use bench/peer_trl.py, "
+                 "bench/refit.py, bench/logprob_memory.py or bench/packing.py")
     out = tempfile.mkdtemp(prefix="gpu_step_")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     subprocess.run([torchrun, "--standalone", f"--nproc_per_node={args.nproc}", "train_ppo.py",
@@ -47,21 +70,17 @@ def main():
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
-    med = lambda key: statistics.median(r[key] for r in rows)
-
-    # parameters of the policy (the critic has the same backbone, without the LM head)
-    from transformers import AutoConfig, AutoModelForCausalLM
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg["model"]))
-    n_params = sum(p.numel() for p in model.parameters())
-    tokens = med("tokens_per_s") * med("time_step_s")  # global tokens of one step
-    train_s = med("time_train_s") - med("time_logprobs_s")
-    flops = 2 * 6 * n_params * tokens * cfg["ppo_epochs"]  # policy + critic, fwd + bwd
+    from transformers import AutoConfig
+    model_config = AutoConfig.from_pretrained(os.path.join(out, "sft") if cfg["sft_steps"] else cfg["model"])
+    med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+    mfu = [update_flops(model_config, r["tokens"], cfg["ppo_epochs"], cfg["advantage_estimator"] == "gae")
+           / (r["time_update_s"] * args.nproc * args.peak_tflops * 1e12) for r in rows]
+    print(f"attention={cfg['attention']} dtype={cfg['dtype']} engine={cfg['rollout_engine']}")
     figures = dict(
-        generate_s=med("time_rollout_s"), logprobs_s=med("time_logprobs_s"), train_s=train_s,
+        generate_s=med("time_rollout_s"), logprobs_s=med("time_logprobs_s"), update_s=med("time_update_s"),
         refit_s=med("time_refit_s"), tokens_per_s_per_gpu=med("tokens_per_s") / args.nproc,
-        train_mfu=flops / (train_s * args.nproc * args.peak_tflops * 1e12),
-        peak_mem_gb=max(r["peak_mem_gb"] for r in rows), params_m=n_params / 1e6)
+        update_mfu=statistics.median(mfu), mem_used_gb=max(r["mem_used_gb"] for r in rows),
+        params_m=matmul_weights(model_config, critic=False) / 1e6)
     for key, value in figures.items():
         print(f"{key:22s} {value:.4g}")
     print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in figures.items()))

@@ -204,3 +204,18 @@ def test_readme_recipe_for_your_own_task_runs_as_written(tmp_path):
         assert s["answer"] == word[::-1]
         finished = s["response_ids"][-1] == rollout.ToyTask(0).eos_id
         assert s["reward"] == float(finished and s["response"] == s["answer"])
+
+
+def test_gpu_step_bench_counts_matmul_weights_once():
+    """bench/gpu_step.py's MFU numerator by hand for the tiny-llama preset (hidden 256, MLP 512,
+    2 layers, 4 query / 2 KV heads of 64, vocab 262): per layer q, o 256x256, k, v 256x128,
+    gate, up 256x512, down 512x256, two norms of 256."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import gpu_step
+    from transformers import AutoConfig
+    fields = dict(model_parallel.TINY_PRESETS["tiny-llama"], tie_word_embeddings=True)
+    model_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    layer = 2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 512 + 2 * 256
+    policy, critic = 2 * layer + 262 * 256, 2 * layer + 256  # LM head once (tied); value head 256 x 1
+    assert gpu_step.update_flops(model_config, tokens=10, ppo_epochs=2, with_critic=True) == 6 * (policy + critic) * 10 * 2
+    assert gpu_step.update_flops(model_config, tokens=10, ppo_epochs=2, with_critic=False) == 6 * policy * 10 * 2
