@@ -575,15 +575,6 @@ def clip_grad_norm(params, max_norm):
     return float(norm)
 
 
-def peak_memory_gb():
-    """This process's peak so far: torch's allocated GPU memory, or on CPU the max resident set
-    (ru_maxrss, KiB on Linux), which also counts the interpreter and libraries."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
 # -----------------------------------------------------------------------------
 # Full weights: refit of the rollout engine and HF export.
 

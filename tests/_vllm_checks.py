@@ -120,8 +120,7 @@ measured["n_response_tokens"] = int(mask.sum())
 engine.sleep()  # as train_ppo.py does around training (a no-op on CPU)
 lp, _ = model_parallel.forward_policy(policy, ids, lens, mesh, cfg, temperature=1.0)  # (b, S)
 (-lp[mask].sum() / mask.sum()).backward()  # make the engine's own samples likelier
-torch.optim.AdamW(policy.parameters(), lr=1e-2).step()
-engine.wake_up()
+torch.optim.AdamW(policy.parameters(), lr=1e-2).step()  # (refit wakes the engine up)
 
 
 def recorded_refit(named_full_tensors, bucket_mb):

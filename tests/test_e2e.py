@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 KEYS = ("step", "reward_mean", "reward_std", "kl", "policy_loss", "value_loss",
         "value_explained_var", "entropy", "clip_frac", "grad_norm", "response_len_mean",
-        "tokens_per_s", "time_rollout_s", "time_train_s", "time_step_s")
+        "tokens_per_s", "time_rollout_s", "time_logprobs_s", "time_update_s", "time_step_s")
 COMPARED = ("policy_loss", "value_loss", "kl", "grad_norm")
 
 
