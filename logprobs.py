@@ -3,11 +3,16 @@
 The policy's lm_head is column-parallel, so each tp rank holds the logits of one slice of the
 vocabulary and no rank ever materialises the full (B, S, V) tensor; under context parallelism each
 cp rank also holds only its zigzag share of the positions. This module turns those shards into the
-(B, S) per-token numbers PPO needs, aligned as DESIGN.md says: out[:, i] scores x_i given x_<i, so
-it comes from the logits at position i-1, and out[:, 0] = 0 (also at every packed sequence start).
+(B, S) per-token numbers PPO needs, aligned as in train_ppo.py's docstring: out[:, i] scores x_i
+given x_<i, so it comes from the logits at position i-1, and out[:, 0] = 0 (also at every packed
+sequence start).
 
-    lp  = token_logprobs(logits, input_ids, tp_group=tp, cp_group=cp, chunk_size=1024)
-    ent = token_entropy(logits, tp_group=tp, cp_group=cp, chunk_size=1024)
+    lp  = token_logprobs(logits, input_ids, tp_group=tp, cp_group=cp, chunk_size=1024, temperature=0.8)
+    ent = token_entropy(logits, tp_group=tp, cp_group=cp, chunk_size=1024, temperature=0.8)
+
+Logits arrive in the model's compute dtype (bf16 on GPU) and are upcast to fp32 and divided by
+the sampling temperature one chunk at a time, inside the functions: a full fp32 copy of
+(tokens, V/tp) logits would cost more than the logits themselves.
 
 Where the ideas come from (the code and prose are our own):
 1. Vocab-parallel log-softmax: the max and the sum of exponentials are all-reduced over tp and the
@@ -51,7 +56,8 @@ def _all_reduce_(tensor, op, group):
 
 
 def _math_dtype(dtype):
-    # softmax math in fp32 even for bf16 logits (DESIGN.md "Dtypes"); fp64 stays fp64 for gradcheck
+    # softmax math in fp32 even for bf16 logits (bf16 keeps 8 bits of mantissa: exp and the sum
+    # over a 150k vocab would lose the small probabilities); fp64 stays fp64 for gradcheck
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -150,27 +156,30 @@ def _vocab_range(logits, tp_group):
     return sum(sizes[: _rank(tp_group)]), sum(sizes)
 
 
-def _logprob_chunk(x, local_target, owned, tp_group):
-    """log p(target) for n tokens whose vocab is split over tp.
+def _logprob_chunk(x, local_target, owned, tp_group, temperature):
+    """log p(target) for n tokens whose vocab is split over tp, p = softmax(x / temperature).
 
-    x: (n, V/tp) logits in the math dtype; local_target: (n,) target id within this shard (clamped
-    into range); owned: (n,) whether this rank's shard holds the target.
-    Returns logprob (n,), logsumexp (n,), exps (n, V/tp) = exp(x - max), sum of exps (n,)."""
+    x: (n, V/tp) logits in their own dtype (bf16 or fp32); local_target: (n,) target id within this
+    shard (clamped into range); owned: (n,) whether this rank's shard holds the target.
+    Returns, in the math dtype: logprob (n,), logsumexp (n,) = log sum_v exp(x_v / T), exps
+    (n, V/tp) = exp((x - max) / T), and the sum of exps (n,)."""
+    math_dtype = _math_dtype(x.dtype)
     # all-reduce 1 (MAX): log-softmax does not change when a constant is subtracted from every
     # logit; subtracting the global max keeps every exp() <= 1, so the sum cannot overflow
-    max_logit = x.max(dim=-1).values  # (n,)
+    max_logit = x.max(dim=-1).values.to(math_dtype)  # (n,)
     _all_reduce_(max_logit, dist.ReduceOp.MAX, tp_group)
-    exps = (x - max_logit[:, None]).exp_()  # (n, V/tp)
-    target_logit = x.gather(1, local_target[:, None]).squeeze(1)  # (n,)
+    # bf16 x minus an fp32 max promotes to fp32: this is the block's one fp32 buffer
+    exps = (x - max_logit[:, None]).div_(temperature).exp_()  # (n, V/tp)
+    target_logit = x.gather(1, local_target[:, None]).squeeze(1).to(math_dtype) / temperature  # (n,)
     # all-reduce 2 (SUM), two numbers per token in one message: the partition function's terms
     # from every shard, and the target's logit, which only the rank owning it contributes
     sums = torch.stack([exps.sum(dim=-1), torch.where(owned, target_logit, 0.0)])  # (2, n)
     _all_reduce_(sums, dist.ReduceOp.SUM, tp_group)
-    logsumexp = max_logit + sums[0].log()  # (n,)  log sum_v exp(x_v) over the whole vocab
+    logsumexp = max_logit / temperature + sums[0].log()  # (n,)  over the whole vocab
     return sums[1] - logsumexp, logsumexp, exps, sums[0]
 
 
-def _logprob_forward(logits, local_target, owned, tp_group, chunk_size, keep_probs):
+def _logprob_forward(logits, local_target, owned, tp_group, chunk_size, keep_probs, temperature):
     """Loop _logprob_chunk over blocks of chunk_size tokens (one block if chunk_size is 0).
 
     Every tp rank holds the same tokens, so all ranks cut the same blocks and their collectives
@@ -182,9 +191,8 @@ def _logprob_forward(logits, local_target, owned, tp_group, chunk_size, keep_pro
     probs = None
     for start in range(0, num_tokens, step):
         rows = slice(start, start + step)
-        x = logits[rows].to(math_dtype)  # (n, V/tp)  no copy when already fp32
         logprob[rows], logsumexp[rows], exps, sum_exps = _logprob_chunk(
-            x, local_target[rows], owned[rows], tp_group
+            logits[rows], local_target[rows], owned[rows], tp_group, temperature
         )
         if keep_probs:
             probs = exps.div_(sum_exps[:, None])  # (N, V/tp)  softmax over the whole vocab
@@ -200,10 +208,11 @@ def _one_hot_minus_probs_(probs, grad_out, local_target, owned):
 
 
 class _VocabParallelLogprob(torch.autograd.Function):
-    """log p(target) from vocab-sharded logits (N, V/tp) -> (N,).
+    """log p(target) from vocab-sharded logits (N, V/tp) -> (N,), at temperature T (x = logits / T).
 
     Backward, derived: log p_t = x_t - log sum_v exp(x_v), and d/dx_v log sum exp = softmax_v, so
-        d log p_t / d x_v = 1[v == t] - softmax_v   =>   grad_x = grad_out * (one_hot(t) - softmax).
+        d log p_t / d x_v = 1[v == t] - softmax_v   =>   grad_x = grad_out * (one_hot(t) - softmax),
+    and grad_logits = grad_x / T, returned in the logits' dtype.
     Each rank needs only its own vocab columns of this, and its softmax already carries the
     all-reduced denominator, so the backward has no communication. The max drops out of the
     derivative entirely (shift invariance), which is why it is all-reduced without a gradient.
@@ -211,12 +220,12 @@ class _VocabParallelLogprob(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, local_target, owned, tp_group, chunk_size):
+    def forward(ctx, logits, local_target, owned, tp_group, chunk_size, temperature):
         keep_probs = chunk_size == 0
         logprob, logsumexp, probs = _logprob_forward(
-            logits, local_target, owned, tp_group, chunk_size, keep_probs
+            logits, local_target, owned, tp_group, chunk_size, keep_probs, temperature
         )
-        ctx.chunk_size, ctx.logits_dtype = chunk_size, logits.dtype
+        ctx.chunk_size, ctx.logits_dtype, ctx.temperature = chunk_size, logits.dtype, temperature
         if keep_probs:
             # unchunked: keep the softmax (N, V/tp); the logits themselves may be freed
             ctx.save_for_backward(probs, local_target, owned)
@@ -228,33 +237,30 @@ class _VocabParallelLogprob(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprob):  # grad_logprob: (N,)
+        grad_x = grad_logprob / ctx.temperature  # (N,)  d/dlogits = d/dx / T
         if ctx.chunk_size == 0:
             probs, local_target, owned = ctx.saved_tensors  # (N, V/tp), (N,), (N,)
             # a fresh buffer, not probs in place: a second backward (retain_graph, gradcheck)
             # must still find the softmax intact
-            grad = _one_hot_minus_probs_(probs.clone(), grad_logprob, local_target, owned)
-            return grad.to(ctx.logits_dtype), None, None, None, None  # (N, V/tp)
+            grad = _one_hot_minus_probs_(probs.clone(), grad_x, local_target, owned)
+            return grad.to(ctx.logits_dtype), None, None, None, None, None  # (N, V/tp)
         logits, local_target, owned, logsumexp = ctx.saved_tensors  # (N, V/tp), (N,) x3
-        grad = torch.empty_like(logits)  # (N, V/tp)  the only full-size allocation
+        grad = torch.empty_like(logits)  # (N, V/tp)  in the logits' dtype: the only full-size buffer
         for start in range(0, logits.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
-            x = logits[rows].to(logsumexp.dtype)  # (n, V/tp)
-            if grad.dtype == logsumexp.dtype:
-                # fp32 logits: build the block directly inside grad, no temporary, no extra copy
-                probs = torch.sub(x, logsumexp[rows, None], out=grad[rows]).exp_()  # (n, V/tp)
-                _one_hot_minus_probs_(probs, grad_logprob[rows], local_target[rows], owned[rows])
-            else:
-                probs = (x - logsumexp[rows, None]).exp_()  # (n, V/tp)  fp32, cast on the store
-                grad[rows] = _one_hot_minus_probs_(
-                    probs, grad_logprob[rows], local_target[rows], owned[rows]
-                )
-        return grad, None, None, None, None
+            # softmax = exp(x/T - lse) = exp((x - T*lse) / T); the bf16 - fp32 subtraction
+            # promotes, so this block's fp32 buffer is the only temporary
+            shifted = logits[rows] - (ctx.temperature * logsumexp[rows])[:, None]  # (n, V/tp) fp32
+            probs = shifted.div_(ctx.temperature).exp_()  # (n, V/tp)  softmax, rebuilt in place
+            grad[rows] = _one_hot_minus_probs_(probs, grad_x[rows], local_target[rows], owned[rows])
+        return grad, None, None, None, None, None
 
 
 def token_logprobs(
-    logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlens=None, chunk_size=0
+    logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlens=None, chunk_size=0, temperature=1.0
 ):
-    """log pi(x_i | x_<i) at every position i of input_ids, from this rank's shard of the logits.
+    """log pi(x_i | x_<i) at every position i of input_ids, from this rank's shard of the logits,
+    for the distribution softmax(logits / temperature).
 
     logits: (B, S/cp, V/tp), this rank's vocab shard at its zigzag positions (B=1 when packed).
     input_ids: (B, S) the full token ids, held by every tp and cp rank.
@@ -290,12 +296,12 @@ def token_logprobs(
 
     if torch.is_grad_enabled() and logits.requires_grad:
         logprob = _VocabParallelLogprob.apply(
-            flat_logits, local_ids, owned, tp_group, chunk_size
+            flat_logits, local_ids, owned, tp_group, chunk_size, temperature
         )  # (N,)
     else:
         # inference (old/reference policy): same math, nothing saved, chunking still bounds temps
         logprob, _, _ = _logprob_forward(
-            flat_logits, local_ids, owned, tp_group, chunk_size, keep_probs=False
+            flat_logits, local_ids, owned, tp_group, chunk_size, False, temperature
         )  # (N,)
 
     next_token_logprob = cp_gather(logprob.view(batch, -1), cp_group, dim=1)  # (B, S)
@@ -320,13 +326,14 @@ class _TPSum(torch.autograd.Function):
         return grad_total, None
 
 
-def token_entropy(logits, *, tp_group=None, cp_group=None, cu_seqlens=None, chunk_size=0):
-    """Entropy of the distribution each x_i was drawn from, aligned like token_logprobs.
+def token_entropy(logits, *, tp_group=None, cp_group=None, cu_seqlens=None, chunk_size=0, temperature=1.0):
+    """Entropy of the distribution each x_i was drawn from, softmax(logits / temperature),
+    aligned like token_logprobs.
 
     logits: (B, S/cp, V/tp). Returns (B, S) in fp32 (fp64 for fp64 logits); 0 at position 0 and
     at sequence starts. Differentiable through plain autograd ops (with grad, each block keeps its
     own (n, V/tp) intermediates, so chunking bounds the memory of no-grad calls only).
-    With m = max_v x_v, s = x - m and Z = sum_v exp(s_v), p = exp(s) / Z and
+    With m = max_v x_v, s = (x - m) / T and Z = sum_v exp(s_v), p = exp(s) / Z and
         H = -sum_v p_v log p_v = log Z - sum_v p_v s_v,
     where every term is bounded (s <= 0) just as in the log-softmax above.
     """
@@ -336,11 +343,12 @@ def token_entropy(logits, *, tp_group=None, cp_group=None, cu_seqlens=None, chun
     step = chunk_size if chunk_size > 0 else max(flat_logits.shape[0], 1)
     blocks = []
     for start in range(0, flat_logits.shape[0], step):
-        x = flat_logits[start : start + step].to(math_dtype)  # (n, V/tp)
+        x = flat_logits[start : start + step]  # (n, V/tp)  in the logits' dtype
         # H does not depend on m, so m is a constant to autograd (detached) and only the sums
         # below carry gradient; MAX all-reduce as in the log-softmax
-        max_logit = _all_reduce_(x.detach().max(dim=-1).values, dist.ReduceOp.MAX, tp_group)  # (n,)
-        shifted = x - max_logit[:, None]  # (n, V/tp)
+        max_logit = x.detach().max(dim=-1).values.to(math_dtype)  # (n,)
+        _all_reduce_(max_logit, dist.ReduceOp.MAX, tp_group)
+        shifted = (x - max_logit[:, None]) / temperature  # (n, V/tp)  math dtype (bf16 promotes)
         exps = shifted.exp()  # (n, V/tp)
         partial = torch.stack([exps.sum(dim=-1), (exps * shifted).sum(dim=-1)])  # (2, n)
         z, z_times_mean_shifted = _TPSum.apply(partial, tp_group)  # (n,), (n,)

@@ -51,10 +51,6 @@ except ImportError:
     flash_attn_varlen_func = None
 
 
-def _opt(cfg, name, default):
-    return getattr(cfg, name, default) if cfg is not None else default  # tests pass small configs
-
-
 # -----------------------------------------------------------------------------
 # Distributed set-up: one code path for `python train_ppo.py` (a world of one) and torchrun.
 
@@ -78,15 +74,26 @@ def init_distributed(timeout_s=1800):
 
 def make_mesh(world_size, tp_size, cp_size, device_type):
     """The ("dp", "cp", "tp") mesh, tp innermost (neighbouring ranks share the fastest link),
-    plus the flattened "dp_cp" dim that FSDP shards over: cp ranks hold different tokens of
-    the same rows, so their gradients are summed like dp's."""
+    plus `mesh.dp_cp`, the dp x cp ranks flattened into one dim for FSDP to shard over: cp ranks
+    hold different tokens of the same rows, so their gradients are summed like dp's."""
     dp_size = world_size // (tp_size * cp_size)
     if dp_size * cp_size * tp_size != world_size:
         raise ValueError(f"dp*cp*tp must equal the world size {world_size}: tp_size={tp_size} * "
                          f"cp_size={cp_size} does not divide it (dp would be {world_size / (tp_size * cp_size):g})")
     mesh = init_device_mesh(device_type, (dp_size, cp_size, tp_size), mesh_dim_names=("dp", "cp", "tp"))
-    mesh["dp", "cp"]._flatten("dp_cp")  # private in torch 2.13, the way torchtitan names it
+    # kept on the mesh object (torch deprecates slicing a flattened dim back out of the root mesh);
+    # _flatten is private in torch 2.13, the way torchtitan builds its FSDP mesh
+    mesh.dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
     return mesh
+
+
+def resolve_auto(cfg, device_type):
+    """Replace "auto" in cfg.dtype and cfg.attention by what runs on this device: the GPU recipe
+    (bf16, flash-attn's varlen kernel when installed) on CUDA, exact fp32 + masked SDPA on CPU."""
+    if cfg.dtype == "auto":
+        cfg.dtype = "bf16" if device_type == "cuda" else "fp32"
+    if cfg.attention == "auto":
+        cfg.attention = "varlen" if device_type == "cuda" and flash_attn_varlen_func is not None else "masked"
 
 
 def _group(mesh, dim):
@@ -149,54 +156,87 @@ class _GatherSeq(torch.autograd.Function):
         ctx.group = group
         local = x.movedim(2, 0).contiguous()  # (S/cp, B, H, D): collectives concatenate on dim 0
         out = local.new_empty((local.shape[0] * dist.get_world_size(group), *local.shape[1:]))
-        dist.all_gather_into_tensor(out, local, group=group)  # (S, B, H, D), cp ranks in rank order
+        dist.all_gather_single(out, local, group=group)  # (S, B, H, D), cp ranks in rank order
         return out.movedim(0, 2)  # (B, H, S, D)
 
     @staticmethod
     def backward(ctx, grad):  # grad: (B, H, S, D)
         full = grad.movedim(2, 0).contiguous()  # (S, B, H, D)
         out = full.new_empty((full.shape[0] // dist.get_world_size(ctx.group), *full.shape[1:]))
-        dist.reduce_scatter_tensor(out, full, group=ctx.group)  # (S/cp, B, H, D) summed over cp
+        dist.reduce_scatter_single(out, full, group=ctx.group)  # (S/cp, B, H, D) summed over cp
         return out.movedim(0, 2), None  # (B, H, S/cp, D)
 
 
-def _flash_varlen(query, key, value, scaling, sliding_window, cu_seqlens):
-    """GPU without CP: flash-attn on the flattened rows, one causal segment per document (a
-    padded row is one segment). NOT verified on this project's CPU machines."""
-    batch, heads, seq, dim = query.shape  # query: (B, Hq/tp, S, D)
-    if cu_seqlens is None:
-        cu_seqlens = torch.arange(0, (batch + 1) * seq, seq, device=query.device)  # (B+1,)
-    cu_seqlens = cu_seqlens.to(query.device, torch.int32)  # (n_docs+1,)
-    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # a host sync, once per layer
-    flat = lambda x: x.transpose(1, 2).reshape(batch * seq, x.shape[1], dim)  # (B*S, H, D)
-    out = flash_attn_varlen_func(flat(query), flat(key), flat(value), cu_seqlens, cu_seqlens, max_len, max_len,
-                                 softmax_scale=scaling, causal=True,  # GQA handled inside the kernel
-                                 window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1))  # (B*S, Hq/tp, D)
-    return out.view(batch, seq, heads, dim)  # (B, S, Hq/tp, D)
+def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale=None, causal=True, window_size=(-1, -1)):
+    """flash-attn's `flash_attn_varlen_func` contract in plain PyTorch: the CPU stand-in for the
+    GPU kernel, and the plainest statement of what that kernel computes.
+    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), Hkv dividing Hq (grouped-query attention).
+    Segment i is q[cu_seqlens_q[i]:cu_seqlens_q[i+1]] attending to k/v[cu_seqlens_k[i]:cu_seqlens_k[i+1]].
+    Causal is bottom-right aligned (flash-attn >= 2.1): a segment with Lq queries and Lk >= Lq keys
+    holds the *last* Lq queries, so query j sits at key position j + Lk - Lq. window_size=(left,
+    right): keys at most `left` positions back, -1 = unlimited. max_seqlen_*: the kernel sizes its
+    grid with them; unused here. Returns (total_q, Hq, D)."""
+    outs = []
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # (on a GPU: a sync per call)
+    for q0, q1, k0, k1 in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:]):
+        q_pos = torch.arange(q1 - q0, device=q.device)[:, None] + (k1 - k0) - (q1 - q0)  # (Lq, 1)
+        k_pos = torch.arange(k1 - k0, device=q.device)[None, :]  # (1, Lk)
+        visible = (k_pos <= q_pos) if causal else (k_pos >= 0) & (q_pos >= 0)  # (Lq, Lk)
+        if window_size[0] >= 0:
+            visible &= k_pos >= q_pos - window_size[0]
+        if not causal and window_size[1] >= 0:
+            visible &= k_pos <= q_pos + window_size[1]
+        seg = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1),
+                                             v[k0:k1].transpose(0, 1), attn_mask=visible, scale=softmax_scale,
+                                             enable_gqa=True)  # (Hq, Lq, D)
+        outs.append(seg.transpose(0, 1))  # (Lq, Hq, D)
+    return torch.cat(outs)  # (total_q, Hq, D)
+
+
+def _masked_attention(query, key, value, scaling, sliding_window, layout):
+    """SDPA with an explicit (B, T/cp, T) mask: a key is visible if it is in the query's document
+    and not in its future, counted in row positions (zigzag order is irrelevant once every token
+    carries its index). O(T^2) memory per row; exact in fp32."""
+    q_rows, kv_rows, q_docs, kv_docs = layout["q_rows"], layout["kv_rows"], layout["q_docs"], layout["kv_docs"]
+    mask = (q_docs[:, :, None] == kv_docs[:, None, :]) & (kv_rows[None, None, :] <= q_rows[None, :, None])  # (B, T/cp, T)
+    if sliding_window:  # Gemma3 local layers: only the last `sliding_window` keys (HF's convention)
+        mask &= kv_rows[None, None, :] > q_rows[None, :, None] - sliding_window  # (B, T/cp, T)
+    # enable_gqa: each KV head serves Hq/Hkv query heads without being copied
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], scale=scaling,
+                                         enable_gqa=True)  # (B, Hq/tp, T/cp, D)
+    return out.transpose(1, 2)  # (B, T/cp, Hq/tp, D)
+
+
+def _varlen_attention(query, key, value, scaling, sliding_window, layout):
+    """The same attention through the varlen contract: tokens flattened to (tokens, heads, dim),
+    one causal segment per (row, zigzag chunk, document). flash-attn on CUDA when installed (it
+    never looks at the masked-out blocks), the reference kernel above otherwise."""
+    batch, heads, local_len, dim = query.shape  # query: (B, Hq/tp, T/cp, D)
+    q = query.transpose(1, 2).reshape(batch * local_len, heads, dim)  # (B*T/cp, Hq/tp, D)
+    k = key.transpose(1, 2).flatten(0, 1)  # (B*T, Hkv/tp, D)  (gathered order under CP)
+    v = value.transpose(1, 2).flatten(0, 1)  # (B*T, Hkv/tp, D)
+    if layout["kv_index"] is not None:  # CP: each segment's keys, from its document's start on
+        k, v = k[layout["kv_index"]], v[layout["kv_index"]]  # (total_k, Hkv/tp, D)
+    on_gpu = flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    kernel = flash_attn_varlen_func if on_gpu else varlen_attention_reference
+    out = kernel(q, k, v, layout["cu_seqlens_q"], layout["cu_seqlens_k"], layout["max_seqlen_q"],
+                 layout["max_seqlen_k"], softmax_scale=scaling, causal=True,
+                 window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1))  # (B*T/cp, Hq/tp, D)
+    return out.view(batch, local_len, heads, dim)  # (B, T/cp, Hq/tp, D)
 
 
 def ppo_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                  *, q_rows, kv_rows, q_docs, kv_docs, cu_seqlens=None, cp_group=None, **unused):
+                  *, ppo_layout, **unused):
     """Causal attention within each packed document, over this rank's zigzag share of queries
-    and all keys. q_rows/kv_rows: index of each query/key in the full row (kv in gathered order);
-    q_docs/kv_docs: (B, .) document id of each token. Dropout is not supported (PPO runs without)."""
-    # query: (B, Hq/tp, S/cp, D), key/value: (B, Hkv/tp, S/cp, D)
-    if flash_attn_varlen_func is not None and query.is_cuda and cp_group is None:
-        return _flash_varlen(query, key, value, scaling, sliding_window, cu_seqlens), None
-    # CPU (or CP): SDPA with an explicit mask, O(S^2) memory per head, exact in fp32
-    if cp_group is not None:
-        key = _GatherSeq.apply(key, cp_group)  # (B, Hkv/tp, S, D)   collective: all-gather over cp
-        value = _GatherSeq.apply(value, cp_group)  # (B, Hkv/tp, S, D)
-    # grouped-query attention: each KV head serves Hq/Hkv query heads (ratio unchanged by tp)
-    key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # (B, Hq/tp, S, D)
-    value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)  # (B, Hq/tp, S, D)
-    # a key is visible if it is in the same document and not in the future, counted in row
-    # positions (the zigzag order of the tokens is irrelevant once each carries its index)
-    mask = (q_docs[:, :, None] == kv_docs[:, None, :]) & (kv_rows[None, None, :] <= q_rows[None, :, None])  # (B, S/cp, S)
-    if sliding_window:  # Gemma3 local layers: only the last `sliding_window` keys (HF's convention)
-        mask &= kv_rows[None, None, :] > q_rows[None, :, None] - sliding_window  # (B, S/cp, S)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], scale=scaling)  # (B, Hq/tp, S/cp, D)
-    return out.transpose(1, 2), None  # (B, S/cp, Hq/tp, D), no attention weights
+    and every key. `ppo_layout` (built once per forward by _layout) says which kernel and holds
+    its index tensors. Dropout is not supported (PPO runs without)."""
+    # query: (B, Hq/tp, T/cp, D), key/value: (B, Hkv/tp, T/cp, D)
+    if ppo_layout["cp_group"] is not None:  # all-gather CP (Llama 3's choice): K/V are small under GQA
+        key = _GatherSeq.apply(key, ppo_layout["cp_group"])  # (B, Hkv/tp, T, D)  collective over cp
+        value = _GatherSeq.apply(value, ppo_layout["cp_group"])  # (B, Hkv/tp, T, D)
+    attend = _varlen_attention if ppo_layout["kind"] == "varlen" else _masked_attention
+    return attend(query, key, value, scaling, sliding_window, ppo_layout), None  # no attention weights
 
 
 AttentionInterface.register("ppo", ppo_attention)
@@ -250,8 +290,9 @@ def _tp_plan(family, sequence_parallel, critic):
     if critic:  # the value head is tiny and replicated over tp: it just needs every token
         plan["lm_head"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
                                              use_local_output=True)
-    else:  # vocab split over tp; the (B, S, V/tp) shard stays local and goes to logprobs.py
-        plan["lm_head"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=True)
+    else:  # vocab split over tp; forward_policy hands each rank's (B, S, V/tp) shard to logprobs.py
+        # (left a DTensor here: to_local() is a view, and FSDP2 cannot hook a module output that is one)
+        plan["lm_head"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
     return plan
 
 
@@ -307,6 +348,14 @@ def check_hf_dir(path, tp_size):
             raise CheckpointError(f"{path}/{f} is corrupt ({e}): download or save it again") from None
 
 
+class ValueHead(nn.Linear):
+    """The critic's Linear(hidden, 1), computed as x @ w.T + b in two ops: F.linear's fused addmm
+    on 3-D input returns a view, and FSDP2 warns about (and cannot hook in-place ops on) views."""
+
+    def forward(self, hidden):  # (B, T/cp, hidden) -> (B, T/cp, 1)
+        return F.linear(hidden, self.weight) + self.bias
+
+
 def _build(path, mesh, cfg, critic):
     tp_size = mesh["tp"].size()
     config = AutoConfig.from_pretrained(path)
@@ -316,27 +365,30 @@ def _build(path, mesh, cfg, critic):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="ppo", dtype=torch.float32)
         if critic:  # the critic is the same backbone with its "LM head" replaced by the value head
-            model.lm_head = nn.Linear(config.hidden_size, 1)
+            model.lm_head = ValueHead(config.hidden_size, 1)
     tied = not critic and config.tie_word_embeddings
     if tp_size > 1:
-        parallelize_module(model, mesh["tp"], _tp_plan(config.model_type, _opt(cfg, "sequence_parallel", False), critic))
+        parallelize_module(model, mesh["tp"], _tp_plan(config.model_type, cfg.sequence_parallel, critic))
         if tied:  # TP gave each module its own DTensor copy: tie again (both are Shard(0) on vocab)
             model.lm_head.weight = model.model.embed_tokens.weight
-    if _opt(cfg, "activation_checkpointing", False):  # recompute each decoder layer in backward
+    if cfg.activation_checkpointing:  # recompute each decoder layer in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     # FSDP2 over dp*cp: per decoder layer (one all-gather in flight at a time), then the root
-    # (embeddings, final norm, head). GPU: bf16 compute, fp32 master weights and reductions;
-    # CPU offload keeps the shards (and the optimizer's state) in host memory (GPU only).
+    # (embeddings, final norm, head). dtype=bf16 (the GPU recipe, on any device): parameters are
+    # all-gathered and computed in bf16, gradients reduced in fp32 into fp32 master weights, which
+    # AdamW updates. CPU offload keeps the shards (and the optimizer's state) in host memory (GPU only).
     device = _device(mesh)
-    offload = device.type == "cuda" and _opt(cfg, "cpu_offload", False)
-    bf16 = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
-    fsdp = dict(mesh=mesh["dp_cp"], offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+    offload = device.type == "cuda" and cfg.cpu_offload
+    compute = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.dtype == "bf16"
+               else MixedPrecisionPolicy())
+    fsdp = dict(mesh=mesh.dp_cp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=bf16, **fsdp)
-    if critic:  # the value head computes in fp32 even on GPU (its own unit, fp32 policy)
-        fully_shard(model.lm_head, mp_policy=MixedPrecisionPolicy(), **fsdp)
-    fully_shard(model, mp_policy=bf16, **fsdp)
+        fully_shard(layer, mp_policy=compute, **fsdp)
+    if critic:  # the value head is its own unit with an fp32 param_dtype: FSDP2 casts its bf16
+        # input up to fp32 (without the cast, bf16 hidden states meet fp32 weights and matmul fails)
+        fully_shard(model.lm_head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32), **fsdp)
+    fully_shard(model, mp_policy=compute, **fsdp)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # each rank's loss is already a sum over its tokens / the global token count, so
@@ -389,7 +441,7 @@ def load_critic(path, mesh, cfg):
     from the seed with std 1/sqrt(hidden+1) and zero bias (Ziegler et al. 2019's value head, as in
     summarize_from_feedback_details), identical on every rank."""
     model, config = _build(path, mesh, cfg, critic=True)
-    generator = torch.Generator().manual_seed(_opt(cfg, "seed", 0))
+    generator = torch.Generator().manual_seed(cfg.seed)
     weight = torch.randn(1, config.hidden_size, generator=generator) / math.sqrt(config.hidden_size + 1)
     _load_weights(model, path, extra={"lm_head.weight": weight, "lm_head.bias": torch.zeros(1)})
     return model
@@ -402,14 +454,14 @@ def microbatches(seq_lens, cfg, mesh):
     """Lists of row indices, the same count on every dp rank ([] = a dummy to run with weight 0,
     so FSDP's collectives still match). Packing: first-fit decreasing into rows of at most
     max_tokens_per_microbatch tokens; otherwise micro_batch_size rows at a time."""
-    if _opt(cfg, "packing", False):
+    if cfg.packing:
         multiple = 2 * mesh["cp"].size() * mesh["tp"].size()
-        capacity = _opt(cfg, "max_tokens_per_microbatch", 512) // multiple * multiple  # room left after padding
+        capacity = cfg.max_tokens_per_microbatch // multiple * multiple  # room left after padding
         bins, room = [], []
         for i in sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i]):  # longest first
             if seq_lens[i] > capacity:
                 raise ValueError(f"a sequence of {seq_lens[i]} tokens does not fit max_tokens_per_microbatch="
-                                 f"{_opt(cfg, 'max_tokens_per_microbatch', 512)} (usable {capacity}: a multiple "
+                                 f"{cfg.max_tokens_per_microbatch} (usable {capacity}: a multiple "
                                  f"of 2*cp*tp={multiple}); raise it")
             fit = next((k for k in range(len(bins)) if room[k] >= seq_lens[i]), None)  # first bin with room
             if fit is None:
@@ -418,7 +470,7 @@ def microbatches(seq_lens, cfg, mesh):
             bins[fit].append(i)
             room[fit] -= seq_lens[i]
     else:
-        size = _opt(cfg, "micro_batch_size", 8)
+        size = cfg.micro_batch_size
         bins = [list(range(start, min(start + size, len(seq_lens)))) for start in range(0, len(seq_lens), size)]
     count = torch.tensor([len(bins)], device=_device(mesh))
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mesh["dp"].get_group())  # collective over dp
@@ -427,6 +479,33 @@ def microbatches(seq_lens, cfg, mesh):
 
 # -----------------------------------------------------------------------------
 # Forward: rows -> this rank's tokens -> model -> this rank's head output -> per-token (b, S).
+
+def _varlen_index(doc_lens, num_rows, row_len, cp_size, cp_rank, kv_rows):
+    """flash-attn's varlen arguments for this rank's queries: one segment per (row, zigzag chunk,
+    document) overlap, in the queries' local order. Each segment's keys run from its document's
+    start to its last query (bottom-right causal; the all-gather CP of Llama 3 and
+    TransformerEngine). Built on the host from Python ints: no device sync in any layer."""
+    doc_starts = [sum(doc_lens[:d]) for d in range(len(doc_lens))]
+    chunk = row_len // (2 * cp_size)
+    chunks = [(0, row_len)] if cp_size == 1 else [(c * chunk, (c + 1) * chunk) for c in (cp_rank, 2 * cp_size - 1 - cp_rank)]
+    q_lens, k_spans = [], []  # k_spans: (row, first key, end) in row positions
+    for row in range(num_rows):
+        for lo, hi in chunks:
+            for start, n in zip(doc_starts, doc_lens):
+                first, end = max(lo, start), min(hi, start + n)
+                if first < end:
+                    q_lens.append(end - first)
+                    k_spans.append((row, start, end))
+    k_lens = [end - start for _, start, end in k_spans]
+    kv_index = None  # cp = 1: the segments' keys are the keys, in order
+    if cp_size > 1:  # the gathered keys are in rank order: natural position p sits at slot[p]
+        slot = torch.empty_like(kv_rows)  # (T,)
+        slot[kv_rows] = torch.arange(len(kv_rows), device=kv_rows.device)
+        kv_index = torch.cat([row * row_len + slot[start:end] for row, start, end in k_spans])  # (total_k,)
+    cu = lambda lens: F.pad(torch.tensor(lens).cumsum(0), (1, 0)).to(kv_rows.device, torch.int32)  # noqa: E731
+    return dict(cu_seqlens_q=cu(q_lens), cu_seqlens_k=cu(k_lens), max_seqlen_q=max(q_lens),
+                max_seqlen_k=max(k_lens), kv_index=kv_index)
+
 
 def _layout(input_ids, seq_lens, mesh, cfg):
     """What this rank feeds the model for (b, S) right-padded rows with seq_lens real tokens.
@@ -438,27 +517,33 @@ def _layout(input_ids, seq_lens, mesh, cfg):
     device = _device(mesh)
     input_ids = input_ids.to(device)  # (b, S)
     cu_seqlens = None
-    if _opt(cfg, "packing", False):
+    if cfg.packing:
         # one row: the sequences back to back, the padding tail as a document of its own
         lens = [int(n) for n in seq_lens]
         tail = -sum(lens) % multiple
         ids = torch.cat([input_ids[k, :n] for k, n in enumerate(lens)] + [input_ids.new_zeros(tail)])[None]  # (1, T)
-        doc_lens = torch.tensor(lens + [tail] if tail else lens, device=device)  # (n_docs,)
-        cu_seqlens = F.pad(doc_lens.cumsum(0), (1, 0)).to(torch.int32)  # (n_docs+1,)
-        docs = torch.repeat_interleave(torch.arange(len(doc_lens), device=device), doc_lens)[None]  # (1, T)
+        doc_lens = lens + [tail] if tail else lens
+        cu_seqlens = F.pad(torch.tensor(doc_lens, device=device).cumsum(0), (1, 0)).to(torch.int32)  # (n_docs+1,)
+        docs = torch.repeat_interleave(torch.arange(len(doc_lens), device=device),
+                                       torch.tensor(doc_lens, device=device))[None]  # (1, T)
         # position ids restart at 0 in each sequence: RoPE sees every sequence as if alone
         positions = torch.arange(ids.shape[1], device=device)[None] - cu_seqlens[docs]  # (1, T)
     else:
         ids = F.pad(input_ids, (0, -input_ids.shape[1] % multiple))  # (b, T)
-        docs = torch.zeros_like(ids)  # (b, T)  one document per row
+        doc_lens = [ids.shape[1]]  # one document per row
+        docs = torch.zeros_like(ids)  # (b, T)
         positions = torch.arange(ids.shape[1], device=device).expand_as(ids)  # (b, T)
     # this rank's zigzag share of the tokens (chunks r and 2cp-1-r); keys arrive all-gathered
     # over cp in rank order, each rank's share in its local order
     q_rows = zigzag_positions(ids.shape[1], cp_size, cp_rank).to(device)  # (T/cp,)
     kv_rows = torch.cat([zigzag_positions(ids.shape[1], cp_size, r) for r in range(cp_size)]).to(device)  # (T,)
+    attention = dict(kind=cfg.attention, cp_group=_group(mesh, "cp"))
+    if cfg.attention == "varlen":
+        attention.update(_varlen_index(doc_lens, ids.shape[0], ids.shape[1], cp_size, cp_rank, kv_rows))
+    else:  # "masked" ("auto" is resolved at start-up)
+        attention.update(q_rows=q_rows, kv_rows=kv_rows, q_docs=docs[:, q_rows], kv_docs=docs[:, kv_rows])
     model_kwargs = dict(input_ids=ids[:, q_rows], position_ids=positions[:, q_rows],  # (B, T/cp) each
-                        q_rows=q_rows, kv_rows=kv_rows, q_docs=docs[:, q_rows], kv_docs=docs[:, kv_rows],
-                        cu_seqlens=cu_seqlens, cp_group=_group(mesh, "cp"), use_cache=False)
+                        ppo_layout=attention, use_cache=False)
     return dict(ids=ids, cu_seqlens=cu_seqlens, n_seqs=len(seq_lens), model_kwargs=model_kwargs,
                 seq_lens=torch.as_tensor(seq_lens, device=device))
 
@@ -475,14 +560,17 @@ def _unlayout(per_token, layout, like):
 
 def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_entropy=False):
     """Per-token logprobs (b, S) of the rows under pi(.)^(1/temperature), and the entropy if
-    asked; position 0 holds 0 (DESIGN.md alignment). Packing, CP and TP stay inside."""
+    asked; position 0 holds 0 (the alignment in train_ppo.py's docstring). Packing, CP and TP
+    stay inside."""
     layout = _layout(input_ids, seq_lens, mesh, cfg)
-    logits = model(**layout["model_kwargs"]).logits  # (B, T/cp, V/tp)  vocab-sharded, never gathered
-    # divide by the sampling temperature so the ratio pi/pi_old compares the distributions
-    # the engine actually sampled from (NeMo-RL, verl do the same)
-    logits = logits.float() / temperature  # (B, T/cp, V/tp)  fp32 before dividing (bf16 on GPU)
+    logits = model(**layout["model_kwargs"]).logits  # (B, T/cp, V/tp)  vocab-sharded, bf16 under dtype=bf16
+    if isinstance(logits, DTensor):  # tp > 1: this rank's vocab shard, never gathered
+        logits = logits.to_local()  # (B, T/cp, V/tp)
+    # logprobs.py divides by the sampling temperature (so that pi/pi_old compares the
+    # distributions the engine sampled from, as NeMo-RL and verl do) and upcasts to fp32 one
+    # chunk at a time: no fp32 copy of the whole (tokens, V/tp) logits
     shards = dict(tp_group=_group(mesh, "tp"), cp_group=_group(mesh, "cp"), cu_seqlens=layout["cu_seqlens"],
-                  chunk_size=_opt(cfg, "logprob_chunk_size", 0))
+                  chunk_size=cfg.logprob_chunk_size, temperature=temperature)
     logprobs = token_logprobs(logits, layout["ids"], **shards)  # (B, T)
     entropy = _unlayout(token_entropy(logits, **shards), layout, input_ids) if with_entropy else None
     return _unlayout(logprobs, layout, input_ids), entropy  # (b, S), (b, S) or None
@@ -569,9 +657,10 @@ def clip_grad_norm(params, max_norm):
             dist.all_reduce(sq, group=group)  # collective: sum over the ranks holding other shards
         total_sq = total_sq + sq
     norm = total_sq.sqrt()
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
-    for grad in grads:
-        _local(grad).mul_(scale)
+    if max_norm > 0:  # 0 = no clipping, only the norm
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        for grad in grads:
+            _local(grad).mul_(scale)
     return float(norm)
 
 
@@ -715,12 +804,3 @@ def load_checkpoint(path, parts):
     for name, (_, _, scheduler) in parts.items():
         scheduler.load_state_dict(trainer_state["schedulers"][name])
     return trainer_state["step"]
-
-
-
-def resolve_auto(cfg, device_type):
-    """Replace "auto" in cfg.dtype and cfg.attention by what runs on this device."""
-    if cfg.dtype == "auto":
-        cfg.dtype = "bf16" if device_type == "cuda" else "fp32"
-    if cfg.attention == "auto":
-        cfg.attention = "varlen" if device_type == "cuda" and flash_attn_varlen_func is not None else "masked"

@@ -259,3 +259,26 @@ def test_bf16_logits_compute_in_fp32():
         (reference,) = torch.autograd.grad(plain_logprobs(as_fp32, ids).sum(), as_fp32)
         # the only difference is the bf16 rounding of the returned gradient
         torch.testing.assert_close(grad.float(), reference, atol=1e-2, rtol=1e-2)
+
+
+def test_temperature_is_applied_per_chunk_in_fp32():
+    """token_logprobs/token_entropy at T=0.7 equal plain log_softmax(logits.float() / 0.7), value
+    and gradient, for fp32 and bf16 logits, chunked or not (the temperature and the upcast moved
+    inside the chunk loop; the reference does them up front on the whole tensor)."""
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randn(2, 7, 50, generator=gen) * 3
+    ids = torch.randint(0, 50, (2, 7), generator=gen)
+    weights = torch.randn(2, 7, generator=gen)
+    for dtype, grad_tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        logits = base.to(dtype).requires_grad_(True)
+        as_fp32 = logits.detach().float().requires_grad_(True)
+        want = plain_logprobs(as_fp32 / 0.7, ids)
+        (want_grad,) = torch.autograd.grad((want * weights).sum(), as_fp32)
+        for chunk_size in (0, 3):
+            out = token_logprobs(logits, ids, chunk_size=chunk_size, temperature=0.7)
+            torch.testing.assert_close(out, want.detach(), **TOL)
+            (grad,) = torch.autograd.grad((out * weights).sum(), logits)
+            assert grad.dtype == dtype
+            torch.testing.assert_close(grad.float(), want_grad, atol=grad_tol, rtol=grad_tol)
+            ent = token_entropy(logits.detach(), chunk_size=chunk_size, temperature=0.7)
+            torch.testing.assert_close(ent, plain_entropy(as_fp32.detach() / 0.7, ()), **TOL)

@@ -8,7 +8,6 @@ One spawn per world size runs many cases, so the suite stays within a few minute
 """
 import math
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 import model_parallel as mp
 from _dist import run_ranks
+from config import Config
 
 TEMPERATURE = 0.8
 LENS = [14, 12, 6, 5]  # global batch; with dp=2 rank 0 packs 2 rows, rank 1 packs 1 (+ a dummy)
@@ -26,9 +26,9 @@ SEED = 5
 
 def _cfg(**overrides):
     # max 24 tokens per packed row: 14+12 do not fit together, so packing makes several rows
-    fields = dict(packing=False, micro_batch_size=1, max_tokens_per_microbatch=24, sequence_parallel=False,
-                  logprob_chunk_size=0, activation_checkpointing=False, cpu_offload=False, seed=SEED)
-    return SimpleNamespace(**dict(fields, **overrides))
+    fields = dict(packing=False, micro_batch_size=1, max_tokens_per_microbatch=24, logprob_chunk_size=0,
+                  seed=SEED, dtype="fp32", attention="masked")
+    return Config(**dict(fields, **overrides))
 
 
 def _batch():
@@ -104,7 +104,7 @@ def _check_case(root, name, mesh, cfg, label):
     mine = list(range(dp_rank * share, (dp_rank + 1) * share))  # this dp rank's global rows
     policy, critic = mp.load_policy(path, mesh, cfg), mp.load_critic(path, mesh, cfg)
     n_tokens = mask.sum()  # global response tokens (every rank knows the whole batch here)
-    seen = []
+    seen, outputs = [], {}
     for rows in mp.microbatches([LENS[i] for i in mine], cfg, mesh):
         idx, w = ([mine[r] for r in rows], 1.0) if rows else ([mine[0]], 0.0)  # dummy: weight 0
         lens = [LENS[i] for i in idx]
@@ -117,11 +117,13 @@ def _check_case(root, name, mesh, cfg, label):
             for name, got in (("lp", lp), ("ent", ent), ("values", values)):
                 err = (got.detach() - ref[name][idx]).abs().max().item()
                 assert err <= 1e-5, f"{label}: {name} differs from HF by {err:.2e}"
+                outputs[name, tuple(idx)] = got.detach()
     assert sorted(seen) == mine, f"{label}: microbatches covered {seen}, expected {mine}"
     for prefix, model in (("", policy), ("critic.", critic)):
         names = set()
         for name, param in model.named_parameters():
             full = param.grad.full_tensor()  # collective: the whole gradient on every rank
+            outputs[prefix + name] = full
             want = ref["grads"][prefix + name]
             rel = ((full - want).norm() / want.norm().clamp(min=1e-12)).item()
             assert rel <= 1e-5, f"{label}: grad of {prefix}{name} off by {rel:.2e} relative"
@@ -131,16 +133,22 @@ def _check_case(root, name, mesh, cfg, label):
     want_norm = torch.stack([g.norm() for n, g in ref["grads"].items() if not n.startswith("critic.")]).norm()
     got_norm = mp.clip_grad_norm(list(policy.parameters()), max_norm=1e9)
     assert abs(got_norm / want_norm.item() - 1) <= 1e-5, f"{label}: grad norm {got_norm} vs {want_norm.item()}"
-    return policy
+    return outputs
 
 
 def _equivalence_body(rank, world_size, root, cases, checks=()):
+    """Each case with both attention paths: each against HF, and varlen against masked."""
     for (dp, cp, tp), names, packings, extra in cases:
         mesh = mp.make_mesh(world_size, tp, cp, "cpu")
         for name in names:
             for packing in packings:
                 label = f"{name} dp{dp} cp{cp} tp{tp} packing={packing} {extra}"
-                _check_case(root, name, mesh, _cfg(packing=packing, **extra), label)
+                masked, varlen = (_check_case(root, name, mesh, _cfg(packing=packing, attention=kind, **extra),
+                                              f"{label} {kind}") for kind in ("masked", "varlen"))
+                assert masked.keys() == varlen.keys()
+                for key, want in masked.items():  # logprobs, entropies, values, full gradients
+                    err = (varlen[key] - want).abs().max().item()
+                    assert err <= 1e-5, f"{label}: varlen differs from masked in {key} by {err:.2e}"
     for check in checks:  # more tests that reuse this spawn (starting ranks is the slow part)
         globals()[check](root, world_size)
 
@@ -236,17 +244,42 @@ def test_mesh_sizes_must_multiply_to_world_size():
         mp.make_mesh(6, 4, 1, "cpu")
 
 
+def _varlen_case(dtype=torch.float32, device="cpu"):
+    """Three segments with GQA (4 query heads, 2 KV heads): a whole document of 10 tokens, then
+    the last 4 queries of a 9-token document (as a CP rank holds them: q shorter than k), then 5."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(19, 4, 32, generator=g)  # (total_q, Hq, D)
+    k, v = (torch.randn(24, 2, 32, generator=g) for _ in range(2))  # (total_k, Hkv, D)
+    cu_q, cu_k = torch.tensor([0, 10, 14, 19]), torch.tensor([0, 10, 19, 24])
+    to = lambda x: x.to(device, dtype)  # noqa: E731
+    return to(q), to(k), to(v), cu_q.to(device, torch.int32), cu_k.to(device, torch.int32)
+
+
+def test_varlen_reference_kernel_by_hand():
+    """The CPU stand-in for flash_attn_varlen_func against softmax(q k^T / sqrt(d)) v written out
+    per query: causal bottom-right (query j of Lq sees keys <= j + Lk - Lq), window, GQA."""
+    q, k, v, cu_q, cu_k = _varlen_case()
+    for window in (-1, 3):
+        got = mp.varlen_attention_reference(q, k, v, cu_q, cu_k, 10, 10, softmax_scale=0.2, causal=True,
+                                            window_size=(window, 0))
+        for seg in range(3):
+            q0, q1, k0, k1 = cu_q[seg], cu_q[seg + 1], cu_k[seg], cu_k[seg + 1]
+            for j in range(q1 - q0):
+                at = j + (k1 - k0) - (q1 - q0)  # the query's position among its keys
+                first = 0 if window < 0 else max(0, at - window)
+                for h in range(4):
+                    keys, vals = k[k0 + first:k0 + at + 1, h // 2], v[k0 + first:k0 + at + 1, h // 2]  # (n, D)
+                    weights = torch.softmax(keys @ q[q0 + j, h] * 0.2, dim=0)  # (n,)
+                    torch.testing.assert_close(got[q0 + j, h], weights @ vals, atol=1e-6, rtol=0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or mp.flash_attn_varlen_func is None,
                     reason="GPU path: needs CUDA and flash-attn")
-def test_flash_varlen_matches_masked_attention():
-    """The GPU kernel path of ppo_attention against the CPU masked-SDPA path on a packed row."""
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, heads, 24, 64, generator=g) for heads in (4, 2, 2))  # (1, H, T, D)
-    docs = torch.tensor([0] * 10 + [1] * 9 + [2] * 5)[None]  # (1, T) three packed sequences
-    rows = torch.arange(24)
-    layout = dict(q_rows=rows, kv_rows=rows, q_docs=docs, kv_docs=docs, cu_seqlens=torch.tensor([0, 10, 19, 24]))
-    want, _ = mp.ppo_attention(None, q, k, v, None, scaling=0.125, **layout)
-    cuda = lambda x: x.cuda().bfloat16()
-    got, _ = mp.ppo_attention(None, cuda(q), cuda(k), cuda(v), None, scaling=0.125,
-                              **{n: t.cuda() for n, t in layout.items()})
-    assert (got.float().cpu() - want).abs().max() < 3e-2
+def test_flash_varlen_matches_the_reference_kernel():
+    """flash-attn's kernel against our CPU stand-in on the same varlen arguments (bf16 on GPU)."""
+    q, k, v, cu_q, cu_k = _varlen_case()
+    for window in (-1, 3):
+        want = mp.varlen_attention_reference(q, k, v, cu_q, cu_k, 10, 10, softmax_scale=0.2, window_size=(window, 0))
+        got = mp.flash_attn_varlen_func(*_varlen_case(torch.bfloat16, "cuda"), 10, 10, softmax_scale=0.2,
+                                        causal=True, window_size=(window, 0))
+        assert (got.float().cpu() - want).abs().max() < 3e-2
