@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import config
 import model_parallel
 from _dist import _free_port
 from test_e2e import ROOT, TORCHRUN, close, read_metrics, run_cli
@@ -168,12 +169,12 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(straig
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         mesh = model_parallel.make_mesh(1, 1, 1, "cpu")
-        policy = model_parallel.load_policy(os.path.join(out, "sft"), mesh, None)
+        policy = model_parallel.load_policy(os.path.join(out, "sft"), mesh, config.Config())
         opt = torch.optim.AdamW(policy.parameters())
         parts = {"policy": (policy, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0))}
         assert model_parallel.load_checkpoint(os.path.join(out, "ckpt", "step_4"), parts) == 4
         with torch.no_grad():
-            trainer, _ = model_parallel.forward_policy(policy, ids, lens, mesh, None)  # (b, S)
+            trainer, _ = model_parallel.forward_policy(policy, ids, lens, mesh, config.Config())  # (b, S)
     finally:
         dist.destroy_process_group()
 
