@@ -168,8 +168,9 @@ def _logprob_chunk(x, local_target, owned, tp_group, temperature):
     # logit; subtracting the global max keeps every exp() <= 1, so the sum cannot overflow
     max_logit = x.max(dim=-1).values.to(math_dtype)  # (n,)
     _all_reduce_(max_logit, dist.ReduceOp.MAX, tp_group)
-    # bf16 x minus an fp32 max promotes to fp32: this is the block's one fp32 buffer
-    exps = (x - max_logit[:, None]).div_(temperature).exp_()  # (n, V/tp)
+    # exp(x/T - max/T) as one fused pass (add with alpha), then exp in place; bf16 x plus an
+    # fp32 shift promotes to fp32: this is the block's one fp32 buffer
+    exps = torch.add(-max_logit[:, None] / temperature, x, alpha=1 / temperature).exp_()  # (n, V/tp)
     target_logit = x.gather(1, local_target[:, None]).squeeze(1).to(math_dtype) / temperature  # (n,)
     # all-reduce 2 (SUM), two numbers per token in one message: the partition function's terms
     # from every shard, and the target's logit, which only the rank owning it contributes
@@ -248,11 +249,14 @@ class _VocabParallelLogprob(torch.autograd.Function):
         grad = torch.empty_like(logits)  # (N, V/tp)  in the logits' dtype: the only full-size buffer
         for start in range(0, logits.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
-            # softmax = exp(x/T - lse) = exp((x - T*lse) / T); the bf16 - fp32 subtraction
-            # promotes, so this block's fp32 buffer is the only temporary
-            shifted = logits[rows] - (ctx.temperature * logsumexp[rows])[:, None]  # (n, V/tp) fp32
-            probs = shifted.div_(ctx.temperature).exp_()  # (n, V/tp)  softmax, rebuilt in place
-            grad[rows] = _one_hot_minus_probs_(probs, grad_x[rows], local_target[rows], owned[rows])
+            # softmax = exp(x/T - lse) (one fused add, as in the forward), built straight into
+            # grad when the logits are fp32; bf16 logits promote to one fp32 block
+            same_dtype = grad.dtype == logsumexp.dtype
+            probs = torch.add(-logsumexp[rows, None], logits[rows], alpha=1 / ctx.temperature,
+                              out=grad[rows] if same_dtype else None).exp_()  # (n, V/tp)
+            probs = _one_hot_minus_probs_(probs, grad_x[rows], local_target[rows], owned[rows])  # (n, V/tp)
+            if not same_dtype:
+                grad[rows] = probs  # (n, V/tp)  cast to the logits' dtype on the store
         return grad, None, None, None, None, None
 
 

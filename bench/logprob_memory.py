@@ -3,10 +3,12 @@
     .venv/bin/python bench/logprob_memory.py                                  # B=4 S=1024 V=32768
     .venv/bin/python bench/logprob_memory.py --batch 1 --seq 256 --vocab 4096 # quick look
 
-Variants (one process, tp = cp = 1, fp32 on CPU; loss = sum(logprobs * fixed random weights)):
-  plain    log_softmax(logits)[:, :-1].gather(ids[:, 1:]) through autograd, the usual way
-  ours     token_logprobs(logits, ids): hand-written backward, the softmax kept for it
-  chunked  token_logprobs(logits, ids, chunk_size=C): softmax recomputed block by block
+Variants (one process, tp = cp = 1, on CPU; loss = sum(logprobs * fixed random weights)):
+  plain         fp32 logits: log_softmax(logits)[:, :-1].gather(ids[:, 1:]) through autograd
+  ours          fp32 logits: token_logprobs(logits, ids), hand-written backward, softmax kept
+  chunked       fp32 logits: token_logprobs(logits, ids, chunk_size=C), softmax recomputed per block
+  plain_bf16    bf16 logits (what a bf16 model returns): logits.float().log_softmax().gather()
+  chunked_bf16  bf16 logits: token_logprobs(..., chunk_size=C), upcast per block, bf16 gradient
 
 How peak memory is measured (CPU has no max_memory_allocated): every variant runs in a fresh
 subprocess, which allocates its inputs in place (no temporaries), warms the kernels up on a tiny
@@ -33,12 +35,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for logprobs.py
 from logprobs import token_logprobs  # noqa: E402
 
-VARIANTS = ("plain", "ours", "chunked")
+VARIANTS = ("plain", "ours", "chunked", "plain_bf16", "chunked_bf16")
+TIMED = ("plain", "ours", "chunked")
 
 
-def make_inputs(batch, seq, vocab):
+def make_inputs(batch, seq, vocab, dtype=torch.float32):
     gen = torch.Generator().manual_seed(0)
-    logits = torch.empty(batch, seq, vocab).normal_(generator=gen).requires_grad_(True)  # (B, S, V)
+    logits = torch.empty(batch, seq, vocab, dtype=dtype).normal_(generator=gen).requires_grad_(True)  # (B, S, V)
     ids = torch.randint(0, vocab, (batch, seq), generator=gen)  # (B, S)
     weights = torch.randn(batch, seq, generator=gen)  # (B, S)
     return logits, ids, weights
@@ -47,12 +50,12 @@ def make_inputs(batch, seq, vocab):
 def step(variant, logits, ids, weights, chunk_size):
     """One forward+backward; the gradient lands in logits.grad."""
     logits.grad = None
-    if variant == "plain":
-        logp = torch.log_softmax(logits, dim=-1)  # (B, S, V)
+    if variant.startswith("plain"):
+        logp = torch.log_softmax(logits.float(), dim=-1)  # (B, S, V)  fp32 (a copy for bf16 logits)
         scores = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]  # (B, S-1)
         loss = (scores * weights[:, 1:]).sum()
     else:
-        chunk_size = chunk_size if variant == "chunked" else 0
+        chunk_size = chunk_size if variant.startswith("chunked") else 0
         lp = token_logprobs(logits, ids, chunk_size=chunk_size)  # (B, S)
         loss = (lp * weights).sum()
     loss.backward()
@@ -63,8 +66,9 @@ def peak_rss_bytes():
 
 
 def child_memory(args):
-    logits, ids, weights = make_inputs(args.batch, args.seq, args.vocab)
-    step(args.variant, *make_inputs(2, 8, 16), args.chunk_size)  # load lazily initialised kernels
+    dtype = torch.bfloat16 if args.variant.endswith("bf16") else torch.float32
+    logits, ids, weights = make_inputs(args.batch, args.seq, args.vocab, dtype)
+    step(args.variant, *make_inputs(2, 8, 16, dtype), args.chunk_size)  # load lazily initialised kernels
     baseline = peak_rss_bytes()
     step(args.variant, logits, ids, weights, args.chunk_size)
     print(json.dumps({"variant": args.variant, "extra_peak": peak_rss_bytes() - baseline}))
@@ -72,9 +76,9 @@ def child_memory(args):
 
 def child_time(args):
     inputs = make_inputs(args.batch, args.seq, args.vocab)
-    times = {v: [] for v in VARIANTS}
+    times = {v: [] for v in TIMED}
     for round_index in range(args.rounds + 1):
-        for variant in VARIANTS:
+        for variant in TIMED:
             start = time.perf_counter()
             step(variant, *inputs, args.chunk_size)
             if round_index > 0:  # round 0 is the warm-up
@@ -106,17 +110,18 @@ def main():
 
     mib = 2**20
     full_mib = args.batch * args.seq * args.vocab * 4 / mib
-    print(f"B={args.batch} S={args.seq} V={args.vocab} fp32, chunk={args.chunk_size} tokens; "
-          f"one (B, S, V) tensor = {full_mib:.0f} MiB; torch threads={torch.get_num_threads()}")
+    print(f"B={args.batch} S={args.seq} V={args.vocab}, chunk={args.chunk_size} tokens; "
+          f"one fp32 (B, S, V) tensor = {full_mib:.0f} MiB; torch threads={torch.get_num_threads()}")
     peaks = {v: run_child(args, f"--variant={v}")["extra_peak"] for v in VARIANTS}
     times = run_child(args, "--time")
     for v in VARIANTS:
         extra = peaks[v] / mib
-        print(f"{v:8s} extra peak {extra:8.0f} MiB ({extra / full_mib:4.2f} x B*S*V)"
-              f"   fwd+bwd {times[v]:6.3f} s (median of {args.rounds})")
+        timing = f"   fwd+bwd {times[v]:6.3f} s (median of {args.rounds})" if v in times else ""
+        print(f"{v:12s} extra peak {extra:8.0f} MiB ({extra / full_mib:4.2f} x fp32 B*S*V){timing}")
     print(f"RESULT chunked_peak_ratio={peaks['chunked'] / peaks['plain']:.3f} "
           f"ours_peak_ratio={peaks['ours'] / peaks['plain']:.3f} "
-          f"chunked_time_ratio={times['chunked'] / times['plain']:.3f}")
+          f"chunked_time_ratio={times['chunked'] / times['plain']:.3f} "
+          f"bf16_chunked_peak_ratio={peaks['chunked_bf16'] / peaks['plain_bf16']:.3f}")
 
 
 if __name__ == "__main__":
