@@ -58,17 +58,18 @@ def init_distributed(timeout_s=1800):
     """(rank, world_size, device); initializes the default process group once. A collective
     that waits more than timeout_s raises instead of blocking forever (a dead or stuck rank);
     when a rank dies, torchrun also stops the others (SIGTERM, then SIGKILL after 30 s)."""
+    device = torch.device("cpu")
+    if torch.cuda.is_available():  # GPU only: pick this rank's GPU *before* NCCL starts, so its
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # communicators
+        torch.cuda.set_device(device)  # and buffers are not all created on GPU 0
     if not dist.is_initialized():
         for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                            ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
             os.environ.setdefault(key, value)  # what torchrun would set for one process
         # gloo also on GPU machines for the few CPU-side collectives
-        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s))
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
     return dist.get_rank(), dist.get_world_size(), device
 
 
