@@ -83,7 +83,7 @@ class Config:
     critic_lr: float = 1e-5  # critic AdamW learning rate
     warmup_steps: int = 0  # linear LR warm-up (in PPO steps) for policy and critic
     weight_decay: float = 0.0  # AdamW weight decay (both models)
-    max_grad_norm: float = 1.0  # clip the global grad norm of each model to this
+    max_grad_norm: float = 1.0  # clip the global grad norm of each model to this (0 = no clipping)
     kl_coef: float = 0.05  # beta: per-token reward penalty beta * KL(policy || reference)
     kl_estimator: str = "k1"  # k1 = log ratio (unbiased), k3 = (r - 1) - log r (low variance, >= 0)
     gamma: float = 1.0  # GAE discount
