@@ -7,8 +7,7 @@ import time
 import pytest
 
 import config
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
 
 
 def test_precedence_default_then_file_then_command_line(tmp_path):

@@ -3,7 +3,7 @@ Takes a few minutes on 2 cores; it is the one test that shows PPO works, not jus
 import json
 import os
 
-from test_e2e import run_cli, read_metrics
+from conftest import read_metrics, run_cli
 
 
 def test_demo_learns(tmp_path):

@@ -6,55 +6,33 @@ numbers too, since it trained on the same rollouts from the same warmed-up weigh
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+from conftest import close, read_metrics, run_cli
+
 KEYS = ("step", "reward_mean", "reward_std", "kl", "policy_loss", "value_loss",
         "value_explained_var", "entropy", "clip_frac", "grad_norm", "response_len_mean",
         "tokens_per_s", "time_rollout_s", "time_logprobs_s", "time_update_s", "time_step_s")
 COMPARED = ("policy_loss", "value_loss", "kl", "grad_norm")
 
 
-def run_cli(nproc, *args, timeout=600):
-    """torchrun the trainer; fail the test with its output if it fails."""
-    cmd = [TORCHRUN, f"--nproc_per_node={nproc}", "--standalone", "train_ppo.py", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    first = proc.stderr.find("Traceback")  # the first rank's traceback, not torchrun's summary
-    assert proc.returncode == 0, (f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n"
-                                  f"{proc.stderr[max(first, 0):][:6000]}")
-    return proc.stdout
-
-
-def read_metrics(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def close(a, b, rel=1e-4, abs_=1e-6):
-    return abs(a - b) <= max(rel * max(abs(a), abs(b)), abs_)
-
-
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("gen"))
-    stdout = run_cli(2, "--config", "configs/test_tiny.toml", "--steps=3", f"--out_dir={out}")
-    return out, stdout
+    proc = run_cli(2, "--config", "configs/test_tiny.toml", "--steps=3", f"--out_dir={out}")
+    return out, proc
 
 
 def test_run_writes_metrics_rollouts_plot_and_progress(generated):
-    out, stdout = generated
+    out, proc = generated
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
         for k in KEYS:
             assert k in r and math.isfinite(r[k]), (k, r)
         assert 0.0 <= r["reward_mean"] <= 1.0 and 0.0 <= r["clip_frac"] <= 1.0
-    assert "step 3/3" in stdout and "eta" in stdout
+    assert "step 3/3" in proc.stdout and "eta" in proc.stdout
     for step in range(3):
         with open(os.path.join(out, "rollouts", f"step_{step}.jsonl")) as f:
             samples = [json.loads(line) for line in f]
