@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
@@ -64,3 +66,20 @@ def kill_torchrun(pid):
         except ProcessLookupError:  # already gone
             pass
 
+
+# ---- the independent reference for per-token logprobs
+
+def at_positions(scores, seq_starts=()):
+    """(B, S-1) scores of tokens 1..S-1 -> (B, S) with token i's score at position i; 0 at
+    position 0 and at each packed sequence's start (nothing before it predicts it)."""
+    out = torch.cat([torch.zeros_like(scores[:, :1]), scores], dim=1)
+    keep = torch.ones(out.shape[1])
+    keep[list(seq_starts)] = 0.0
+    return out * keep
+
+
+def plain_logprobs(logits, ids, seq_starts=()):
+    """out[:, i] = log_softmax(logits[:, i-1])[ids[:, i]] on the full, unsharded (B, S, V) logits:
+    the single-process computation every sharded path is compared with."""
+    scores = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, S-1)
+    return at_positions(scores, seq_starts)

@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import model_parallel
 from _dist import _free_port
-from conftest import ROOT, close, cpu_env, kill_torchrun, read_metrics, run_cli, torchrun_cmd
+from conftest import (ROOT, close, cpu_env, kill_torchrun, plain_logprobs, read_metrics, run_cli,
+                      torchrun_cmd)
 
 ARGS = ("--config", "configs/test_tiny.toml", "--rollout_engine=hf", "--sft_steps=30")
 VOLATILE = ("tokens_per_s", "mem_used_gb")  # and every time_* key: wall clock and memory, not training
@@ -163,7 +164,7 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(straig
     hf = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf(input_ids=ids).logits  # (b, S, V)
-    plain = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]  # (b, S-1)
+    plain = plain_logprobs(logits, ids)  # (b, S), 0 at position 0 as the trainer's
 
     proc = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, export, json.dumps(seqs)], capture_output=True,
                           text=True, timeout=300, env=cpu_env())
@@ -174,7 +175,7 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(straig
     worst_hf = worst_vllm = 0.0
     for b, n in enumerate(lens):
         assert trainer[b, n - 1] != 0  # the checkpointed policy was actually run
-        worst_hf = max(worst_hf, (trainer[b, 1:n] - plain[b, :n - 1]).abs().max().item())
+        worst_hf = max(worst_hf, (trainer[b, 1:n] - plain[b, 1:n]).abs().max().item())
         worst_vllm = max(worst_vllm, (trainer[b, :n] - torch.tensor(vllm[b])).abs().max().item())
     print(f"max |trainer - transformers| {worst_hf:.2e}, max |trainer - vLLM| {worst_vllm:.2e}")
     assert worst_hf <= 1e-4 and worst_vllm <= 1e-4, (worst_hf, worst_vllm)
