@@ -1,6 +1,9 @@
 """Helpers shared by the test modules, imported as `from conftest import run_cli, read_metrics`
 (pytest puts tests/ on sys.path; so does running a script in tests/). No test module imports
-another: what two of them need lives here. Plain functions, no fixtures, no hooks."""
+another: what two of them need lives here. Plain functions, no fixtures, no hooks.
+
+The `slow` marker (pytest.ini) tags the tier that `make test-fast` leaves out: CLI runs under
+torchrun, vLLM engines, the demo."""
 import json
 import os
 import signal

@@ -24,6 +24,8 @@ from _dist import _free_port
 from conftest import (ROOT, close, cpu_env, kill_torchrun, plain_logprobs, read_metrics, run_cli,
                       torchrun_cmd)
 
+pytestmark = pytest.mark.slow  # four CLI runs under torchrun, and a vLLM engine
+
 ARGS = ("--config", "configs/test_tiny.toml", "--rollout_engine=hf", "--sft_steps=30")
 VOLATILE = ("tokens_per_s", "mem_used_gb")  # and every time_* key: wall clock and memory, not training
 COMPARED = ("policy_loss", "value_loss", "kl", "grad_norm", "reward_mean")

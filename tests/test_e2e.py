@@ -11,6 +11,8 @@ import pytest
 
 from conftest import close, read_metrics, run_cli
 
+pytestmark = pytest.mark.slow  # every test here launches torchrun (~1 min a launch on 2 cores)
+
 KEYS = ("step", "reward_mean", "reward_std", "kl", "policy_loss", "value_loss",
         "value_explained_var", "entropy", "clip_frac", "grad_norm", "response_len_mean",
         "tokens_per_s", "time_rollout_s", "time_logprobs_s", "time_update_s", "time_step_s")

@@ -185,6 +185,7 @@ def write_rollouts(path, steps, nan_steps, prompts_per_step=4, samples_per_promp
         rollout.dump_rollouts(os.path.join(path, f"step_{step}.jsonl"), samples)
 
 
+@pytest.mark.slow  # a CLI run under torchrun
 def test_nan_update_is_skipped_and_too_many_in_a_row_stop_the_run(tmp_path):
     write_rollouts(tmp_path / "rollouts", 6, nan_steps={1, 3, 4})
     cmd = torchrun_cmd(1, "--config", "configs/test_tiny.toml", "--sft_steps=0", "--steps=6",
@@ -234,6 +235,7 @@ def workers_after_first_step(proc, out_dir):
     return workers
 
 
+@pytest.mark.slow  # a CLI run under torchrun
 def test_sigterm_to_one_rank_finishes_the_step_saves_and_exits_0(start_run, tmp_path):
     out = tmp_path / "out"
     proc = start_run(out)
@@ -247,6 +249,7 @@ def test_sigterm_to_one_rank_finishes_the_step_saves_and_exits_0(start_run, tmp_
     assert model_parallel.find_checkpoint("auto", str(out)).endswith(f"step_{done}")
 
 
+@pytest.mark.slow  # a CLI run under torchrun
 def test_a_dead_rank_stops_the_others_without_hanging(start_run, tmp_path):
     out = tmp_path / "out"
     proc = start_run(out)

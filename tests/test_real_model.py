@@ -80,6 +80,7 @@ def test_task_applies_chat_template_and_checks_inputs(real_model):
         rollout.make_task(cfg, path, model_vocab_size=448)
 
 
+@pytest.mark.slow
 def test_two_ppo_steps_with_vllm_and_validation(real_model, tmp_path):
     root, path = real_model
     run_cli(2, "--task=gsm8k", f"--model={path}", f"--prompts={root}/train.jsonl",

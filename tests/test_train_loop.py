@@ -181,6 +181,7 @@ def test_gsm8k_reward_needs_the_end_of_text():
     assert task.reward("so the answer is 7", "3 + 4 = 7 #### 7", finished=False) == 0.0
 
 
+@pytest.mark.slow  # a CLI run under torchrun
 def test_readme_recipe_for_your_own_task_runs_as_written(tmp_path):
     """The "Your own task and reward" block of README.md, copied verbatim into a file and
     launched the way its first line says (smaller: test_tiny, 2 steps)."""

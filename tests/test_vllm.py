@@ -20,7 +20,8 @@ from conftest import ROOT, cpu_env, torchrun_cmd
 
 TOLERANCE = 1e-3  # mean |engine logprob - reference logprob| in fp32 (measured: ~3e-7)
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+              pytest.mark.slow]  # a vLLM engine takes 15-60 s to build here
 
 
 def launch(out_dir, *args):
