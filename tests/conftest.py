@@ -26,12 +26,12 @@ def torchrun_cmd(nproc, *args, script="train_ppo.py"):
     return [TORCHRUN, f"--nproc_per_node={nproc}", "--standalone", script, *args]
 
 
-def run_cli(nproc, *args, timeout=600):
+def run_cli(nproc, *args, timeout=600, env=None):
     """torchrun the trainer; fail the test with its output if it fails. Returns the finished
     process: .stdout and .stderr as text."""
     cmd = torchrun_cmd(nproc, *args)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=cpu_env())
+                          env=cpu_env() if env is None else env)
     first = proc.stderr.find("Traceback")  # the first rank's traceback, not torchrun's summary
     assert proc.returncode == 0, (f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n"
                                   f"{proc.stderr[max(first, 0):][:6000]}")
