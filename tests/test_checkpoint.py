@@ -10,7 +10,6 @@ The export is compared with the trainer's own logprobs in transformers and in vL
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -23,7 +22,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import config
 import model_parallel
 from _dist import _free_port
-from test_e2e import ROOT, TORCHRUN, close, read_metrics, run_cli
+from conftest import (ROOT, close, cpu_env, kill_torchrun, plain_logprobs, read_metrics, run_cli,
+                      torchrun_cmd)
+
+pytestmark = pytest.mark.slow  # four CLI runs under torchrun, and a vLLM engine
 
 ARGS = ("--config", "configs/test_tiny.toml", "--rollout_engine=hf", "--sft_steps=30")
 VOLATILE = ("tokens_per_s", "mem_used_gb")  # and every time_* key: wall clock and memory, not training
@@ -46,20 +48,6 @@ def tokenizer_model_dir(root):
     return path
 
 
-def torchrun_workers(pid):
-    """pids of the worker processes torchrun `pid` started: they run in sessions of their own, so
-    killing torchrun's process group does not reach them."""
-    workers = []
-    for child in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{child}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:  # the parent pid field
-                    workers.append(int(child))
-        except OSError:
-            continue
-    return workers
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     root = tmp_path_factory.mktemp("straight")
@@ -79,18 +67,16 @@ def resumed(straight, tmp_path_factory):
 
     # resume on the same mesh; the save of step 4 pauses between writing and renaming (the test
     # hook in model_parallel.save_checkpoint), and we SIGKILL torchrun and both ranks right there
-    cmd = [TORCHRUN, "--nproc_per_node=2", "--standalone", "train_ppo.py", *ARGS, f"--model={model}",
-           "--steps=4", "--save_every=2", "--resume=auto", f"--out_dir={out}"]
+    cmd = torchrun_cmd(2, *ARGS, f"--model={model}", "--steps=4", "--save_every=2", "--resume=auto",
+                       f"--out_dir={out}")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1",
-                                                         "PPO_TEST_PAUSE_BEFORE_RENAME_S": "300"})
+                            env=cpu_env(PPO_TEST_PAUSE_BEFORE_RENAME_S="300"))
     tmp_dir = os.path.join(out, "ckpt", "step_4.tmp")
     written = os.path.join(tmp_dir, "trainer_state_rank0.pt")  # the last file a rank writes
     deadline = time.time() + 400
     while not os.path.isfile(written) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    for pid in torchrun_workers(proc.pid) + [proc.pid]:  # every file written, the rename not done
-        os.kill(pid, signal.SIGKILL)
+    kill_torchrun(proc.pid)  # every file written, the rename not done
     log = proc.communicate()[0]
     assert os.path.isfile(written), f"the run never reached its step-4 save:\n{log[-3000:]}"
     assert os.path.isfile(os.path.join(tmp_dir, ".metadata"))  # complete content, yet not renamed
@@ -98,7 +84,7 @@ def resumed(straight, tmp_path_factory):
     killed_listing = sorted(os.listdir(os.path.join(out, "ckpt")))
 
     stdout = run_cli(2, *ARGS, f"--model={model}", "--steps=4", "--save_every=2", "--resume=auto",
-                     "--tp_size=2", f"--out_dir={out}")
+                     "--tp_size=2", f"--out_dir={out}").stdout
     return dict(out=out, after_stop=after_stop, killed_rows=killed_rows, killed_listing=killed_listing,
                 log=log, stdout=stdout)
 
@@ -181,10 +167,10 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(straig
     hf = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf(input_ids=ids).logits  # (b, S, V)
-    plain = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]  # (b, S-1)
+    plain = plain_logprobs(logits, ids)  # (b, S), 0 at position 0 as the trainer's
 
     proc = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, export, json.dumps(seqs)], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          text=True, timeout=300, env=cpu_env())
     line = [x for x in proc.stdout.splitlines() if x.startswith("LOGPROBS ")]
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     vllm = json.loads(line[0][len("LOGPROBS "):])
@@ -192,7 +178,7 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(straig
     worst_hf = worst_vllm = 0.0
     for b, n in enumerate(lens):
         assert trainer[b, n - 1] != 0  # the checkpointed policy was actually run
-        worst_hf = max(worst_hf, (trainer[b, 1:n] - plain[b, :n - 1]).abs().max().item())
+        worst_hf = max(worst_hf, (trainer[b, 1:n] - plain[b, 1:n]).abs().max().item())
         worst_vllm = max(worst_vllm, (trainer[b, :n] - torch.tensor(vllm[b])).abs().max().item())
     print(f"max |trainer - transformers| {worst_hf:.2e}, max |trainer - vLLM| {worst_vllm:.2e}")
     assert worst_hf <= 1e-4 and worst_vllm <= 1e-4, (worst_hf, worst_vllm)

@@ -3,9 +3,12 @@ Takes a few minutes on 2 cores; it is the one test that shows PPO works, not jus
 import json
 import os
 
-from test_e2e import run_cli, read_metrics
+import pytest
+
+from conftest import read_metrics, run_cli
 
 
+@pytest.mark.slow
 def test_demo_learns(tmp_path):
     run_cli(2, "--config", "configs/demo_cpu.toml", f"--out_dir={tmp_path}", timeout=1200)
     rows = read_metrics(tmp_path)

@@ -21,8 +21,7 @@ import config
 import model_parallel
 import rollout
 from _dist import _free_port
-from test_checkpoint import torchrun_workers
-from test_e2e import ROOT, TORCHRUN, read_metrics
+from conftest import ROOT, cpu_env, kill_torchrun, read_metrics, torchrun_cmd, torchrun_workers
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +156,7 @@ def test_resume_points_at_nothing_complete(tmp_path):
 def test_cli_bad_model_dir_one_line_exit_2(model_dir, tmp_path):
     path = broken_copy(model_dir, tmp_path, "truncated")
     (path / "model.safetensors").write_bytes(b"\0" * 16)
-    env = {**os.environ, "WORLD_SIZE": "1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    env = cpu_env(WORLD_SIZE="1", MASTER_PORT=str(_free_port()))
     proc = subprocess.run([sys.executable, "train_ppo.py", f"--model={path}", "--rollout_engine=hf",
                            f"--out_dir={tmp_path / 'out'}"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
@@ -186,13 +185,13 @@ def write_rollouts(path, steps, nan_steps, prompts_per_step=4, samples_per_promp
         rollout.dump_rollouts(os.path.join(path, f"step_{step}.jsonl"), samples)
 
 
+@pytest.mark.slow  # a CLI run under torchrun
 def test_nan_update_is_skipped_and_too_many_in_a_row_stop_the_run(tmp_path):
     write_rollouts(tmp_path / "rollouts", 6, nan_steps={1, 3, 4})
-    cmd = [TORCHRUN, "--nproc_per_node=1", "--standalone", "train_ppo.py", "--config", "configs/test_tiny.toml",
-           "--sft_steps=0", "--steps=6", "--max_skipped_steps=2", "--export_hf=false",
-           f"--replay_rollouts={tmp_path / 'rollouts'}", f"--out_dir={tmp_path / 'out'}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = torchrun_cmd(1, "--config", "configs/test_tiny.toml", "--sft_steps=0", "--steps=6",
+                       "--max_skipped_steps=2", "--export_hf=false",
+                       f"--replay_rollouts={tmp_path / 'rollouts'}", f"--out_dir={tmp_path / 'out'}")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=cpu_env())
     assert proc.returncode != 0
     assert "stopping: 2 steps in a row skipped updates (NaN/inf loss or grad norm)" in proc.stdout, proc.stdout
     rows = read_metrics(tmp_path / "out")
@@ -215,18 +214,14 @@ def start_run():
     procs = []
 
     def start(out_dir):
-        cmd = [TORCHRUN, "--nproc_per_node=2", "--standalone", "train_ppo.py", "--config", "configs/test_tiny.toml",
-               "--rollout_engine=hf", "--sft_steps=0", "--steps=50", f"--out_dir={out_dir}"]
+        cmd = torchrun_cmd(2, "--config", "configs/test_tiny.toml", "--rollout_engine=hf", "--sft_steps=0",
+                           "--steps=50", f"--out_dir={out_dir}")
         procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))
+                                      env=cpu_env()))
         return procs[-1]
     yield start
     for proc in procs:
-        for pid in torchrun_workers(proc.pid) + [proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_torchrun(proc.pid)
 
 
 def workers_after_first_step(proc, out_dir):
@@ -240,6 +235,7 @@ def workers_after_first_step(proc, out_dir):
     return workers
 
 
+@pytest.mark.slow  # a CLI run under torchrun
 def test_sigterm_to_one_rank_finishes_the_step_saves_and_exits_0(start_run, tmp_path):
     out = tmp_path / "out"
     proc = start_run(out)
@@ -253,6 +249,7 @@ def test_sigterm_to_one_rank_finishes_the_step_saves_and_exits_0(start_run, tmp_
     assert model_parallel.find_checkpoint("auto", str(out)).endswith(f"step_{done}")
 
 
+@pytest.mark.slow  # a CLI run under torchrun
 def test_a_dead_rank_stops_the_others_without_hanging(start_run, tmp_path):
     out = tmp_path / "out"
     proc = start_run(out)

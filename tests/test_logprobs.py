@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from _dist import grid_groups, run_ranks
+from conftest import at_positions, plain_logprobs
 from logprobs import (
     cp_gather,
     token_entropy,
@@ -26,25 +27,13 @@ def close(actual, expected, what):
 
 
 # ----------------------------------------------------------------------------
-# independent references
-
-
-def plain_logprobs(full_logits, ids, seq_starts=()):
-    """out[:, i] = log_softmax(logits[:, i-1])[ids[:, i]]; 0 at position 0 and at starts."""
-    scores = torch.log_softmax(full_logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
-    out = torch.cat([torch.zeros_like(scores[:, :1]), scores], dim=1)
-    keep = torch.ones(out.shape[1])
-    keep[list(seq_starts)] = 0.0
-    return out * keep
+# independent references (plain_logprobs is conftest's, shared with the other test files)
 
 
 def plain_entropy(full_logits, seq_starts=()):
+    """out[:, i] = entropy of softmax(logits[:, i-1]); 0 at position 0 and at starts."""
     logp = torch.log_softmax(full_logits[:, :-1], dim=-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    out = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
-    keep = torch.ones(out.shape[1])
-    keep[list(seq_starts)] = 0.0
-    return out * keep
+    return at_positions(-(logp.exp() * logp).sum(-1), seq_starts)
 
 
 def vocab_columns(vocab, tp, tp_rank):
@@ -207,7 +196,7 @@ def test_packed_equals_each_sequence_alone():
     rows = unpack_packed(packed_lp, cu_seqlens, 8)  # (3, 8)
     for k, (seq, lg) in enumerate(zip(seqs, seq_logits)):
         expected = torch.zeros(8)
-        expected[1 : len(seq)] = torch.log_softmax(lg[:-1], -1).gather(-1, seq[1:, None])[:, 0]
+        expected[: len(seq)] = plain_logprobs(lg[None], seq[None])[0]  # the sequence alone
         torch.testing.assert_close(rows[k], expected, **TOL)
 
 

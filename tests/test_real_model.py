@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 import rollout
-from test_e2e import read_metrics, run_cli
+from conftest import read_metrics, run_cli
 
 # Qwen's ChatML layout
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -60,7 +60,7 @@ def real_model(tmp_path_factory):
     return root, path
 
 
-def test_task_applies_chat_template_and_checks_inputs(real_model, tmp_path):
+def test_task_applies_chat_template_and_checks_inputs(real_model):
     root, path = real_model
     cfg = types.SimpleNamespace(task="gsm8k", prompts=str(root / "train.jsonl"), val_prompts="",
                                 max_new_tokens=8, max_model_len=256, seed=0, format_reward=0.0)
@@ -72,20 +72,15 @@ def test_task_applies_chat_template_and_checks_inputs(real_model, tmp_path):
     assert task.eos_id == tok.convert_tokens_to_ids("<|im_end|>")
     assert task.reward("3 + 4 = 7 #### 7", PROBLEMS[0][1], True) == 1.0
     assert task.prompts(5, 4) == task.prompts(5, 4)
+    # (malformed and empty lines of the prompts file: test_failures.py, beside the other bad inputs)
     with pytest.raises(rollout.TaskError, match="tokenizer"):  # tokenizer larger than the model
         rollout.make_task(cfg, path, model_vocab_size=100)
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n{not json\n")
-    with pytest.raises(rollout.TaskError, match=":2:"):  # the malformed line's number
-        rollout.read_gsm8k(str(bad))
-    bad.write_text(json.dumps({"question": "  ", "answer": "#### 1"}) + "\n")
-    with pytest.raises(rollout.TaskError, match="empty question"):
-        rollout.read_gsm8k(str(bad))
     cfg.max_model_len = 20
     with pytest.raises(rollout.TaskError, match="max_model_len"):  # prompt longer than context
         rollout.make_task(cfg, path, model_vocab_size=448)
 
 
+@pytest.mark.slow
 def test_two_ppo_steps_with_vllm_and_validation(real_model, tmp_path):
     root, path = real_model
     run_cli(2, "--task=gsm8k", f"--model={path}", f"--prompts={root}/train.jsonl",

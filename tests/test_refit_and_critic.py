@@ -1,23 +1,17 @@
 """Refit leaves the engine computing with the trained weights; the critic's value head is
 right-shifted. Both at dp=2 (FSDP2 over 2 gloo ranks), against plain single-process HF."""
 import torch
-import torch.nn.functional as F
 from transformers import AutoModel
 
 import model_parallel
 import rollout
 from config import Config
 from _dist import run_ranks
+from conftest import plain_logprobs
 
 IDS = [[51, 43, 57, 61, 49, 50, 256, 257], [50, 43, 50, 61, 52, 256, 257, 257]]  # "3+9=12", "2+2=4"
 LENS = [7, 6]
 REAL = torch.arange(8)[None, :] < torch.tensor(LENS)[:, None]  # (B, S) not padding
-
-
-def plain_logprobs(model, ids):
-    """log pi(x_i | x_<i) from an unsharded HF model, position 0 = 0."""
-    logp = torch.log_softmax(model(ids).logits.float(), -1)  # (B, S, V)
-    return F.pad(logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0], (1, 0))  # (B, S)
 
 
 class RecordingEngine(rollout.HFEngine):
@@ -41,10 +35,10 @@ def _refit_body(rank, world_size, tmp):
     torch.optim.AdamW(policy.parameters(), lr=1e-2).step()
     with torch.no_grad():
         trained, _ = model_parallel.forward_policy(policy, ids, LENS, mesh, cfg)  # (B, S)
-        before = plain_logprobs(engine.model, ids)
+        before = plain_logprobs(engine.model(ids).logits.float(), ids)  # (B, S) the engine's unsharded model
         assert (before - trained)[REAL].abs().max() > 1e-2, "the update should have changed logprobs"
         stats = rollout.refit(engine, model_parallel.iter_full_params(policy), bucket_mb=1)
-        after = plain_logprobs(engine.model, ids)
+        after = plain_logprobs(engine.model(ids).logits.float(), ids)
     torch.testing.assert_close(after[REAL], trained[REAL], atol=1e-5, rtol=1e-5)
     # buckets stay within the limit, except a single tensor larger than the limit on its own
     largest_param = max(p.numel() * 4 for p in engine.model.parameters())

@@ -14,6 +14,7 @@ import model_parallel
 import rollout
 import train_ppo
 from _dist import run_ranks
+from conftest import ROOT, cpu_env, torchrun_cmd
 
 
 def _grpo_body(rank, world_size):
@@ -180,20 +181,18 @@ def test_gsm8k_reward_needs_the_end_of_text():
     assert task.reward("so the answer is 7", "3 + 4 = 7 #### 7", finished=False) == 0.0
 
 
+@pytest.mark.slow  # a CLI run under torchrun
 def test_readme_recipe_for_your_own_task_runs_as_written(tmp_path):
     """The "Your own task and reward" block of README.md, copied verbatim into a file and
     launched the way its first line says (smaller: test_tiny, 2 steps)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    readme = open(os.path.join(root, "README.md")).read()
+    readme = open(os.path.join(ROOT, "README.md")).read()
     section = readme[readme.index("### Your own task and reward"):]
     recipe = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
     script = tmp_path / "my_task.py"
     script.write_text(recipe)
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--nproc_per_node=2", "--standalone", str(script), "--config",
-                           "configs/test_tiny.toml", "--steps=2", f"--out_dir={tmp_path / 'out'}"],
-                          cwd=root, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root})
+    proc = subprocess.run(torchrun_cmd(2, "--config", "configs/test_tiny.toml", "--steps=2",
+                                       f"--out_dir={tmp_path / 'out'}", script=str(script)),
+                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=cpu_env(PYTHONPATH=ROOT))
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(tmp_path / "out" / "rollouts" / "step_1.jsonl") as f:
         samples = [json.loads(line) for line in f]
@@ -210,7 +209,7 @@ def test_gpu_step_bench_counts_matmul_weights_once():
     """bench/gpu_step.py's MFU numerator by hand for the tiny-llama preset (hidden 256, MLP 512,
     2 layers, 4 query / 2 KV heads of 64, vocab 262): per layer q, o 256x256, k, v 256x128,
     gate, up 256x512, down 512x256, two norms of 256."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
     import gpu_step
     from transformers import AutoConfig
     fields = dict(model_parallel.TINY_PRESETS["tiny-llama"], tie_word_embeddings=True)

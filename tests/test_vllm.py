@@ -13,22 +13,21 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+from conftest import ROOT, cpu_env, torchrun_cmd
+
 TOLERANCE = 1e-3  # mean |engine logprob - reference logprob| in fp32 (measured: ~3e-7)
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+              pytest.mark.slow]  # a vLLM engine takes 15-60 s to build here
 
 
 def launch(out_dir, *args):
     """torchrun 2 ranks of _vllm_checks.py; its per-rank measurements (rank order)."""
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "tests/_vllm_checks.py", f"--dir={out_dir}", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = torchrun_cmd(2, f"--dir={out_dir}", *args, script="tests/_vllm_checks.py")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540, env=cpu_env())
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     with open(os.path.join(out_dir, "results.json")) as f:
         return json.load(f)
