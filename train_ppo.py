@@ -54,6 +54,7 @@ import os
 import signal
 import sys
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
@@ -77,7 +78,6 @@ import rollout  # noqa: E402
 # tests and readers. `mask` is 1 on response tokens. Losses are sums over tokens divided by
 # `num_tokens`, the number of response tokens in the *global* minibatch, so neither dp nor
 # the microbatch size changes them.
-
 
 def masked_sum(x, mask):
     return (x * mask).sum()
@@ -145,8 +145,7 @@ def masked_whiten(x, mask, group=None, eps=1e-8):
     return ((x - mean) * torch.rsqrt(var + eps)).to(x.dtype) * mask
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio, num_tokens=None,
-                tis_weight=None):
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio, num_tokens=None, tis_weight=None):
     """Clipped surrogate (Schulman et al., 2017, eq. 7), as a loss to minimize:
         ratio = pi / pi_old,  loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1-eps, 1+eps))
     `tis_weight` (optional, (B, S)) reweights each token by a truncated importance weight
@@ -200,8 +199,7 @@ def local_indices(global_batch, num_minibatches, dp_size, dp_rank):
 
 
 def samples_of(cfg, mesh, rank=None):
-    """Global sample indices of a rank's dp slice (default: this rank's); the rank's dp
-    coordinate is read from the mesh's grid of ranks."""
+    """Global sample indices of a rank's dp slice (default: this rank's)."""
     dp_rank = mesh["dp"].get_local_rank() if rank is None else int((mesh.mesh == rank).nonzero()[0, 0])
     return local_indices(cfg.global_batch_size, cfg.num_minibatches, mesh["dp"].size(), dp_rank)
 
@@ -250,15 +248,13 @@ class StepStats:
     (summed over dp once, at the end); `add_global` a number every rank already has."""
 
     def __init__(self):
-        self.shares, self.globals = {}, {}
+        self.shares, self.globals = Counter(), Counter()  # Counter.update adds
 
     def add(self, **shares):
-        for name, value in shares.items():
-            self.shares[name] = self.shares.get(name, 0.0) + float(value)
+        self.shares.update({name: float(value) for name, value in shares.items()})
 
     def add_global(self, **values):
-        for name, value in values.items():
-            self.globals[name] = self.globals.get(name, 0.0) + float(value)
+        self.globals.update({name: float(value) for name, value in values.items()})
 
     def totals(self, mesh):
         """Every sum over the global batch: one all-reduce for all of them."""
@@ -330,8 +326,7 @@ def sft_warmup(model_dir, task, cfg, mesh):
             lp, _ = model_parallel.forward_policy(policy, batch.ids[idx], [batch.lens[i] for i in idx], mesh, cfg)
             return -masked_sum(lp, batch.mask[idx]) / num_tokens, {}
 
-        loss_share, _ = backward_microbatches(nll, list(range(len(mine))), batch, cfg, mesh)
-        optimizer_step(policy, optimizer, loss_share, cfg, mesh)
+        minibatch_update(policy, optimizer, nll, list(range(len(mine))), batch, cfg, mesh)
         if it % 10 == 0 or it == cfg.sft_steps - 1:
             print0(f"sft {it + 1}/{cfg.sft_steps}")
     model_parallel.save_hf(policy, sft_dir)
@@ -379,11 +374,10 @@ def generate(engine, task, cfg, step, prompts, mesh):
 
 
 def rollouts(engine, task, cfg, step, mesh):
-    """Steps 1-3: this rank's samples, and every sample of the step by global index.
-    The tp x cp ranks of one dp slice must train on identical rows, but their engines may
-    disagree (vLLM's batching and KV-cache sizing differ per GPU, so sampling is not
-    bit-identical across GPUs): every rank takes the copy of its group's first rank, from
-    the all-gather that also serves the dump."""
+    """This rank's samples, and every sample's reward by global index. The tp x cp ranks of a dp
+    slice must train on identical rows, but vLLM's sampling is not bit-identical across GPUs
+    (batching and KV-cache sizing differ): every rank takes its slice's first rank's copy,
+    from the all-gather that also serves the dump."""
     if cfg.replay_rollouts:
         dumped = rollout.load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
         samples = [dumped[j] for j in samples_of(cfg, mesh)]
@@ -405,9 +399,9 @@ def rollouts(engine, task, cfg, step, mesh):
 # Steps 4-6: no-grad forward passes, per-token rewards, advantages.
 
 def forward_batch(forward, batch, cfg, mesh):
-    """Run `forward(ids, lens)` (a tensor or a tuple of (rows, S) tensors) without grad over the
-    batch's microbatches; return full (b, S) tensors in row order (packing reorders rows).
-    Every dp rank runs the same number of forwards, dummies included: they are collectives."""
+    """Run `forward(ids, lens)` (a tensor or a tuple of (rows, S) tensors) over the batch's
+    microbatches, dummies included (they are collectives); return full (b, S) tensors in row
+    order (packing reorders rows)."""
     outs = None
     for micro in model_parallel.microbatches(batch.lens, cfg, mesh):
         idx, _ = micro_rows(micro, list(range(len(batch.lens))))
@@ -464,31 +458,25 @@ def compute_advantages(batch, scores, all_scores, cfg, mesh):
 # Steps 7-8: the update. One optimizer step per minibatch and model; gradients accumulate
 # over the minibatch's microbatches.
 
-def backward_microbatches(loss_fn, rows, batch, cfg, mesh):
-    """Forward + backward of `loss_fn(batch rows) -> (loss, {name: number})` over the
-    microbatches of `rows`; returns this rank's share of the loss and its weighted sums of
-    the numbers."""
-    loss_share, sums = 0.0, {}
+def minibatch_update(model, optimizer, loss_fn, rows, batch, cfg, mesh):
+    """Forward + backward of `loss_fn(batch rows) -> (loss, {name: number})` over the microbatches
+    of `rows`, then clip the global grad norm and step, unless the norm or the loss on some dp
+    rank is NaN/inf: then skip, weights and AdamW state untouched, as Megatron-LM does.
+    Returns (this rank's weighted sums of the numbers, norm, skipped)."""
+    loss_share, sums = 0.0, Counter()
     for micro in model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh):
         idx, weight = micro_rows(micro, rows)
         loss, parts = loss_fn(idx)
         (weight * loss).backward()
         loss_share += weight * float(loss.detach())
-        for name, value in parts.items():
-            sums[name] = sums.get(name, 0.0) + weight * float(value)
-    return loss_share, sums
-
-
-def optimizer_step(model, optimizer, loss_share, cfg, mesh):
-    """Clip the global grad norm; step unless the norm or the loss on some dp rank is NaN/inf
-    (then skip, weights and AdamW state untouched, as Megatron-LM does). Returns (norm, skipped)."""
+        sums.update({name: weight * float(value) for name, value in parts.items()})
     norm = model_parallel.clip_grad_norm(list(model.parameters()), cfg.max_grad_norm)
     finite = torch.tensor([float(math.isfinite(norm) and math.isfinite(loss_share))])
     dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=mesh["dp"].get_group())
     if finite.item():
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return norm, not finite.item()
+    return sums, norm, not finite.item()
 
 
 def update_policy(policy, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
@@ -509,8 +497,7 @@ def update_policy(policy, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
             loss, parts["kl_loss"] = loss + kl, kl.detach()
         return loss, parts
 
-    loss_share, sums = backward_microbatches(loss_fn, rows, batch, cfg, mesh)
-    norm, skipped = optimizer_step(policy, optimizer, loss_share, cfg, mesh)
+    sums, norm, skipped = minibatch_update(policy, optimizer, loss_fn, rows, batch, cfg, mesh)
     stats.add(**sums)
     stats.add_global(grad_norm=norm, skipped_updates=skipped)
 
@@ -522,8 +509,7 @@ def update_critic(critic, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
         loss = value_loss(values, batch.values[idx], batch.returns[idx], batch.mask[idx], cfg.value_clip, num_tokens)
         return loss, {"value_loss": loss.detach()}
 
-    loss_share, sums = backward_microbatches(loss_fn, rows, batch, cfg, mesh)
-    norm, skipped = optimizer_step(critic, optimizer, loss_share, cfg, mesh)
+    sums, norm, skipped = minibatch_update(critic, optimizer, loss_fn, rows, batch, cfg, mesh)
     stats.add(**sums)
     stats.add_global(critic_grad_norm=norm, skipped_updates=skipped)
 
