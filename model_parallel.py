@@ -43,7 +43,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
-from logprobs import cp_gather, token_entropy, token_logprobs, unpack_packed, zigzag_positions
+from logprobs import cp_gather, shift_right, token_entropy, token_logprobs, unpack_packed, zigzag_positions
 
 try:  # GPU only: flash-attn's varlen kernel skips the masked-out blocks of a packed row
     from flash_attn import flash_attn_varlen_func
@@ -143,10 +143,9 @@ def materialize_tiny_model(name, dir, seed, **overrides):
 
 # -----------------------------------------------------------------------------
 # Attention: one function for every layout, registered with transformers' AttentionInterface
-# and selected by name at load time. Since "ppo" is not in transformers' mask registry, the
-# model builds no mask of its own (it would not know our packing or zigzag order); the batch
-# layout reaches us as explicit forward kwargs, which transformers 5.x hands through
-# model -> decoder layer -> attention module -> this function untouched.
+# and selected by name at load time. "ppo" is not in transformers' mask registry, so the model
+# builds no mask of its own (it would not know our packing or zigzag order); the layout reaches
+# us as forward kwargs, which transformers 5.x hands down to this function untouched.
 
 class _GatherSeq(torch.autograd.Function):
     """All-gather K or V over cp along the sequence dim (2). Backward reduce-scatters: every cp
@@ -258,12 +257,10 @@ def _tp_plan(family, sequence_parallel, critic):
         # rows of the vocab split over tp: a rank looks up the ids it owns (zero elsewhere) and
         # the partial embeddings are summed (all-reduce, or reduce-scatter over the sequence)
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-        # attention: heads split over tp (q/k/v colwise), o_proj sums the heads' contributions
         "model.layers.*.self_attn.q_proj": ColwiseParallel(),
         "model.layers.*.self_attn.k_proj": ColwiseParallel(),
         "model.layers.*.self_attn.v_proj": ColwiseParallel(),
         "model.layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=stream),
-        # MLP: gate/up colwise (channels split), down rowwise (sum), as in Megatron-LM
         "model.layers.*.mlp.gate_proj": ColwiseParallel(),
         "model.layers.*.mlp.up_proj": ColwiseParallel(),
         "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=stream),
@@ -315,14 +312,6 @@ def _check_supported(config, tp_size):
         if getattr(config, field) % tp_size:
             raise CheckpointError(f"tp_size={tp_size} must divide {field}={getattr(config, field)}: each tp rank "
                              f"computes whole heads")
-
-
-def _read_checkpoint(path):
-    """name -> lazy tensor reader over the checkpoint's safetensors file(s) (rank 0 only)."""
-    from safetensors import safe_open
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    handles = [safe_open(os.path.join(path, f), framework="pt") for f in files]
-    return {name: h for h in handles for name in h.keys()}
 
 
 def check_hf_dir(path, tp_size):
@@ -414,7 +403,12 @@ def _build(path, mesh, cfg, critic):
 def _load_weights(model, path, extra):
     """Rank 0 reads each tensor (from the checkpoint or `extra`), broadcasts it to every rank,
     and each rank keeps its own shard. Peak memory: one full tensor."""
-    reader = _read_checkpoint(path) if dist.get_rank() == 0 else None
+    reader = None  # rank 0: tensor name -> lazy reader over the checkpoint's safetensors file(s)
+    if dist.get_rank() == 0:
+        from safetensors import safe_open
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        handles = [safe_open(os.path.join(path, f), framework="pt") for f in files]
+        reader = {name: h for h in handles for name in h.keys()}
     missing = [n for n, _ in model.named_parameters() if reader is not None and n not in reader and n not in extra]
     if missing:  # rank 0 stops here; torchrun then ends the ranks waiting in the broadcast
         raise ValueError(f"{path} has no tensor named {missing[0]} ({len(missing)} missing): not an HF checkpoint "
@@ -550,8 +544,7 @@ def _layout(input_ids, seq_lens, mesh, cfg):
 
 
 def _unlayout(per_token, layout, like):
-    """(B, T) per-token numbers back in the trainer's (b, S) right-padded rows, on the device of
-    the trainer's ids (`like`)."""
+    """(B, T) per-token numbers back in the trainer's (b, S) right-padded rows, on `like`'s device."""
     seq_len = like.shape[1]
     if layout["cu_seqlens"] is None:  # zero past each row's end, as unpacking does
         valid = torch.arange(seq_len, device=per_token.device)[None] < layout["seq_lens"][:, None]  # (b, S)
@@ -567,9 +560,8 @@ def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_
     logits = model(**layout["model_kwargs"]).logits  # (B, T/cp, V/tp)  vocab-sharded, bf16 under dtype=bf16
     if isinstance(logits, DTensor):  # tp > 1: this rank's vocab shard, never gathered
         logits = logits.to_local()  # (B, T/cp, V/tp)
-    # logprobs.py divides by the sampling temperature (so that pi/pi_old compares the
-    # distributions the engine sampled from, as NeMo-RL and verl do) and upcasts to fp32 one
-    # chunk at a time: no fp32 copy of the whole (tokens, V/tp) logits
+    # logprobs.py divides by the sampling temperature, so that pi/pi_old compares the
+    # distributions the engine sampled from (as NeMo-RL and verl do)
     shards = dict(tp_group=_group(mesh, "tp"), cp_group=_group(mesh, "cp"), cu_seqlens=layout["cu_seqlens"],
                   chunk_size=cfg.logprob_chunk_size, temperature=temperature)
     logprobs = token_logprobs(logits, layout["ids"], **shards)  # (B, T)
@@ -583,9 +575,7 @@ def forward_critic(critic, input_ids, seq_lens, mesh, cfg):
     layout = _layout(input_ids, seq_lens, mesh, cfg)
     values = critic(**layout["model_kwargs"]).logits[..., 0].float()  # (B, T/cp)
     values = cp_gather(values, _group(mesh, "cp"), dim=1)  # (B, T)  collective over cp, natural order
-    values = F.pad(values[:, :-1], (1, 0))  # (B, T)  the shift crosses zigzag chunks: after the gather
-    if layout["cu_seqlens"] is not None:
-        values = values.index_fill(1, layout["cu_seqlens"][:-1].long(), 0.0)  # (1, T)
+    values = shift_right(values, layout["cu_seqlens"])  # (B, T)  the shift crosses zigzag chunks: after the gather
     return _unlayout(values, layout, input_ids)  # (b, S)
 
 
@@ -717,12 +707,13 @@ def save_hf(model, path, extra_files=None, copy_from=None):
 # small trainer state (step, LR schedulers, RNG states) with torch.save.
 # `parts` is {name: (model, optimizer, LR scheduler)}, the same names when saving and loading.
 
-def _rng_state():
+def rng_states():
+    """Every RNG the run draws from (also kept around vLLM's calls, which reseed them)."""
     return dict(torch=torch.get_rng_state(), python=random.getstate(), numpy=np.random.get_state(),
                 cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
 
 
-def _set_rng_state(state):
+def set_rng_states(state):
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -775,7 +766,7 @@ def save_checkpoint(root, step, parts, keep):
         os.makedirs(path + ".tmp")
     dist.barrier()
     dcp.save(_sharded_state(parts), checkpoint_id=path + ".tmp")  # collective; files fsynced
-    trainer_state = dict(step=step, rng=_rng_state(), schedulers={n: p[2].state_dict() for n, p in parts.items()})
+    trainer_state = dict(step=step, rng=rng_states(), schedulers={n: p[2].state_dict() for n, p in parts.items()})
     torch.save(trainer_state, os.path.join(path + ".tmp", f"trainer_state_rank{rank}.pt"))
     time.sleep(float(os.environ.get("PPO_TEST_PAUSE_BEFORE_RENAME_S", "0")))  # tests kill the run here
     dist.barrier()  # every rank's files are written
@@ -801,7 +792,7 @@ def load_checkpoint(path, parts):
     own = os.path.join(path, f"trainer_state_rank{dist.get_rank()}.pt")
     trainer_state = torch.load(own if os.path.isfile(own) else os.path.join(path, "trainer_state_rank0.pt"),
                                weights_only=False)  # our own file: numpy RNG state is not a tensor
-    _set_rng_state(trainer_state["rng"])
+    set_rng_states(trainer_state["rng"])
     for name, (_, _, scheduler) in parts.items():
         scheduler.load_state_dict(trainer_state["schedulers"][name])
     return trainer_state["step"]
