@@ -15,18 +15,22 @@ import warnings
 from contextlib import contextmanager
 from typing import Optional, Protocol
 
-import numpy as np
 import tiktoken
 import torch
 from transformers import AutoModelForCausalLM
 
-# -----------------------------------------------------------------------------
-# Tokenizer for the toy task: built in code, nothing downloaded.
-# A byte-level BPE with no merges: every byte is its own token (ids 0..255), plus two
-# special tokens. Real models bring their own tokenizer (issue 7); the toy model's vocab
-# (262) is deliberately larger than this tokenizer's 258 ids, as with real checkpoints
-# whose embedding matrix is padded (Qwen2.5: 151,936 rows for 151,665 tokens).
+from model_parallel import rng_states, set_rng_states
 
+# -----------------------------------------------------------------------------
+# The toy task: small-number addition, "3+4=" -> "7". Reward 1 for the exact sum followed
+# by end-of-text, 0 otherwise: a verifiable, rule-based reward like GSM8K's. Operands are
+# 0..4, so 25 facts: a 1M-parameter model memorizes 100 facts (0..9) too slowly for a CPU
+# demo of a few minutes, by SFT or by RL alike (measured: 150 SFT steps reach only 47%).
+# Its tokenizer is built in code (nothing downloaded): a byte-level BPE with no merges, every
+# byte its own token (ids 0..255), plus two special tokens. The toy model's vocab (262) is
+# deliberately larger than these 258 ids, as with real checkpoints whose embedding matrix is
+# padded (Qwen2.5: 151,936 rows for 151,665 tokens). Real models bring their own tokenizer.
+TOY_OPERANDS = 5
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 
 
@@ -37,20 +41,6 @@ def toy_tokenizer() -> tiktoken.Encoding:
         mergeable_ranks={bytes([i]): i for i in range(256)},
         special_tokens={EOS: 256, PAD: 257},
     )
-
-
-def decode(tok: tiktoken.Encoding, ids: list) -> str:
-    """Text of token ids, dropping special tokens and ids the tokenizer does not know
-    (the model may sample one of its padding rows: it scores like any wrong answer)."""
-    return tok.decode([i for i in ids if i < 256], errors="replace")
-
-
-# -----------------------------------------------------------------------------
-# The toy task: small-number addition, "3+4=" -> "7". Reward 1 for the exact sum followed
-# by end-of-text, 0 otherwise: a verifiable, rule-based reward like GSM8K's. Operands are
-# 0..4, so 25 facts: a 1M-parameter model memorizes 100 facts (0..9) too slowly for a CPU
-# demo of a few minutes, by SFT or by RL alike (measured: 150 SFT steps reach only 47%).
-TOY_OPERANDS = 5
 
 
 def toy_prompts(seed: int, step, n: int) -> list:
@@ -157,7 +147,8 @@ class ToyTask:
         return self.tok.encode(answer) + [self.eos_id]
 
     def decode(self, ids):
-        return decode(self.tok, ids)
+        # special tokens and ids the tokenizer does not know (the model's padding rows) are dropped
+        return self.tok.decode([i for i in ids if i < 256], errors="replace")
 
     def reward(self, text, answer, finished):
         return toy_reward(text, answer, finished)
@@ -307,13 +298,13 @@ class HFEngine:
         responses, logprobs = [[] for _ in range(B)], [[] for _ in range(B)]
         done = [False] * B
         for _ in range(max_new_tokens):
-            # Same convention as the trainer: log-softmax of logits / T, in fp32.
+            # Same convention as the trainer: log-softmax of logits / T, in fp32. T = 0 is greedy
+            # (validation), with the logprobs of the plain distribution.
             logits = out.logits[:, -1].float().cpu()  # (B, V)
-            if temperature == 0:  # greedy (validation); logprobs of the plain distribution
-                logp = torch.log_softmax(logits, -1)  # (B, V)
+            logp = torch.log_softmax(logits / (temperature or 1.0), -1)  # (B, V)
+            if temperature == 0:
                 token = logp.argmax(-1, keepdim=True)  # (B, 1)
             else:
-                logp = torch.log_softmax(logits / temperature, -1)  # (B, V)
                 token = torch.stack([torch.multinomial(logp[b].exp(), 1, generator=gens[b])
                                      for b in range(B)])  # (B, 1)
             for b in range(B):
@@ -363,17 +354,11 @@ def _trainer_state_kept():
     """vLLM in-process reseeds the global RNGs, draws from the global torch RNG while
     sampling, and on CPU turns torch.set_num_threads into a no-op for the process.
     Put everything back so the trainer's state is the trainer's."""
-    states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    states, threads, set_threads = rng_states(), torch.get_num_threads(), torch.set_num_threads
     try:
         yield
     finally:
-        torch.set_rng_state(states[0])
-        random.setstate(states[1])
-        np.random.set_state(states[2])
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
+        set_rng_states(states)
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
 
@@ -475,18 +460,15 @@ def make_engine(cfg, model_dir: str, device: torch.device) -> Engine:
 
 
 # -----------------------------------------------------------------------------
-# Refit: stream the trained weights into the engine in bounded buckets.
-# Every rank iterates `named_full_tensors` together (each item is a collective that
-# gathers one parameter to full), casts it to the engine's dtype, and hands the engine a
-# bucket whenever the next tensor would overflow `bucket_mb`. At most one bucket (plus
-# one parameter larger than a bucket on its own) is built at a time, and vLLM keeps at
-# most one incomplete layer's tensors from earlier buckets, so the transient memory does
-# not grow with the model, unlike gathering a full state dict first (verl and NeMo-RL
-# both bucket their refit for this reason). The cast is to the engine's dtype (bf16 for
-# vLLM on GPU), so the bucket limit counts the bytes actually sent.
-# On GPU the sleeping engine takes its weight memory back first and its KV cache only
-# after the last bucket (vLLM's documented order, also TRL's and verl's), so the refit's
-# gathered tensors never coexist with the KV cache.
+# Refit: stream the trained weights into the engine in bounded buckets. Every rank iterates
+# `named_full_tensors` together (each item is a collective that gathers one parameter), casts
+# it to the engine's dtype (so the limit counts the bytes sent) and hands the engine a bucket
+# whenever the next tensor would overflow `bucket_mb`. One bucket (or one larger parameter) is
+# built at a time and vLLM keeps at most one incomplete layer from earlier buckets, so the
+# transient memory does not grow with the model, unlike a full state dict (verl and NeMo-RL
+# bucket their refit for this reason). On GPU the sleeping engine gets its weight memory back
+# first and its KV cache only after the last bucket (vLLM's documented order, also TRL's and
+# verl's): the gathered tensors never coexist with the KV cache.
 
 def refit(engine: Engine, named_full_tensors, bucket_mb: float) -> dict:
     engine.wake_up(["weights"])
