@@ -251,18 +251,14 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"out_dir={cfg.out_dir!r} is not writable ({e.strerror}): choose another out_dir")
 
 
-def print_help() -> None:
-    docs = field_docs()
-    print(__doc__)
-    for f in dataclasses.fields(Config):
-        print(f"  {'--' + f.name + '=' + repr(f.default):<38} {docs.get(f.name, '')}")
-
-
 def load(argv: list, world_size: int) -> Config:
     """The entry point: parse, validate, or print one line and exit(2)."""
     if "--help" in argv or "-h" in argv:
         if os.environ.get("RANK", "0") == "0":
-            print_help()
+            docs = field_docs()
+            print(__doc__)
+            for f in dataclasses.fields(Config):
+                print(f"  {'--' + f.name + '=' + repr(f.default):<38} {docs.get(f.name, '')}")
         sys.exit(0)
     try:
         cfg = parse_args(argv)
