@@ -133,9 +133,8 @@ def grpo_advantages(scores, group_size, eps=1e-4):
 
 
 def masked_whiten(x, mask, group=None, eps=1e-8):
-    """(x - mean) / std over the masked tokens of the *global* batch: sum, sum of squares
-    and count are all-reduced over `group` (the dp group), so every rank whitens with the
-    same statistics, never per rank. Unbiased variance, as TRL's masked_whiten."""
+    """(x - mean) / std over the masked tokens of the *global* batch (sum, sum of squares and
+    count all-reduced over `group`, the dp group), never per rank. Unbiased, as TRL's masked_whiten."""
     stats = torch.stack([masked_sum(x, mask), masked_sum(x * x, mask), mask.sum()]).double()
     if group is not None:
         dist.all_reduce(stats, group=group)
@@ -148,8 +147,7 @@ def masked_whiten(x, mask, group=None, eps=1e-8):
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio, num_tokens=None, tis_weight=None):
     """Clipped surrogate (Schulman et al., 2017, eq. 7), as a loss to minimize:
         ratio = pi / pi_old,  loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1-eps, 1+eps))
-    `tis_weight` (optional, (B, S)) reweights each token by a truncated importance weight
-    pi_trainer / pi_engine for the mismatch between the engine and the trainer.
+    `tis_weight` (B, S), optional: truncated importance weights for the engine/trainer mismatch.
     Returns (loss, number of tokens whose ratio was clipped)."""
     num_tokens = mask.sum() if num_tokens is None else num_tokens
     ratio = ratio_from_log(logprobs - old_logprobs)  # (B, S)
@@ -352,11 +350,11 @@ def build_models(model_dir, cfg, mesh):
 # -----------------------------------------------------------------------------
 # Steps 1-3: prompts, rollout, reward.
 
-def generate(engine, task, cfg, step, prompts, mesh):
-    """Sample this rank's responses and score them. The ranks of one vLLM tensor-parallel group
+def generate(engine, task, cfg, step, mesh):
+    """Draw the step's prompts, sample this rank's responses and score them. The ranks of one vLLM tensor-parallel group
     (rollout_tp_size consecutive ranks) must pass identical requests: the group generates the
     samples of all its members' dp slices, and each keeps its own."""
-    rank, K = dist.get_rank(), cfg.samples_per_prompt
+    rank, K, prompts = dist.get_rank(), cfg.samples_per_prompt, task.prompts(step, cfg.prompts_per_step)
     group = range(rank - rank % cfg.rollout_tp_size, rank - rank % cfg.rollout_tp_size + cfg.rollout_tp_size)
     wanted = sorted({j for member in group for j in samples_of(cfg, mesh, member)})
     prompt_ids = [task.encode(p) for p, _ in prompts]  # (chat template applied)
@@ -382,8 +380,7 @@ def rollouts(engine, task, cfg, step, mesh):
         dumped = rollout.load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
         samples = [dumped[j] for j in samples_of(cfg, mesh)]
     else:
-        prompts = task.prompts(step, cfg.prompts_per_step)
-        samples = generate(engine, task, cfg, step, prompts, mesh)
+        samples = generate(engine, task, cfg, step, mesh)
         engine.sleep()  # GPU: vLLM frees its memory for training
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, samples)  # collective: every rank's samples on every rank
@@ -398,14 +395,14 @@ def rollouts(engine, task, cfg, step, mesh):
 # -----------------------------------------------------------------------------
 # Steps 4-6: no-grad forward passes, per-token rewards, advantages.
 
-def forward_batch(forward, batch, cfg, mesh):
-    """Run `forward(ids, lens)` (a tensor or a tuple of (rows, S) tensors) over the batch's
-    microbatches, dummies included (they are collectives); return full (b, S) tensors in row
-    order (packing reorders rows)."""
+def forward_batch(forward, model, batch, cfg, mesh, *args):
+    """`forward(model, ids, lens, mesh, cfg, *args)` (a tensor or a tuple of (rows, S) tensors) over
+    every microbatch, dummies included (collectives); full (b, S) tensors in row order (packing
+    reorders rows)."""
     outs = None
     for micro in model_parallel.microbatches(batch.lens, cfg, mesh):
         idx, _ = micro_rows(micro, list(range(len(batch.lens))))
-        result = forward(batch.ids[idx], [batch.lens[i] for i in idx])
+        result = forward(model, batch.ids[idx], [batch.lens[i] for i in idx], mesh, cfg, *args)
         result = result if isinstance(result, tuple) else (result,)
         if outs is None:
             outs = [None if r is None else r.new_zeros(batch.ids.shape) for r in result]
@@ -419,16 +416,12 @@ def forward_batch(forward, batch, cfg, mesh):
 def score(policy, reference, critic, batch, cfg, mesh):
     """Step 4: the old policy's logprobs and entropy, the reference's logprobs (the initial
     weights swapped into the same module), and the critic's values."""
-    batch.old_lp, batch.entropy = forward_batch(
-        lambda ids, lens: model_parallel.forward_policy(policy, ids, lens, mesh, cfg, cfg.temperature, True),
-        batch, cfg, mesh)
+    batch.old_lp, batch.entropy = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
+                                                cfg.temperature, True)
     with model_parallel.swapped_weights(policy, reference):
-        batch.ref_lp, _ = forward_batch(
-            lambda ids, lens: model_parallel.forward_policy(policy, ids, lens, mesh, cfg, cfg.temperature),
-            batch, cfg, mesh)
+        batch.ref_lp, _ = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh, cfg.temperature)
     if critic is not None:
-        (values,) = forward_batch(lambda ids, lens: model_parallel.forward_critic(critic, ids, lens, mesh, cfg),
-                                  batch, cfg, mesh)
+        (values,) = forward_batch(model_parallel.forward_critic, critic, batch, cfg, mesh)
         batch.values = values * batch.mask  # (b, S)
 
 
@@ -440,8 +433,7 @@ def compute_advantages(batch, scores, all_scores, cfg, mesh):
     rows, last = torch.arange(len(batch.lens)), torch.tensor(batch.lens) - 1  # (b,), (b,)
     if cfg.advantage_estimator == "grpo":
         group_adv = grpo_advantages(torch.tensor(all_scores), cfg.samples_per_prompt)[samples_of(cfg, mesh)]  # (b,)
-        group_adv = group_adv.to(batch.mask.device)
-        batch.advantages = group_adv[:, None] * batch.mask  # (b, S)
+        batch.advantages = group_adv.to(batch.mask.device)[:, None] * batch.mask  # (b, S)
     else:
         rewards = -cfg.kl_coef * kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator) * batch.mask  # (b, S)
         rewards[rows, last] += scores
@@ -455,8 +447,7 @@ def compute_advantages(batch, scores, all_scores, cfg, mesh):
 
 
 # -----------------------------------------------------------------------------
-# Steps 7-8: the update. One optimizer step per minibatch and model; gradients accumulate
-# over the minibatch's microbatches.
+# Steps 7-8: the update, one optimizer step per minibatch and model.
 
 def minibatch_update(model, optimizer, loss_fn, rows, batch, cfg, mesh):
     """Forward + backward of `loss_fn(batch rows) -> (loss, {name: number})` over the microbatches
