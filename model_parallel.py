@@ -310,8 +310,8 @@ def _check_supported(config, tp_size):
         raise CheckpointError("Gemma3 runs with tp_size=1 only (FSDP, CP and packing work): no TP plan for it here")
     for field in ("num_attention_heads", "num_key_value_heads"):
         if getattr(config, field) % tp_size:
-            raise CheckpointError(f"tp_size={tp_size} must divide {field}={getattr(config, field)}: each tp rank "
-                             f"computes whole heads")
+            raise CheckpointError(f"tp_size={tp_size} must divide {field}={getattr(config, field)}: "
+                                  f"each tp rank computes whole heads")
 
 
 def check_hf_dir(path, tp_size):
@@ -397,12 +397,12 @@ def _build(path, mesh, cfg, critic):
         if offload:  # buffers are not FSDP's: they stay on the GPU
             module._buffers.update({n: b.to(device) for n, b in module._buffers.items() if b is not None})
     model.train()  # no dropout in these families; train mode lets activation checkpointing act
-    return model, config
+    return model
 
 
 def _load_weights(model, path, extra):
     """Rank 0 reads each tensor (from the checkpoint or `extra`), broadcasts it to every rank,
-    and each rank keeps its own shard. Peak memory: one full tensor."""
+    and each rank keeps its own shard; returns the model. Peak memory: one full tensor."""
     reader = None  # rank 0: tensor name -> lazy reader over the checkpoint's safetensors file(s)
     if dist.get_rank() == 0:
         from safetensors import safe_open
@@ -422,24 +422,22 @@ def _load_weights(model, path, extra):
         shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         with torch.no_grad():
             param.to_local().copy_(shard.to_local())
+    return model
 
 
 def load_policy(path, mesh, cfg):
     """The HF checkpoint at `path` as a sharded module (TP plan if tp > 1, FSDP2 over dp*cp)."""
-    model, _ = _build(path, mesh, cfg, critic=False)
-    _load_weights(model, path, extra={})
-    return model
+    return _load_weights(_build(path, mesh, cfg, critic=False), path, extra={})
 
 
 def load_critic(path, mesh, cfg):
     """Backbone of the checkpoint at `path` + an fp32 Linear(hidden, 1) value head, initialized
     from the seed with std 1/sqrt(hidden+1) and zero bias (Ziegler et al. 2019's value head, as in
     summarize_from_feedback_details), identical on every rank."""
-    model, config = _build(path, mesh, cfg, critic=True)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    weight = torch.randn(1, config.hidden_size, generator=generator) / math.sqrt(config.hidden_size + 1)
-    _load_weights(model, path, extra={"lm_head.weight": weight, "lm_head.bias": torch.zeros(1)})
-    return model
+    model = _build(path, mesh, cfg, critic=True)
+    hidden, generator = model.config.hidden_size, torch.Generator().manual_seed(cfg.seed)
+    weight = torch.randn(1, hidden, generator=generator) / math.sqrt(hidden + 1)
+    return _load_weights(model, path, extra={"lm_head.weight": weight, "lm_head.bias": torch.zeros(1)})
 
 
 # -----------------------------------------------------------------------------
@@ -458,10 +456,10 @@ def microbatches(seq_lens, cfg, mesh):
                 raise ValueError(f"a sequence of {seq_lens[i]} tokens does not fit max_tokens_per_microbatch="
                                  f"{cfg.max_tokens_per_microbatch} (usable {capacity}: a multiple "
                                  f"of 2*cp*tp={multiple}); raise it")
-            fit = next((k for k in range(len(bins)) if room[k] >= seq_lens[i]), None)  # first bin with room
-            if fit is None:
-                bins.append([]), room.append(capacity)
-                fit = len(bins) - 1
+            fit = next((k for k in range(len(bins)) if room[k] >= seq_lens[i]), len(bins))  # first bin with room
+            if fit == len(bins):  # none: open a new one
+                bins.append([])
+                room.append(capacity)
             bins[fit].append(i)
             room[fit] -= seq_lens[i]
     else:
@@ -528,8 +526,7 @@ def _layout(input_ids, seq_lens, mesh, cfg):
         doc_lens = [ids.shape[1]]  # one document per row
         docs = torch.zeros_like(ids)  # (b, T)
         positions = torch.arange(ids.shape[1], device=device).expand_as(ids)  # (b, T)
-    # this rank's zigzag share of the tokens (chunks r and 2cp-1-r); keys arrive all-gathered
-    # over cp in rank order, each rank's share in its local order
+    # queries: this rank's zigzag share (chunks r, 2cp-1-r); keys: every share, all-gathered in rank order
     q_rows = zigzag_positions(ids.shape[1], cp_size, cp_rank).to(device)  # (T/cp,)
     kv_rows = torch.cat([zigzag_positions(ids.shape[1], cp_size, r) for r in range(cp_size)]).to(device)  # (T,)
     attention = dict(kind=cfg.attention, cp_group=_group(mesh, "cp"))
@@ -553,9 +550,8 @@ def _unlayout(per_token, layout, like):
 
 
 def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_entropy=False):
-    """Per-token logprobs (b, S) of the rows under pi(.)^(1/temperature), and the entropy if
-    asked; position 0 holds 0 (the alignment in train_ppo.py's docstring). Packing, CP and TP
-    stay inside."""
+    """Per-token logprobs (b, S) under pi(.)^(1/temperature), and the entropy if asked, aligned as in
+    train_ppo.py's docstring (0 at position 0). Packing, CP and TP stay inside."""
     layout = _layout(input_ids, seq_lens, mesh, cfg)
     logits = model(**layout["model_kwargs"]).logits  # (B, T/cp, V/tp)  vocab-sharded, bf16 under dtype=bf16
     if isinstance(logits, DTensor):  # tp > 1: this rank's vocab shard, never gathered
@@ -642,12 +638,10 @@ def clip_grad_norm(params, max_norm):
                            if not p.is_replicate())
         sq = _local(grad).float().pow(2).sum()  # ()
         by_groups[groups] = by_groups.get(groups, 0) + sq
-    total_sq = torch.zeros((), device=device)
     for groups, sq in by_groups.items():  # the same order on every rank: parameters come in order
         for group in groups:
             dist.all_reduce(sq, group=group)  # collective: sum over the ranks holding other shards
-        total_sq = total_sq + sq
-    norm = total_sq.sqrt()
+    norm = sum(by_groups.values(), torch.zeros((), device=device)).sqrt()
     if max_norm > 0:  # 0 = no clipping, only the norm
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
         for grad in grads:
