@@ -9,9 +9,8 @@ from the logits at i-1, and out[:, 0] = 0 (also at every packed sequence start).
     lp  = token_logprobs(logits, input_ids, tp_group=tp, cp_group=cp, chunk_size=1024, temperature=0.8)
     ent = token_entropy(logits, tp_group=tp, cp_group=cp, chunk_size=1024, temperature=0.8)
 
-Logits arrive in the model's compute dtype (bf16 on GPU) and are upcast to fp32 and divided by
-the sampling temperature one chunk at a time, inside the functions: a full fp32 copy of
-(tokens, V/tp) logits would cost more than the logits themselves.
+Logits arrive in the compute dtype (bf16 on GPU) and are upcast to fp32 and divided by the sampling
+temperature one chunk at a time: a full fp32 copy would cost more than the logits themselves.
 
 Where the ideas come from (the code and prose are our own):
 1. Vocab-parallel log-softmax: the max and the sum of exponentials are all-reduced over tp and the
@@ -101,18 +100,15 @@ class _CPGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_full):
         # Every cp rank computes the same loss from the same gathered tensor, so d loss / d x_local
-        # is just this rank's entries of grad_full. No reduction over cp: summing would count the
-        # cp identical copies of the loss cp times. (FSDP later sums the parameter gradients over
-        # dp*cp, which adds up the contributions of the different cp ranks' tokens.)
+        # is this rank's entries of grad_full; summing over cp would count the loss cp times.
+        # (FSDP later sums parameter gradients over dp*cp: the cp ranks' tokens add up there.)
         cp_size, cp_rank = _size(ctx.cp_group), _rank(ctx.cp_group)
         return zigzag_split(grad_full, cp_size, cp_rank, ctx.dim), None, None  # (..., S/cp, ...)
 
 
 def cp_gather(x_local, cp_group, dim=1):
     """Full tensor in natural order along dim from each cp rank's zigzag part (identity if cp=1)."""
-    if _size(cp_group) == 1:
-        return x_local
-    return _CPGather.apply(x_local, cp_group, dim)
+    return x_local if _size(cp_group) == 1 else _CPGather.apply(x_local, cp_group, dim)
 
 
 def shift_right(per_position, cu_seqlens):
@@ -201,11 +197,9 @@ class _VocabParallelLogprob(torch.autograd.Function):
     Backward, derived: log p_t = x_t - log sum_v exp(x_v), and d/dx_v log sum exp = softmax_v, so
         d log p_t / d x_v = 1[v == t] - softmax_v   =>   grad_x = grad_out * (one_hot(t) - softmax),
     and grad_logits = grad_x / T, returned in the logits' dtype.
-    Each rank needs only its own vocab columns of this, and its softmax already carries the
-    all-reduced denominator, so the backward has no communication. The max drops out of the
-    derivative entirely (shift invariance), which is why it is all-reduced without a gradient.
-    Every tp rank backpropagates the same loss, so each one's grad is exactly its shard's slice.
-    """
+    Every tp rank backpropagates the same loss, so each needs only its own vocab columns of this,
+    and its softmax already carries the all-reduced denominator: the backward has no communication.
+    The max drops out of the derivative (shift invariance), hence its all-reduce without a gradient."""
 
     @staticmethod
     def forward(ctx, logits, local_target, owned, tp_group, chunk_size, temperature):
@@ -254,8 +248,7 @@ def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlen
     input_ids: (B, S) the full token ids, held by every tp and cp rank.
     Returns (B, S) in fp32 (fp64 for fp64 logits), identical on every rank; out[:, 0] = 0 and, with
     cu_seqlens, 0 at every sequence start. Differentiable w.r.t. logits (hand-written backward).
-    chunk_size > 0: tokens go through in blocks of chunk_size, softmax recomputed in the backward.
-    """
+    chunk_size > 0: tokens go through in blocks of chunk_size, softmax recomputed in the backward."""
     batch, seq_len = input_ids.shape
     cp_size, cp_rank = _size(cp_group), _rank(cp_group)
     if logits.shape[:2] != (batch, seq_len // cp_size) or seq_len % cp_size:
@@ -311,8 +304,7 @@ def token_entropy(logits, *, tp_group=None, cp_group=None, cu_seqlens=None, chun
     own (n, V/tp) intermediates, so chunking bounds the memory of no-grad calls only).
     With m = max_v x_v, s = (x - m) / T and Z = sum_v exp(s_v), p = exp(s) / Z and
         H = -sum_v p_v log p_v = log Z - sum_v p_v s_v,
-    where every term is bounded (s <= 0) just as in the log-softmax above.
-    """
+    where every term is bounded (s <= 0) just as in the log-softmax above."""
     batch, local_seq, local_vocab = logits.shape
     flat_logits = logits.reshape(-1, local_vocab)  # (N, V/tp)
     math_dtype = _math_dtype(logits.dtype)
