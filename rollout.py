@@ -35,12 +35,9 @@ EOS, PAD = "<|endoftext|>", "<|pad|>"
 
 
 def toy_tokenizer() -> tiktoken.Encoding:
-    return tiktoken.Encoding(
-        name="toy_bytes",
-        pat_str=r"[^\n]+|\n",  # pre-tokenization split: irrelevant without merges
-        mergeable_ranks={bytes([i]): i for i in range(256)},
-        special_tokens={EOS: 256, PAD: 257},
-    )
+    # pat_str is the pre-tokenization split: irrelevant without merges
+    return tiktoken.Encoding(name="toy_bytes", pat_str=r"[^\n]+|\n",
+                             mergeable_ranks={bytes([i]): i for i in range(256)}, special_tokens={EOS: 256, PAD: 257})
 
 
 def toy_prompts(seed: int, step, n: int) -> list:
@@ -57,12 +54,12 @@ def toy_reward(response_text: str, answer: str, finished: bool) -> float:
 
 
 # -----------------------------------------------------------------------------
-# Math answers (GSM8K and the like): the reward is exact match of the final number.
-# GSM8K's references end in "#### 72" (Cobbe et al., 2021); a model's answer is taken from
-# its last \boxed{...} if any (the convention of MATH, Hendrycks et al., 2021), else from
-# the number after the last "####", else the last number in the text (the "flexible extract" of common eval
-# harnesses). Numbers are normalized before comparing: thousands separators, "$", "%",
-# units and a trailing period are dropped, and "72.00" equals "72".
+# Math answers (GSM8K and the like): the reward is exact match of the final number. GSM8K's
+# references end in "#### 72" (Cobbe et al., 2021); a model's answer is taken from its last
+# \boxed{...} if any (the convention of MATH, Hendrycks et al., 2021), else from the number after
+# the last "####", else the last number in the text (the "flexible extract" of common eval
+# harnesses). Numbers are normalized before comparing: thousands separators, "$", "%", units and
+# a trailing period are dropped, and "72.00" equals "72".
 
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
 
@@ -168,8 +165,7 @@ def read_gsm8k(path: str) -> list:
                 row = json.loads(line)
                 question, answer = row["question"], row["answer"]
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise TaskError(f"{path}:{number}: not a JSON object with 'question' and "
-                                "'answer' keys") from None
+                raise TaskError(f"{path}:{number}: not a JSON object with 'question' and 'answer' keys") from None
             if not str(question).strip():
                 raise TaskError(f"{path}:{number}: empty question")
             if extract_answer(str(answer)) is None:
@@ -180,8 +176,7 @@ def read_gsm8k(path: str) -> list:
     return pairs
 
 
-# Appended to each GSM8K question: the instruction NeMo-RL's and verl's GSM8K recipes use
-# in spirit, so that the answer is extractable.
+# Appended to each question so that the answer is extractable (NeMo-RL's and verl's recipes, in spirit).
 GSM8K_INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
 
 
@@ -268,16 +263,14 @@ class Engine(Protocol):
     def shutdown(self) -> None: ...
 
 
-# The HF engine: a plain (unsharded) transformers model on each rank with a hand-written
-# sampling loop. It is the fallback when vLLM is absent and the simplest place to read how
-# generation works. It is refit from the trained weights after every step by exactly the
-# code path vLLM uses (`refit` below), so its samples always come from the current policy.
+# The HF engine: a plain (unsharded) transformers model on each rank with a hand-written sampling
+# loop; the fallback when vLLM is absent, and the simplest place to read how generation works.
+# It is refit after every step by vLLM's code path (`refit` below): it samples the current policy.
 
 class HFEngine:
     def __init__(self, model_dir: str, device: torch.device, dtype=torch.float32):
         self.device, self.dtype = device, dtype  # refit casts to dtype
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        self.model.to(device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         self.params = dict(self.model.named_parameters())  # HF checkpoint names -> tensors
 
     @torch.no_grad()
@@ -298,8 +291,7 @@ class HFEngine:
         responses, logprobs = [[] for _ in range(B)], [[] for _ in range(B)]
         done = [False] * B
         for _ in range(max_new_tokens):
-            # Same convention as the trainer: log-softmax of logits / T, in fp32. T = 0 is greedy
-            # (validation), with the logprobs of the plain distribution.
+            # the trainer's convention: log-softmax of logits / T in fp32 (T = 0: greedy, plain logprobs)
             logits = out.logits[:, -1].float().cpu()  # (B, V)
             logp = torch.log_softmax(logits / (temperature or 1.0), -1)  # (B, V)
             if temperature == 0:
@@ -342,12 +334,12 @@ class HFEngine:
 
 
 # -----------------------------------------------------------------------------
-# The vLLM engine, colocated: one vLLM instance inside every trainer process, no server
-# and no Ray (the "hybrid engine" layout of verl and NeMo-RL), built on vLLM's torchrun
-# support, distributed_executor_backend="external_launcher": vLLM joins the torch world
-# that torchrun made (so init_process_group must come first) and carves its own
-# tensor-parallel groups out of it, consecutive blocks of rollout_tp_size ranks.
-# Lines marked "GPU only" were read from vLLM's source, not run here (README, "Verified on").
+# The vLLM engine, colocated: one vLLM instance inside every trainer process, no server and no
+# Ray (the "hybrid engine" layout of verl and NeMo-RL), built on vLLM's torchrun support,
+# distributed_executor_backend="external_launcher": vLLM joins the torch world that torchrun made
+# (so init_process_group must come first) and carves its own tensor-parallel groups out of it,
+# consecutive blocks of rollout_tp_size ranks. Lines marked "GPU only" were read from vLLM's
+# source, not run here (README, "Verified on").
 
 @contextmanager
 def _trainer_state_kept():
@@ -402,19 +394,15 @@ class VLLMEngine:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
         with _trainer_state_kept():
             outs = self.llm.generate(prompts, params, use_tqdm=False)  # in prompt order
-        results = []
-        for out in outs:
-            ids = list(out.outputs[0].token_ids)  # logprobs: one {token: Logprob} per step
-            results.append((ids, [step[t].logprob for t, step in zip(ids, out.outputs[0].logprobs)]))
-        return results
+        samples = [out.outputs[0] for out in outs]  # logprobs: one {token: Logprob} per step
+        return [(list(s.token_ids), [step[t].logprob for t, step in zip(s.token_ids, s.logprobs)]) for s in samples]
 
-    # Refit uses vLLM's layerwise reloading (docs.vllm.ai, "training/layerwise"), split
-    # over buckets: initialize once, load_weights per bucket through vLLM's own loaders
-    # (they fuse q/k/v and gate/up, shard for TP, repack for the CPU kernels as soon as a
-    # layer is complete), finalize once. reload_weights per bucket would process a layer
-    # split across buckets half-loaded (NaN), and load_weights on the live model fails
-    # after the CPU repacking removed the weight loaders. vLLM holds on to a layer's
-    # tensors until the layer is complete: never reuse a bucket's buffers.
+    # Refit uses vLLM's layerwise reloading (docs.vllm.ai, "training/layerwise") over buckets:
+    # initialize once, load_weights per bucket through vLLM's own loaders (they fuse q/k/v and
+    # gate/up, shard for TP, repack for the CPU kernels once a layer is complete), finalize once.
+    # reload_weights per bucket would process a layer split across buckets half-loaded (NaN), and
+    # load_weights on the live model fails once CPU repacking removed the weight loaders. vLLM
+    # holds a layer's tensors until the layer is complete: never reuse a bucket's buffers.
     def load_weights(self, named_tensors):
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -504,8 +492,7 @@ def refit(engine: Engine, named_full_tensors, bucket_mb: float) -> dict:
 def quiet_third_party_output() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vLLM configures its logging,
     logging.getLogger("vllm").setLevel(logging.ERROR)  # which it does only once an engine is built
-    warnings.filterwarnings("ignore", message=r"`torch.distributed.reduce_op` is deprecated",
-                            category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"`torch.distributed.reduce_op` is deprecated", category=FutureWarning)
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -518,8 +505,7 @@ def dump_rollouts(path: str, samples: list) -> None:
     """Write one JSON line per sample, atomically (temp file, then rename)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
-        for s in sorted(samples, key=lambda s: s["index"]):
-            f.write(json.dumps(s) + "\n")
+        f.writelines(json.dumps(s) + "\n" for s in sorted(samples, key=lambda s: s["index"]))
     os.replace(path + ".tmp", path)
 
 
