@@ -169,8 +169,7 @@ class _GatherSeq(torch.autograd.Function):
 
 def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale=None, causal=True, window_size=(-1, -1)):
-    """flash-attn's `flash_attn_varlen_func` contract in plain PyTorch: the CPU stand-in for the
-    GPU kernel, and the plainest statement of what that kernel computes.
+    """flash-attn's `flash_attn_varlen_func` contract in plain PyTorch: the CPU stand-in for the GPU kernel.
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D), Hkv dividing Hq (grouped-query attention).
     Segment i is q[cu_seqlens_q[i]:cu_seqlens_q[i+1]] attending to k/v[cu_seqlens_k[i]:cu_seqlens_k[i+1]].
     Causal is bottom-right aligned (flash-attn >= 2.1): a segment with Lq queries and Lk >= Lq keys

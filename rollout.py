@@ -277,11 +277,10 @@ class HFEngine:
     def generate(self, prompt_ids, seeds, max_new_tokens, temperature, eos_id):
         """Prompts are left-padded so that every row's next token sits in the last column."""
         B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
-        ids = torch.zeros((B, P), dtype=torch.long)  # (B, P) left-padded prompts
-        mask = torch.zeros(B, P, dtype=torch.long)  # (B, P) 1 = real token
+        ids = torch.zeros((B, P), dtype=torch.long, device=self.device)  # (B, P) left-padded prompts
+        mask = torch.zeros(B, P, dtype=torch.long, device=self.device)  # (B, P) 1 = real token
         for b, p in enumerate(prompt_ids):
             ids[b, P - len(p):], mask[b, P - len(p):] = torch.tensor(p), 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
         # Position ids count real tokens only, so a left-padded prompt sees the same
         # positions as it would alone (otherwise RoPE would shift by the padding).
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)

@@ -351,9 +351,9 @@ def build_models(model_dir, cfg, mesh):
 # Steps 1-3: prompts, rollout, reward.
 
 def generate(engine, task, cfg, step, mesh):
-    """Draw the step's prompts, sample this rank's responses and score them. The ranks of one vLLM tensor-parallel group
-    (rollout_tp_size consecutive ranks) must pass identical requests: the group generates the
-    samples of all its members' dp slices, and each keeps its own."""
+    """Draw the step's prompts, sample this rank's responses and score them. The ranks of one vLLM
+    tensor-parallel group (rollout_tp_size consecutive ranks) must pass identical requests: the
+    group generates the samples of all its members' dp slices, and each keeps its own."""
     rank, K, prompts = dist.get_rank(), cfg.samples_per_prompt, task.prompts(step, cfg.prompts_per_step)
     group = range(rank - rank % cfg.rollout_tp_size, rank - rank % cfg.rollout_tp_size + cfg.rollout_tp_size)
     wanted = sorted({j for member in group for j in samples_of(cfg, mesh, member)})
