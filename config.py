@@ -65,11 +65,10 @@ class Config:
     rollout_tp_size: int = 1  # vLLM tensor-parallel size (ranks that share one engine)
     refit_bucket_mb: int = 64  # weights pushed into the engine in buckets of at most this size
     max_model_len: int = 512  # vLLM: longest prompt + response, in tokens
-    # 0.3 of an 80 GB GPU = 24 GB for vLLM while it generates (the trainer keeps its state): Qwen2.5-1.5B
-    # in bf16 is 3 GB, its KV cache ~28 KB/token, so ~21 GB hold ~750k tokens, far more than 64 sequences
-    # x 1024 per GPU need. The trainer keeps its fp32 params + grads + AdamW (16 bytes/param, both
-    # models: 16 GB for 0.5B on 1 GPU) and its activations in the other 56 GB; sleep mode hands
-    # vLLM's 24 GB back during training.
+    # 0.3 of an 80 GB GPU = 24 GB for vLLM while it generates: Qwen2.5-1.5B in bf16 is 3 GB, its KV cache
+    # ~28 KB/token, so ~21 GB hold ~750k tokens, far more than 64 sequences x 1024 per GPU need. The trainer
+    # keeps its fp32 params + grads + AdamW (16 bytes/param, both models: 16 GB for 0.5B on 1 GPU) and its
+    # activations in the other 56 GB; sleep mode hands vLLM's 24 GB back during training.
     vllm_gpu_memory_utilization: float = 0.3  # vLLM on GPU: fraction of GPU memory for its weights + KV cache (the trainer shares the GPU)
     vllm_kv_cache_gb: int = 1  # vLLM on CPU: KV cache size in GiB (per rank)
     tis_cap: float = 0.0  # truncated importance sampling cap for engine/trainer mismatch (0 = off)
@@ -140,8 +139,8 @@ def _coerce(key: str, value, typ):
             pass
     elif typ is str and isinstance(value, str):
         return value
-    example = str(Config.__dataclass_fields__[key].default).lower() if typ is bool else \
-        Config.__dataclass_fields__[key].default
+    default = Config.__dataclass_fields__[key].default
+    example = str(default).lower() if typ is bool else default
     raise ConfigError(f"{key}={value!r} is not a {typ.__name__}: write it like --{key}={example}")
 
 
@@ -155,7 +154,7 @@ def parse_args(argv: list) -> Config:
         if i + 1 >= len(argv):
             raise ConfigError("--config needs a file: --config configs/demo_cpu.toml")
         argv[i:i + 2] = [f"--config={argv[i + 1]}"]
-    overrides = []
+    overrides = {}
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
             raise ConfigError(f"cannot parse argument {arg!r}: write --key=value (see --help)")
@@ -165,14 +164,12 @@ def parse_args(argv: list) -> Config:
                 raise ConfigError(f"config file {value!r} not found: pass an existing .toml file")
             try:
                 with open(value, "rb") as f:
-                    for k, v in tomllib.load(f).items():
-                        values[k] = ("config file", v)
+                    values.update({k: ("config file", v) for k, v in tomllib.load(f).items()})
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError(f"config file {value!r} is not valid TOML ({e})") from None
         else:
-            overrides.append((key, value))
-    for key, value in overrides:  # the command line wins over the file
-        values[key] = ("command line", value)
+            overrides[key] = ("command line", value)
+    values.update(overrides)  # the command line wins over the file
     kwargs = {}
     for key, (where, value) in values.items():
         if key not in types:
@@ -236,8 +233,7 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"resume={cfg.resume!r} does not exist: give a checkpoint dir "
                           f"(out_dir/ckpt/step_N) or 'auto'")
     if cfg.task == "gsm8k" and not os.path.isfile(cfg.prompts):
-        raise ConfigError(f"task=gsm8k needs prompts=FILE (a GSM8K-format JSONL file); "
-                          f"{cfg.prompts!r} is not a file")
+        raise ConfigError(f"task=gsm8k needs prompts=FILE (a GSM8K-format JSONL file); {cfg.prompts!r} is not a file")
     if cfg.val_prompts and not os.path.isfile(cfg.val_prompts):
         raise ConfigError(f"val_prompts={cfg.val_prompts!r} is not a file")
     if cfg.replay_rollouts and not os.path.isdir(cfg.replay_rollouts):
@@ -251,18 +247,14 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"out_dir={cfg.out_dir!r} is not writable ({e.strerror}): choose another out_dir")
 
 
-def print_help() -> None:
-    docs = field_docs()
-    print(__doc__)
-    for f in dataclasses.fields(Config):
-        print(f"  {'--' + f.name + '=' + repr(f.default):<38} {docs.get(f.name, '')}")
-
-
 def load(argv: list, world_size: int) -> Config:
     """The entry point: parse, validate, or print one line and exit(2)."""
     if "--help" in argv or "-h" in argv:
         if os.environ.get("RANK", "0") == "0":
-            print_help()
+            docs = field_docs()
+            print(__doc__)
+            for f in dataclasses.fields(Config):
+                print(f"  {'--' + f.name + '=' + repr(f.default):<38} {docs.get(f.name, '')}")
         sys.exit(0)
     try:
         cfg = parse_args(argv)

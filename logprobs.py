@@ -4,15 +4,13 @@ The policy's lm_head is column-parallel, so each tp rank holds the logits of one
 vocabulary and no rank ever materialises the full (B, S, V) tensor; under context parallelism each
 cp rank also holds only its zigzag share of the positions. This module turns those shards into the
 (B, S) per-token numbers PPO needs, aligned as in train_ppo.py's docstring: out[:, i] scores x_i
-given x_<i, so it comes from the logits at position i-1, and out[:, 0] = 0 (also at every packed
-sequence start).
+from the logits at i-1, and out[:, 0] = 0 (also at every packed sequence start).
 
     lp  = token_logprobs(logits, input_ids, tp_group=tp, cp_group=cp, chunk_size=1024, temperature=0.8)
     ent = token_entropy(logits, tp_group=tp, cp_group=cp, chunk_size=1024, temperature=0.8)
 
-Logits arrive in the model's compute dtype (bf16 on GPU) and are upcast to fp32 and divided by
-the sampling temperature one chunk at a time, inside the functions: a full fp32 copy of
-(tokens, V/tp) logits would cost more than the logits themselves.
+Logits arrive in the compute dtype (bf16 on GPU) and are upcast to fp32 and divided by the sampling
+temperature one chunk at a time: a full fp32 copy would cost more than the logits themselves.
 
 Where the ideas come from (the code and prose are our own):
 1. Vocab-parallel log-softmax: the max and the sum of exponentials are all-reduced over tp and the
@@ -22,23 +20,20 @@ Where the ideas come from (the code and prose are our own):
    the softmax (also Megatron-LM's cross entropy).
 3. Chunking over tokens with the softmax recomputed in the backward, so the extra memory is
    O(chunk * V/tp) (NeMo-RL's and verl's chunked logprob computation).
-4. Zigzag context parallelism: the sequence is cut into 2*cp chunks and rank r keeps chunks r and
-   2cp-1-r, which balances causal-attention work (the load-balanced context parallelism of
-   Megatron-LM / TransformerEngine, and the zigzag variant of ring attention, Liu et al. 2023,
-   in zhuzilin/ring-flash-attention).
+4. Zigzag context parallelism, rank r keeping chunks r and 2cp-1-r of 2*cp: the load-balanced CP
+   of Megatron-LM / TransformerEngine, and zhuzilin/ring-flash-attention's zigzag ring attention
+   (Liu et al. 2023).
 
 Deliberately left out: a fused kernel that never materialises even one chunk (liger-kernel style),
 and logits sharded on the sequence by SP (ours arrive sharded on vocab only).
 Logits must be finite (a -inf logit makes the entropy 0 * inf = nan).
 """
-
 import torch
 import torch.distributed as dist
 
 # ----------------------------------------------------------------------------
 # process groups: None means "this dim is not parallel", so tp = cp = 1 runs the very same code
 # below, with every collective skipped and no init_process_group needed.
-
 
 def _size(group):
     return 1 if group is None else dist.get_world_size(group)
@@ -63,7 +58,6 @@ def _math_dtype(dtype):
 
 # ----------------------------------------------------------------------------
 # context parallel: the zigzag split and its inverse
-
 
 def zigzag_positions(seq_len, cp_size, cp_rank):
     """Global positions held by cp_rank, in local order: chunk r, then chunk 2cp-1-r."""
@@ -106,28 +100,23 @@ class _CPGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_full):
         # Every cp rank computes the same loss from the same gathered tensor, so d loss / d x_local
-        # is just this rank's entries of grad_full. No reduction over cp: summing would count the
-        # cp identical copies of the loss cp times. (FSDP later sums the parameter gradients over
-        # dp*cp, which adds up the contributions of the different cp ranks' tokens.)
+        # is this rank's entries of grad_full; summing over cp would count the loss cp times.
+        # (FSDP later sums parameter gradients over dp*cp: the cp ranks' tokens add up there.)
         cp_size, cp_rank = _size(ctx.cp_group), _rank(ctx.cp_group)
         return zigzag_split(grad_full, cp_size, cp_rank, ctx.dim), None, None  # (..., S/cp, ...)
 
 
 def cp_gather(x_local, cp_group, dim=1):
     """Full tensor in natural order along dim from each cp rank's zigzag part (identity if cp=1)."""
-    if _size(cp_group) == 1:
-        return x_local
-    return _CPGather.apply(x_local, cp_group, dim)
+    return x_local if _size(cp_group) == 1 else _CPGather.apply(x_local, cp_group, dim)
 
 
-def _shift_right(per_position, cu_seqlens):
+def shift_right(per_position, cu_seqlens):
     """(B, S) values computed at logits position g (about token g+1) -> aligned at position g+1.
-
     Position 0, and with packing every sequence start, has no prediction of its own: it gets 0.
     The last position's value (it would score a token past the end) is dropped."""
     batch = per_position.shape[0]
-    zero = per_position.new_zeros(batch, 1)  # (B, 1)
-    out = torch.cat([zero, per_position[:, :-1]], dim=1)  # (B, S)
+    out = torch.cat([per_position.new_zeros(batch, 1), per_position[:, :-1]], dim=1)  # (B, S)
     if cu_seqlens is not None:
         if batch != 1:
             raise ValueError(f"cu_seqlens needs one packed row, got batch {batch}")
@@ -139,10 +128,8 @@ def _shift_right(per_position, cu_seqlens):
 # ----------------------------------------------------------------------------
 # vocab-parallel log-softmax with a hand-written backward (Megatron-LM, Shoeybi et al. 2019)
 
-
 def _vocab_range(logits, tp_group):
     """(first vocab id of this rank's shard, model vocab size) from every rank's actual shard size.
-
     DTensor shards like torch.chunk (510 over 4 ranks is 128/128/128/126), and the model's vocab may
     exceed the tokenizer's, so offsets are never derived from V // tp: we gather the real sizes."""
     local_vocab = logits.shape[-1]
@@ -158,7 +145,6 @@ def _vocab_range(logits, tp_group):
 
 def _logprob_chunk(x, local_target, owned, tp_group, temperature):
     """log p(target) for n tokens whose vocab is split over tp, p = softmax(x / temperature).
-
     x: (n, V/tp) logits in their own dtype (bf16 or fp32); local_target: (n,) target id within this
     shard (clamped into range); owned: (n,) whether this rank's shard holds the target.
     Returns, in the math dtype: logprob (n,), logsumexp (n,) = log sum_v exp(x_v / T), exps
@@ -182,7 +168,6 @@ def _logprob_chunk(x, local_target, owned, tp_group, temperature):
 
 def _logprob_forward(logits, local_target, owned, tp_group, chunk_size, keep_probs, temperature):
     """Loop _logprob_chunk over blocks of chunk_size tokens (one block if chunk_size is 0).
-
     Every tp rank holds the same tokens, so all ranks cut the same blocks and their collectives
     pair up. keep_probs (unchunked training only) returns the full softmax for the backward."""
     num_tokens, math_dtype = logits.shape[0], _math_dtype(logits.dtype)
@@ -192,9 +177,8 @@ def _logprob_forward(logits, local_target, owned, tp_group, chunk_size, keep_pro
     probs = None
     for start in range(0, num_tokens, step):
         rows = slice(start, start + step)
-        logprob[rows], logsumexp[rows], exps, sum_exps = _logprob_chunk(
-            logits[rows], local_target[rows], owned[rows], tp_group, temperature
-        )
+        logprob[rows], logsumexp[rows], exps, sum_exps = _logprob_chunk(logits[rows], local_target[rows],
+                                                                        owned[rows], tp_group, temperature)
         if keep_probs:
             probs = exps.div_(sum_exps[:, None])  # (N, V/tp)  softmax over the whole vocab
     return logprob, logsumexp, probs
@@ -210,22 +194,18 @@ def _one_hot_minus_probs_(probs, grad_out, local_target, owned):
 
 class _VocabParallelLogprob(torch.autograd.Function):
     """log p(target) from vocab-sharded logits (N, V/tp) -> (N,), at temperature T (x = logits / T).
-
     Backward, derived: log p_t = x_t - log sum_v exp(x_v), and d/dx_v log sum exp = softmax_v, so
         d log p_t / d x_v = 1[v == t] - softmax_v   =>   grad_x = grad_out * (one_hot(t) - softmax),
     and grad_logits = grad_x / T, returned in the logits' dtype.
-    Each rank needs only its own vocab columns of this, and its softmax already carries the
-    all-reduced denominator, so the backward has no communication. The max drops out of the
-    derivative entirely (shift invariance), which is why it is all-reduced without a gradient.
-    Every tp rank backpropagates the same loss, so each one's grad is exactly its shard's slice.
-    """
+    Every tp rank backpropagates the same loss, so each needs only its own vocab columns of this,
+    and its softmax already carries the all-reduced denominator: the backward has no communication.
+    The max drops out of the derivative (shift invariance), hence its all-reduce without a gradient."""
 
     @staticmethod
     def forward(ctx, logits, local_target, owned, tp_group, chunk_size, temperature):
         keep_probs = chunk_size == 0
-        logprob, logsumexp, probs = _logprob_forward(
-            logits, local_target, owned, tp_group, chunk_size, keep_probs, temperature
-        )
+        logprob, logsumexp, probs = _logprob_forward(logits, local_target, owned, tp_group, chunk_size, keep_probs,
+                                                     temperature)
         ctx.chunk_size, ctx.logits_dtype, ctx.temperature = chunk_size, logits.dtype, temperature
         if keep_probs:
             # unchunked: keep the softmax (N, V/tp); the logits themselves may be freed
@@ -260,33 +240,25 @@ class _VocabParallelLogprob(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def token_logprobs(
-    logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlens=None, chunk_size=0, temperature=1.0
-):
+def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlens=None, chunk_size=0,
+                   temperature=1.0):
     """log pi(x_i | x_<i) at every position i of input_ids, from this rank's shard of the logits,
     for the distribution softmax(logits / temperature).
-
     logits: (B, S/cp, V/tp), this rank's vocab shard at its zigzag positions (B=1 when packed).
     input_ids: (B, S) the full token ids, held by every tp and cp rank.
     Returns (B, S) in fp32 (fp64 for fp64 logits), identical on every rank; out[:, 0] = 0 and, with
-    cu_seqlens, 0 at every sequence start. Differentiable w.r.t. logits through the hand-written
-    backward when grad is enabled and logits require grad; otherwise nothing is kept for backward.
-    chunk_size > 0: tokens go through in blocks of chunk_size, softmax recomputed in the backward.
-    """
+    cu_seqlens, 0 at every sequence start. Differentiable w.r.t. logits (hand-written backward).
+    chunk_size > 0: tokens go through in blocks of chunk_size, softmax recomputed in the backward."""
     batch, seq_len = input_ids.shape
     cp_size, cp_rank = _size(cp_group), _rank(cp_group)
     if logits.shape[:2] != (batch, seq_len // cp_size) or seq_len % cp_size:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} must be (B, S/cp, V/tp) for input_ids "
-            f"{tuple(input_ids.shape)} and cp={cp_size}"
-        )
+        raise ValueError(f"logits {tuple(logits.shape)} must be (B, S/cp, V/tp) for input_ids "
+                         f"{tuple(input_ids.shape)} and cp={cp_size}")
     vocab_start, vocab_size = _vocab_range(logits, tp_group)
     # an id beyond the model's vocab would silently score 0 on every rank: refuse (a host sync)
     if input_ids.min() < 0 or input_ids.max() >= vocab_size:
-        raise ValueError(
-            f"input_ids must lie in [0, {vocab_size}) (the model's vocab), got "
-            f"[{int(input_ids.min())}, {int(input_ids.max())}]"
-        )
+        raise ValueError(f"input_ids must lie in [0, {vocab_size}) (the model's vocab), got "
+                         f"[{int(input_ids.min())}, {int(input_ids.max())}]")
 
     # Each local row of logits sits at global position g and predicts token g+1. We score that
     # next token here, gather the scores over cp in natural order, and shift right by one.
@@ -297,24 +269,18 @@ def token_logprobs(
     owned = (local_ids >= 0) & (local_ids < logits.shape[-1])  # (N,)  target in this shard?
     local_ids = local_ids.clamp(0, logits.shape[-1] - 1)  # (N,)  any valid column when not owned
     flat_logits = logits.reshape(-1, logits.shape[-1])  # (N, V/tp)
-
     if torch.is_grad_enabled() and logits.requires_grad:
-        logprob = _VocabParallelLogprob.apply(
-            flat_logits, local_ids, owned, tp_group, chunk_size, temperature
-        )  # (N,)
+        logprob = _VocabParallelLogprob.apply(flat_logits, local_ids, owned, tp_group, chunk_size, temperature)  # (N,)
     else:
         # inference (old/reference policy): same math, nothing saved, chunking still bounds temps
-        logprob, _, _ = _logprob_forward(
-            flat_logits, local_ids, owned, tp_group, chunk_size, False, temperature
-        )  # (N,)
-
+        logprob, _, _ = _logprob_forward(flat_logits, local_ids, owned, tp_group, chunk_size, False,
+                                         temperature)  # (N,)
     next_token_logprob = cp_gather(logprob.view(batch, -1), cp_group, dim=1)  # (B, S)
-    return _shift_right(next_token_logprob, cu_seqlens)  # (B, S)
+    return shift_right(next_token_logprob, cu_seqlens)  # (B, S)
 
 
 # ----------------------------------------------------------------------------
 # entropy of the vocab-sharded distribution (a metric, and the optional entropy bonus)
-
 
 class _TPSum(torch.autograd.Function):
     """All-reduce SUM over tp forward, identity backward (Megatron-LM's "reduce from the tensor
@@ -333,14 +299,12 @@ class _TPSum(torch.autograd.Function):
 def token_entropy(logits, *, tp_group=None, cp_group=None, cu_seqlens=None, chunk_size=0, temperature=1.0):
     """Entropy of the distribution each x_i was drawn from, softmax(logits / temperature),
     aligned like token_logprobs.
-
     logits: (B, S/cp, V/tp). Returns (B, S) in fp32 (fp64 for fp64 logits); 0 at position 0 and
     at sequence starts. Differentiable through plain autograd ops (with grad, each block keeps its
     own (n, V/tp) intermediates, so chunking bounds the memory of no-grad calls only).
     With m = max_v x_v, s = (x - m) / T and Z = sum_v exp(s_v), p = exp(s) / Z and
         H = -sum_v p_v log p_v = log Z - sum_v p_v s_v,
-    where every term is bounded (s <= 0) just as in the log-softmax above.
-    """
+    where every term is bounded (s <= 0) just as in the log-softmax above."""
     batch, local_seq, local_vocab = logits.shape
     flat_logits = logits.reshape(-1, local_vocab)  # (N, V/tp)
     math_dtype = _math_dtype(logits.dtype)
@@ -358,16 +322,14 @@ def token_entropy(logits, *, tp_group=None, cp_group=None, cu_seqlens=None, chun
         z, z_times_mean_shifted = _TPSum.apply(partial, tp_group)  # (n,), (n,)
         blocks.append(z.log() - z_times_mean_shifted / z)  # (n,)
     entropy = torch.cat(blocks).view(batch, local_seq)  # (B, S/cp)
-    return _shift_right(cp_gather(entropy, cp_group, dim=1), cu_seqlens)  # (B, S)
+    return shift_right(cp_gather(entropy, cp_group, dim=1), cu_seqlens)  # (B, S)
 
 
 # ----------------------------------------------------------------------------
 # packed rows back to one sequence per row
 
-
 def unpack_packed(packed, cu_seqlens, seq_len):
     """(1, T) packed row -> (n, seq_len): sequence k at row k, left-aligned, zero-padded.
-
     Pure indexing, so it is differentiable and works for ids, logprobs and masks alike."""
     starts = cu_seqlens[:-1].long().to(packed.device)  # (n,)
     lengths = cu_seqlens[1:].long().to(packed.device) - starts  # (n,)

@@ -43,7 +43,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
-from logprobs import cp_gather, token_entropy, token_logprobs, unpack_packed, zigzag_positions
+from logprobs import cp_gather, shift_right, token_entropy, token_logprobs, unpack_packed, zigzag_positions
 
 try:  # GPU only: flash-attn's varlen kernel skips the masked-out blocks of a packed row
     from flash_attn import flash_attn_varlen_func
@@ -143,10 +143,9 @@ def materialize_tiny_model(name, dir, seed, **overrides):
 
 # -----------------------------------------------------------------------------
 # Attention: one function for every layout, registered with transformers' AttentionInterface
-# and selected by name at load time. Since "ppo" is not in transformers' mask registry, the
-# model builds no mask of its own (it would not know our packing or zigzag order); the batch
-# layout reaches us as explicit forward kwargs, which transformers 5.x hands through
-# model -> decoder layer -> attention module -> this function untouched.
+# and selected by name at load time. "ppo" is not in transformers' mask registry, so the model
+# builds no mask of its own (it would not know our packing or zigzag order); the layout reaches
+# us as forward kwargs, which transformers 5.x hands down to this function untouched.
 
 class _GatherSeq(torch.autograd.Function):
     """All-gather K or V over cp along the sequence dim (2). Backward reduce-scatters: every cp
@@ -170,8 +169,7 @@ class _GatherSeq(torch.autograd.Function):
 
 def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale=None, causal=True, window_size=(-1, -1)):
-    """flash-attn's `flash_attn_varlen_func` contract in plain PyTorch: the CPU stand-in for the
-    GPU kernel, and the plainest statement of what that kernel computes.
+    """flash-attn's `flash_attn_varlen_func` contract in plain PyTorch: the CPU stand-in for the GPU kernel.
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D), Hkv dividing Hq (grouped-query attention).
     Segment i is q[cu_seqlens_q[i]:cu_seqlens_q[i+1]] attending to k/v[cu_seqlens_k[i]:cu_seqlens_k[i+1]].
     Causal is bottom-right aligned (flash-attn >= 2.1): a segment with Lq queries and Lk >= Lq keys
@@ -258,12 +256,10 @@ def _tp_plan(family, sequence_parallel, critic):
         # rows of the vocab split over tp: a rank looks up the ids it owns (zero elsewhere) and
         # the partial embeddings are summed (all-reduce, or reduce-scatter over the sequence)
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-        # attention: heads split over tp (q/k/v colwise), o_proj sums the heads' contributions
         "model.layers.*.self_attn.q_proj": ColwiseParallel(),
         "model.layers.*.self_attn.k_proj": ColwiseParallel(),
         "model.layers.*.self_attn.v_proj": ColwiseParallel(),
         "model.layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=stream),
-        # MLP: gate/up colwise (channels split), down rowwise (sum), as in Megatron-LM
         "model.layers.*.mlp.gate_proj": ColwiseParallel(),
         "model.layers.*.mlp.up_proj": ColwiseParallel(),
         "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=stream),
@@ -313,16 +309,8 @@ def _check_supported(config, tp_size):
         raise CheckpointError("Gemma3 runs with tp_size=1 only (FSDP, CP and packing work): no TP plan for it here")
     for field in ("num_attention_heads", "num_key_value_heads"):
         if getattr(config, field) % tp_size:
-            raise CheckpointError(f"tp_size={tp_size} must divide {field}={getattr(config, field)}: each tp rank "
-                             f"computes whole heads")
-
-
-def _read_checkpoint(path):
-    """name -> lazy tensor reader over the checkpoint's safetensors file(s) (rank 0 only)."""
-    from safetensors import safe_open
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    handles = [safe_open(os.path.join(path, f), framework="pt") for f in files]
-    return {name: h for h in handles for name in h.keys()}
+            raise CheckpointError(f"tp_size={tp_size} must divide {field}={getattr(config, field)}: "
+                                  f"each tp rank computes whole heads")
 
 
 def check_hf_dir(path, tp_size):
@@ -408,13 +396,18 @@ def _build(path, mesh, cfg, critic):
         if offload:  # buffers are not FSDP's: they stay on the GPU
             module._buffers.update({n: b.to(device) for n, b in module._buffers.items() if b is not None})
     model.train()  # no dropout in these families; train mode lets activation checkpointing act
-    return model, config
+    return model
 
 
 def _load_weights(model, path, extra):
     """Rank 0 reads each tensor (from the checkpoint or `extra`), broadcasts it to every rank,
-    and each rank keeps its own shard. Peak memory: one full tensor."""
-    reader = _read_checkpoint(path) if dist.get_rank() == 0 else None
+    and each rank keeps its own shard; returns the model. Peak memory: one full tensor."""
+    reader = None  # rank 0: tensor name -> lazy reader over the checkpoint's safetensors file(s)
+    if dist.get_rank() == 0:
+        from safetensors import safe_open
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        handles = [safe_open(os.path.join(path, f), framework="pt") for f in files]
+        reader = {name: h for h in handles for name in h.keys()}
     missing = [n for n, _ in model.named_parameters() if reader is not None and n not in reader and n not in extra]
     if missing:  # rank 0 stops here; torchrun then ends the ranks waiting in the broadcast
         raise ValueError(f"{path} has no tensor named {missing[0]} ({len(missing)} missing): not an HF checkpoint "
@@ -428,24 +421,22 @@ def _load_weights(model, path, extra):
         shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         with torch.no_grad():
             param.to_local().copy_(shard.to_local())
+    return model
 
 
 def load_policy(path, mesh, cfg):
     """The HF checkpoint at `path` as a sharded module (TP plan if tp > 1, FSDP2 over dp*cp)."""
-    model, _ = _build(path, mesh, cfg, critic=False)
-    _load_weights(model, path, extra={})
-    return model
+    return _load_weights(_build(path, mesh, cfg, critic=False), path, extra={})
 
 
 def load_critic(path, mesh, cfg):
     """Backbone of the checkpoint at `path` + an fp32 Linear(hidden, 1) value head, initialized
     from the seed with std 1/sqrt(hidden+1) and zero bias (Ziegler et al. 2019's value head, as in
     summarize_from_feedback_details), identical on every rank."""
-    model, config = _build(path, mesh, cfg, critic=True)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    weight = torch.randn(1, config.hidden_size, generator=generator) / math.sqrt(config.hidden_size + 1)
-    _load_weights(model, path, extra={"lm_head.weight": weight, "lm_head.bias": torch.zeros(1)})
-    return model
+    model = _build(path, mesh, cfg, critic=True)
+    hidden, generator = model.config.hidden_size, torch.Generator().manual_seed(cfg.seed)
+    weight = torch.randn(1, hidden, generator=generator) / math.sqrt(hidden + 1)
+    return _load_weights(model, path, extra={"lm_head.weight": weight, "lm_head.bias": torch.zeros(1)})
 
 
 # -----------------------------------------------------------------------------
@@ -464,10 +455,10 @@ def microbatches(seq_lens, cfg, mesh):
                 raise ValueError(f"a sequence of {seq_lens[i]} tokens does not fit max_tokens_per_microbatch="
                                  f"{cfg.max_tokens_per_microbatch} (usable {capacity}: a multiple "
                                  f"of 2*cp*tp={multiple}); raise it")
-            fit = next((k for k in range(len(bins)) if room[k] >= seq_lens[i]), None)  # first bin with room
-            if fit is None:
-                bins.append([]), room.append(capacity)
-                fit = len(bins) - 1
+            fit = next((k for k in range(len(bins)) if room[k] >= seq_lens[i]), len(bins))  # first bin with room
+            if fit == len(bins):  # none: open a new one
+                bins.append([])
+                room.append(capacity)
             bins[fit].append(i)
             room[fit] -= seq_lens[i]
     else:
@@ -534,8 +525,7 @@ def _layout(input_ids, seq_lens, mesh, cfg):
         doc_lens = [ids.shape[1]]  # one document per row
         docs = torch.zeros_like(ids)  # (b, T)
         positions = torch.arange(ids.shape[1], device=device).expand_as(ids)  # (b, T)
-    # this rank's zigzag share of the tokens (chunks r and 2cp-1-r); keys arrive all-gathered
-    # over cp in rank order, each rank's share in its local order
+    # queries: this rank's zigzag share (chunks r, 2cp-1-r); keys: every share, all-gathered in rank order
     q_rows = zigzag_positions(ids.shape[1], cp_size, cp_rank).to(device)  # (T/cp,)
     kv_rows = torch.cat([zigzag_positions(ids.shape[1], cp_size, r) for r in range(cp_size)]).to(device)  # (T,)
     attention = dict(kind=cfg.attention, cp_group=_group(mesh, "cp"))
@@ -550,8 +540,7 @@ def _layout(input_ids, seq_lens, mesh, cfg):
 
 
 def _unlayout(per_token, layout, like):
-    """(B, T) per-token numbers back in the trainer's (b, S) right-padded rows, on the device of
-    the trainer's ids (`like`)."""
+    """(B, T) per-token numbers back in the trainer's (b, S) right-padded rows, on `like`'s device."""
     seq_len = like.shape[1]
     if layout["cu_seqlens"] is None:  # zero past each row's end, as unpacking does
         valid = torch.arange(seq_len, device=per_token.device)[None] < layout["seq_lens"][:, None]  # (b, S)
@@ -560,16 +549,14 @@ def _unlayout(per_token, layout, like):
 
 
 def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_entropy=False):
-    """Per-token logprobs (b, S) of the rows under pi(.)^(1/temperature), and the entropy if
-    asked; position 0 holds 0 (the alignment in train_ppo.py's docstring). Packing, CP and TP
-    stay inside."""
+    """Per-token logprobs (b, S) under pi(.)^(1/temperature), and the entropy if asked, aligned as in
+    train_ppo.py's docstring (0 at position 0). Packing, CP and TP stay inside."""
     layout = _layout(input_ids, seq_lens, mesh, cfg)
     logits = model(**layout["model_kwargs"]).logits  # (B, T/cp, V/tp)  vocab-sharded, bf16 under dtype=bf16
     if isinstance(logits, DTensor):  # tp > 1: this rank's vocab shard, never gathered
         logits = logits.to_local()  # (B, T/cp, V/tp)
-    # logprobs.py divides by the sampling temperature (so that pi/pi_old compares the
-    # distributions the engine sampled from, as NeMo-RL and verl do) and upcasts to fp32 one
-    # chunk at a time: no fp32 copy of the whole (tokens, V/tp) logits
+    # logprobs.py divides by the sampling temperature, so that pi/pi_old compares the
+    # distributions the engine sampled from (as NeMo-RL and verl do)
     shards = dict(tp_group=_group(mesh, "tp"), cp_group=_group(mesh, "cp"), cu_seqlens=layout["cu_seqlens"],
                   chunk_size=cfg.logprob_chunk_size, temperature=temperature)
     logprobs = token_logprobs(logits, layout["ids"], **shards)  # (B, T)
@@ -583,9 +570,7 @@ def forward_critic(critic, input_ids, seq_lens, mesh, cfg):
     layout = _layout(input_ids, seq_lens, mesh, cfg)
     values = critic(**layout["model_kwargs"]).logits[..., 0].float()  # (B, T/cp)
     values = cp_gather(values, _group(mesh, "cp"), dim=1)  # (B, T)  collective over cp, natural order
-    values = F.pad(values[:, :-1], (1, 0))  # (B, T)  the shift crosses zigzag chunks: after the gather
-    if layout["cu_seqlens"] is not None:
-        values = values.index_fill(1, layout["cu_seqlens"][:-1].long(), 0.0)  # (1, T)
+    values = shift_right(values, layout["cu_seqlens"])  # (B, T)  the shift crosses zigzag chunks: after the gather
     return _unlayout(values, layout, input_ids)  # (b, S)
 
 
@@ -652,12 +637,10 @@ def clip_grad_norm(params, max_norm):
                            if not p.is_replicate())
         sq = _local(grad).float().pow(2).sum()  # ()
         by_groups[groups] = by_groups.get(groups, 0) + sq
-    total_sq = torch.zeros((), device=device)
     for groups, sq in by_groups.items():  # the same order on every rank: parameters come in order
         for group in groups:
             dist.all_reduce(sq, group=group)  # collective: sum over the ranks holding other shards
-        total_sq = total_sq + sq
-    norm = total_sq.sqrt()
+    norm = sum(by_groups.values(), torch.zeros((), device=device)).sqrt()
     if max_norm > 0:  # 0 = no clipping, only the norm
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
         for grad in grads:
@@ -717,12 +700,13 @@ def save_hf(model, path, extra_files=None, copy_from=None):
 # small trainer state (step, LR schedulers, RNG states) with torch.save.
 # `parts` is {name: (model, optimizer, LR scheduler)}, the same names when saving and loading.
 
-def _rng_state():
+def rng_states():
+    """Every RNG the run draws from (also kept around vLLM's calls, which reseed them)."""
     return dict(torch=torch.get_rng_state(), python=random.getstate(), numpy=np.random.get_state(),
                 cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
 
 
-def _set_rng_state(state):
+def set_rng_states(state):
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -775,7 +759,7 @@ def save_checkpoint(root, step, parts, keep):
         os.makedirs(path + ".tmp")
     dist.barrier()
     dcp.save(_sharded_state(parts), checkpoint_id=path + ".tmp")  # collective; files fsynced
-    trainer_state = dict(step=step, rng=_rng_state(), schedulers={n: p[2].state_dict() for n, p in parts.items()})
+    trainer_state = dict(step=step, rng=rng_states(), schedulers={n: p[2].state_dict() for n, p in parts.items()})
     torch.save(trainer_state, os.path.join(path + ".tmp", f"trainer_state_rank{rank}.pt"))
     time.sleep(float(os.environ.get("PPO_TEST_PAUSE_BEFORE_RENAME_S", "0")))  # tests kill the run here
     dist.barrier()  # every rank's files are written
@@ -801,7 +785,7 @@ def load_checkpoint(path, parts):
     own = os.path.join(path, f"trainer_state_rank{dist.get_rank()}.pt")
     trainer_state = torch.load(own if os.path.isfile(own) else os.path.join(path, "trainer_state_rank0.pt"),
                                weights_only=False)  # our own file: numpy RNG state is not a tensor
-    _set_rng_state(trainer_state["rng"])
+    set_rng_states(trainer_state["rng"])
     for name, (_, _, scheduler) in parts.items():
         scheduler.load_state_dict(trainer_state["schedulers"][name])
     return trainer_state["step"]

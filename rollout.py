@@ -15,42 +15,29 @@ import warnings
 from contextlib import contextmanager
 from typing import Optional, Protocol
 
-import numpy as np
 import tiktoken
 import torch
 from transformers import AutoModelForCausalLM
 
-# -----------------------------------------------------------------------------
-# Tokenizer for the toy task: built in code, nothing downloaded.
-# A byte-level BPE with no merges: every byte is its own token (ids 0..255), plus two
-# special tokens. Real models bring their own tokenizer (issue 7); the toy model's vocab
-# (262) is deliberately larger than this tokenizer's 258 ids, as with real checkpoints
-# whose embedding matrix is padded (Qwen2.5: 151,936 rows for 151,665 tokens).
-
-EOS, PAD = "<|endoftext|>", "<|pad|>"
-
-
-def toy_tokenizer() -> tiktoken.Encoding:
-    return tiktoken.Encoding(
-        name="toy_bytes",
-        pat_str=r"[^\n]+|\n",  # pre-tokenization split: irrelevant without merges
-        mergeable_ranks={bytes([i]): i for i in range(256)},
-        special_tokens={EOS: 256, PAD: 257},
-    )
-
-
-def decode(tok: tiktoken.Encoding, ids: list) -> str:
-    """Text of token ids, dropping special tokens and ids the tokenizer does not know
-    (the model may sample one of its padding rows: it scores like any wrong answer)."""
-    return tok.decode([i for i in ids if i < 256], errors="replace")
-
+from model_parallel import rng_states, set_rng_states
 
 # -----------------------------------------------------------------------------
 # The toy task: small-number addition, "3+4=" -> "7". Reward 1 for the exact sum followed
 # by end-of-text, 0 otherwise: a verifiable, rule-based reward like GSM8K's. Operands are
 # 0..4, so 25 facts: a 1M-parameter model memorizes 100 facts (0..9) too slowly for a CPU
 # demo of a few minutes, by SFT or by RL alike (measured: 150 SFT steps reach only 47%).
+# Its tokenizer is built in code (nothing downloaded): a byte-level BPE with no merges, every
+# byte its own token (ids 0..255), plus two special tokens. The toy model's vocab (262) is
+# deliberately larger than these 258 ids, as with real checkpoints whose embedding matrix is
+# padded (Qwen2.5: 151,936 rows for 151,665 tokens). Real models bring their own tokenizer.
 TOY_OPERANDS = 5
+EOS, PAD = "<|endoftext|>", "<|pad|>"
+
+
+def toy_tokenizer() -> tiktoken.Encoding:
+    # pat_str is the pre-tokenization split: irrelevant without merges
+    return tiktoken.Encoding(name="toy_bytes", pat_str=r"[^\n]+|\n",
+                             mergeable_ranks={bytes([i]): i for i in range(256)}, special_tokens={EOS: 256, PAD: 257})
 
 
 def toy_prompts(seed: int, step, n: int) -> list:
@@ -67,12 +54,12 @@ def toy_reward(response_text: str, answer: str, finished: bool) -> float:
 
 
 # -----------------------------------------------------------------------------
-# Math answers (GSM8K and the like): the reward is exact match of the final number.
-# GSM8K's references end in "#### 72" (Cobbe et al., 2021); a model's answer is taken from
-# its last \boxed{...} if any (the convention of MATH, Hendrycks et al., 2021), else from
-# the number after the last "####", else the last number in the text (the "flexible extract" of common eval
-# harnesses). Numbers are normalized before comparing: thousands separators, "$", "%",
-# units and a trailing period are dropped, and "72.00" equals "72".
+# Math answers (GSM8K and the like): the reward is exact match of the final number. GSM8K's
+# references end in "#### 72" (Cobbe et al., 2021); a model's answer is taken from its last
+# \boxed{...} if any (the convention of MATH, Hendrycks et al., 2021), else from the number after
+# the last "####", else the last number in the text (the "flexible extract" of common eval
+# harnesses). Numbers are normalized before comparing: thousands separators, "$", "%", units and
+# a trailing period are dropped, and "72.00" equals "72".
 
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
 
@@ -157,7 +144,8 @@ class ToyTask:
         return self.tok.encode(answer) + [self.eos_id]
 
     def decode(self, ids):
-        return decode(self.tok, ids)
+        # special tokens and ids the tokenizer does not know (the model's padding rows) are dropped
+        return self.tok.decode([i for i in ids if i < 256], errors="replace")
 
     def reward(self, text, answer, finished):
         return toy_reward(text, answer, finished)
@@ -177,8 +165,7 @@ def read_gsm8k(path: str) -> list:
                 row = json.loads(line)
                 question, answer = row["question"], row["answer"]
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise TaskError(f"{path}:{number}: not a JSON object with 'question' and "
-                                "'answer' keys") from None
+                raise TaskError(f"{path}:{number}: not a JSON object with 'question' and 'answer' keys") from None
             if not str(question).strip():
                 raise TaskError(f"{path}:{number}: empty question")
             if extract_answer(str(answer)) is None:
@@ -189,8 +176,7 @@ def read_gsm8k(path: str) -> list:
     return pairs
 
 
-# Appended to each GSM8K question: the instruction NeMo-RL's and verl's GSM8K recipes use
-# in spirit, so that the answer is extractable.
+# Appended to each question so that the answer is extractable (NeMo-RL's and verl's recipes, in spirit).
 GSM8K_INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
 
 
@@ -277,27 +263,24 @@ class Engine(Protocol):
     def shutdown(self) -> None: ...
 
 
-# The HF engine: a plain (unsharded) transformers model on each rank with a hand-written
-# sampling loop. It is the fallback when vLLM is absent and the simplest place to read how
-# generation works. It is refit from the trained weights after every step by exactly the
-# code path vLLM uses (`refit` below), so its samples always come from the current policy.
+# The HF engine: a plain (unsharded) transformers model on each rank with a hand-written sampling
+# loop; the fallback when vLLM is absent, and the simplest place to read how generation works.
+# It is refit after every step by vLLM's code path (`refit` below): it samples the current policy.
 
 class HFEngine:
     def __init__(self, model_dir: str, device: torch.device, dtype=torch.float32):
         self.device, self.dtype = device, dtype  # refit casts to dtype
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        self.model.to(device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         self.params = dict(self.model.named_parameters())  # HF checkpoint names -> tensors
 
     @torch.no_grad()
     def generate(self, prompt_ids, seeds, max_new_tokens, temperature, eos_id):
         """Prompts are left-padded so that every row's next token sits in the last column."""
         B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
-        ids = torch.zeros((B, P), dtype=torch.long)  # (B, P) left-padded prompts
-        mask = torch.zeros(B, P, dtype=torch.long)  # (B, P) 1 = real token
+        ids = torch.zeros((B, P), dtype=torch.long, device=self.device)  # (B, P) left-padded prompts
+        mask = torch.zeros(B, P, dtype=torch.long, device=self.device)  # (B, P) 1 = real token
         for b, p in enumerate(prompt_ids):
             ids[b, P - len(p):], mask[b, P - len(p):] = torch.tensor(p), 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
         # Position ids count real tokens only, so a left-padded prompt sees the same
         # positions as it would alone (otherwise RoPE would shift by the padding).
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
@@ -307,13 +290,12 @@ class HFEngine:
         responses, logprobs = [[] for _ in range(B)], [[] for _ in range(B)]
         done = [False] * B
         for _ in range(max_new_tokens):
-            # Same convention as the trainer: log-softmax of logits / T, in fp32.
+            # the trainer's convention: log-softmax of logits / T in fp32 (T = 0: greedy, plain logprobs)
             logits = out.logits[:, -1].float().cpu()  # (B, V)
-            if temperature == 0:  # greedy (validation); logprobs of the plain distribution
-                logp = torch.log_softmax(logits, -1)  # (B, V)
+            logp = torch.log_softmax(logits / (temperature or 1.0), -1)  # (B, V)
+            if temperature == 0:
                 token = logp.argmax(-1, keepdim=True)  # (B, 1)
             else:
-                logp = torch.log_softmax(logits / temperature, -1)  # (B, V)
                 token = torch.stack([torch.multinomial(logp[b].exp(), 1, generator=gens[b])
                                      for b in range(B)])  # (B, 1)
             for b in range(B):
@@ -351,29 +333,23 @@ class HFEngine:
 
 
 # -----------------------------------------------------------------------------
-# The vLLM engine, colocated: one vLLM instance inside every trainer process, no server
-# and no Ray (the "hybrid engine" layout of verl and NeMo-RL), built on vLLM's torchrun
-# support, distributed_executor_backend="external_launcher": vLLM joins the torch world
-# that torchrun made (so init_process_group must come first) and carves its own
-# tensor-parallel groups out of it, consecutive blocks of rollout_tp_size ranks.
-# Lines marked "GPU only" were read from vLLM's source, not run here (README, "Verified on").
+# The vLLM engine, colocated: one vLLM instance inside every trainer process, no server and no
+# Ray (the "hybrid engine" layout of verl and NeMo-RL), built on vLLM's torchrun support,
+# distributed_executor_backend="external_launcher": vLLM joins the torch world that torchrun made
+# (so init_process_group must come first) and carves its own tensor-parallel groups out of it,
+# consecutive blocks of rollout_tp_size ranks. Lines marked "GPU only" were read from vLLM's
+# source, not run here (README, "Verified on").
 
 @contextmanager
 def _trainer_state_kept():
     """vLLM in-process reseeds the global RNGs, draws from the global torch RNG while
     sampling, and on CPU turns torch.set_num_threads into a no-op for the process.
     Put everything back so the trainer's state is the trainer's."""
-    states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    states, threads, set_threads = rng_states(), torch.get_num_threads(), torch.set_num_threads
     try:
         yield
     finally:
-        torch.set_rng_state(states[0])
-        random.setstate(states[1])
-        np.random.set_state(states[2])
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
+        set_rng_states(states)
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
 
@@ -417,19 +393,15 @@ class VLLMEngine:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
         with _trainer_state_kept():
             outs = self.llm.generate(prompts, params, use_tqdm=False)  # in prompt order
-        results = []
-        for out in outs:
-            ids = list(out.outputs[0].token_ids)  # logprobs: one {token: Logprob} per step
-            results.append((ids, [step[t].logprob for t, step in zip(ids, out.outputs[0].logprobs)]))
-        return results
+        samples = [out.outputs[0] for out in outs]  # logprobs: one {token: Logprob} per step
+        return [(list(s.token_ids), [step[t].logprob for t, step in zip(s.token_ids, s.logprobs)]) for s in samples]
 
-    # Refit uses vLLM's layerwise reloading (docs.vllm.ai, "training/layerwise"), split
-    # over buckets: initialize once, load_weights per bucket through vLLM's own loaders
-    # (they fuse q/k/v and gate/up, shard for TP, repack for the CPU kernels as soon as a
-    # layer is complete), finalize once. reload_weights per bucket would process a layer
-    # split across buckets half-loaded (NaN), and load_weights on the live model fails
-    # after the CPU repacking removed the weight loaders. vLLM holds on to a layer's
-    # tensors until the layer is complete: never reuse a bucket's buffers.
+    # Refit uses vLLM's layerwise reloading (docs.vllm.ai, "training/layerwise") over buckets:
+    # initialize once, load_weights per bucket through vLLM's own loaders (they fuse q/k/v and
+    # gate/up, shard for TP, repack for the CPU kernels once a layer is complete), finalize once.
+    # reload_weights per bucket would process a layer split across buckets half-loaded (NaN), and
+    # load_weights on the live model fails once CPU repacking removed the weight loaders. vLLM
+    # holds a layer's tensors until the layer is complete: never reuse a bucket's buffers.
     def load_weights(self, named_tensors):
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -475,18 +447,15 @@ def make_engine(cfg, model_dir: str, device: torch.device) -> Engine:
 
 
 # -----------------------------------------------------------------------------
-# Refit: stream the trained weights into the engine in bounded buckets.
-# Every rank iterates `named_full_tensors` together (each item is a collective that
-# gathers one parameter to full), casts it to the engine's dtype, and hands the engine a
-# bucket whenever the next tensor would overflow `bucket_mb`. At most one bucket (plus
-# one parameter larger than a bucket on its own) is built at a time, and vLLM keeps at
-# most one incomplete layer's tensors from earlier buckets, so the transient memory does
-# not grow with the model, unlike gathering a full state dict first (verl and NeMo-RL
-# both bucket their refit for this reason). The cast is to the engine's dtype (bf16 for
-# vLLM on GPU), so the bucket limit counts the bytes actually sent.
-# On GPU the sleeping engine takes its weight memory back first and its KV cache only
-# after the last bucket (vLLM's documented order, also TRL's and verl's), so the refit's
-# gathered tensors never coexist with the KV cache.
+# Refit: stream the trained weights into the engine in bounded buckets. Every rank iterates
+# `named_full_tensors` together (each item is a collective that gathers one parameter), casts
+# it to the engine's dtype (so the limit counts the bytes sent) and hands the engine a bucket
+# whenever the next tensor would overflow `bucket_mb`. One bucket (or one larger parameter) is
+# built at a time and vLLM keeps at most one incomplete layer from earlier buckets, so the
+# transient memory does not grow with the model, unlike a full state dict (verl and NeMo-RL
+# bucket their refit for this reason). On GPU the sleeping engine gets its weight memory back
+# first and its KV cache only after the last bucket (vLLM's documented order, also TRL's and
+# verl's): the gathered tensors never coexist with the KV cache.
 
 def refit(engine: Engine, named_full_tensors, bucket_mb: float) -> dict:
     engine.wake_up(["weights"])
@@ -522,8 +491,7 @@ def refit(engine: Engine, named_full_tensors, bucket_mb: float) -> dict:
 def quiet_third_party_output() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vLLM configures its logging,
     logging.getLogger("vllm").setLevel(logging.ERROR)  # which it does only once an engine is built
-    warnings.filterwarnings("ignore", message=r"`torch.distributed.reduce_op` is deprecated",
-                            category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"`torch.distributed.reduce_op` is deprecated", category=FutureWarning)
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -536,8 +504,7 @@ def dump_rollouts(path: str, samples: list) -> None:
     """Write one JSON line per sample, atomically (temp file, then rename)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
-        for s in sorted(samples, key=lambda s: s["index"]):
-            f.write(json.dumps(s) + "\n")
+        f.writelines(json.dumps(s) + "\n" for s in sorted(samples, key=lambda s: s["index"]))
     os.replace(path + ".tmp", path)
 
 

@@ -54,6 +54,7 @@ import os
 import signal
 import sys
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
@@ -77,7 +78,6 @@ import rollout  # noqa: E402
 # tests and readers. `mask` is 1 on response tokens. Losses are sums over tokens divided by
 # `num_tokens`, the number of response tokens in the *global* minibatch, so neither dp nor
 # the microbatch size changes them.
-
 
 def masked_sum(x, mask):
     return (x * mask).sum()
@@ -133,9 +133,8 @@ def grpo_advantages(scores, group_size, eps=1e-4):
 
 
 def masked_whiten(x, mask, group=None, eps=1e-8):
-    """(x - mean) / std over the masked tokens of the *global* batch: sum, sum of squares
-    and count are all-reduced over `group` (the dp group), so every rank whitens with the
-    same statistics, never per rank. Unbiased variance, as TRL's masked_whiten."""
+    """(x - mean) / std over the masked tokens of the *global* batch (sum, sum of squares and
+    count all-reduced over `group`, the dp group), never per rank. Unbiased, as TRL's masked_whiten."""
     stats = torch.stack([masked_sum(x, mask), masked_sum(x * x, mask), mask.sum()]).double()
     if group is not None:
         dist.all_reduce(stats, group=group)
@@ -145,12 +144,10 @@ def masked_whiten(x, mask, group=None, eps=1e-8):
     return ((x - mean) * torch.rsqrt(var + eps)).to(x.dtype) * mask
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio, num_tokens=None,
-                tis_weight=None):
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio, num_tokens=None, tis_weight=None):
     """Clipped surrogate (Schulman et al., 2017, eq. 7), as a loss to minimize:
         ratio = pi / pi_old,  loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1-eps, 1+eps))
-    `tis_weight` (optional, (B, S)) reweights each token by a truncated importance weight
-    pi_trainer / pi_engine for the mismatch between the engine and the trainer.
+    `tis_weight` (B, S), optional: truncated importance weights for the engine/trainer mismatch.
     Returns (loss, number of tokens whose ratio was clipped)."""
     num_tokens = mask.sum() if num_tokens is None else num_tokens
     ratio = ratio_from_log(logprobs - old_logprobs)  # (B, S)
@@ -200,8 +197,7 @@ def local_indices(global_batch, num_minibatches, dp_size, dp_rank):
 
 
 def samples_of(cfg, mesh, rank=None):
-    """Global sample indices of a rank's dp slice (default: this rank's); the rank's dp
-    coordinate is read from the mesh's grid of ranks."""
+    """Global sample indices of a rank's dp slice (default: this rank's)."""
     dp_rank = mesh["dp"].get_local_rank() if rank is None else int((mesh.mesh == rank).nonzero()[0, 0])
     return local_indices(cfg.global_batch_size, cfg.num_minibatches, mesh["dp"].size(), dp_rank)
 
@@ -250,15 +246,13 @@ class StepStats:
     (summed over dp once, at the end); `add_global` a number every rank already has."""
 
     def __init__(self):
-        self.shares, self.globals = {}, {}
+        self.shares, self.globals = Counter(), Counter()  # Counter.update adds
 
     def add(self, **shares):
-        for name, value in shares.items():
-            self.shares[name] = self.shares.get(name, 0.0) + float(value)
+        self.shares.update({name: float(value) for name, value in shares.items()})
 
     def add_global(self, **values):
-        for name, value in values.items():
-            self.globals[name] = self.globals.get(name, 0.0) + float(value)
+        self.globals.update({name: float(value) for name, value in values.items()})
 
     def totals(self, mesh):
         """Every sum over the global batch: one all-reduce for all of them."""
@@ -330,8 +324,7 @@ def sft_warmup(model_dir, task, cfg, mesh):
             lp, _ = model_parallel.forward_policy(policy, batch.ids[idx], [batch.lens[i] for i in idx], mesh, cfg)
             return -masked_sum(lp, batch.mask[idx]) / num_tokens, {}
 
-        loss_share, _ = backward_microbatches(nll, list(range(len(mine))), batch, cfg, mesh)
-        optimizer_step(policy, optimizer, loss_share, cfg, mesh)
+        minibatch_update(policy, optimizer, nll, list(range(len(mine))), batch, cfg, mesh)
         if it % 10 == 0 or it == cfg.sft_steps - 1:
             print0(f"sft {it + 1}/{cfg.sft_steps}")
     model_parallel.save_hf(policy, sft_dir)
@@ -357,11 +350,11 @@ def build_models(model_dir, cfg, mesh):
 # -----------------------------------------------------------------------------
 # Steps 1-3: prompts, rollout, reward.
 
-def generate(engine, task, cfg, step, prompts, mesh):
-    """Sample this rank's responses and score them. The ranks of one vLLM tensor-parallel group
-    (rollout_tp_size consecutive ranks) must pass identical requests: the group generates the
-    samples of all its members' dp slices, and each keeps its own."""
-    rank, K = dist.get_rank(), cfg.samples_per_prompt
+def generate(engine, task, cfg, step, mesh):
+    """Draw the step's prompts, sample this rank's responses and score them. The ranks of one vLLM
+    tensor-parallel group (rollout_tp_size consecutive ranks) must pass identical requests: the
+    group generates the samples of all its members' dp slices, and each keeps its own."""
+    rank, K, prompts = dist.get_rank(), cfg.samples_per_prompt, task.prompts(step, cfg.prompts_per_step)
     group = range(rank - rank % cfg.rollout_tp_size, rank - rank % cfg.rollout_tp_size + cfg.rollout_tp_size)
     wanted = sorted({j for member in group for j in samples_of(cfg, mesh, member)})
     prompt_ids = [task.encode(p) for p, _ in prompts]  # (chat template applied)
@@ -379,17 +372,15 @@ def generate(engine, task, cfg, step, prompts, mesh):
 
 
 def rollouts(engine, task, cfg, step, mesh):
-    """Steps 1-3: this rank's samples, and every sample of the step by global index.
-    The tp x cp ranks of one dp slice must train on identical rows, but their engines may
-    disagree (vLLM's batching and KV-cache sizing differ per GPU, so sampling is not
-    bit-identical across GPUs): every rank takes the copy of its group's first rank, from
-    the all-gather that also serves the dump."""
+    """This rank's samples, and every sample's reward by global index. The tp x cp ranks of a dp
+    slice must train on identical rows, but vLLM's sampling is not bit-identical across GPUs
+    (batching and KV-cache sizing differ): every rank takes its slice's first rank's copy,
+    from the all-gather that also serves the dump."""
     if cfg.replay_rollouts:
         dumped = rollout.load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
         samples = [dumped[j] for j in samples_of(cfg, mesh)]
     else:
-        prompts = task.prompts(step, cfg.prompts_per_step)
-        samples = generate(engine, task, cfg, step, prompts, mesh)
+        samples = generate(engine, task, cfg, step, mesh)
         engine.sleep()  # GPU: vLLM frees its memory for training
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, samples)  # collective: every rank's samples on every rank
@@ -404,14 +395,14 @@ def rollouts(engine, task, cfg, step, mesh):
 # -----------------------------------------------------------------------------
 # Steps 4-6: no-grad forward passes, per-token rewards, advantages.
 
-def forward_batch(forward, batch, cfg, mesh):
-    """Run `forward(ids, lens)` (a tensor or a tuple of (rows, S) tensors) without grad over the
-    batch's microbatches; return full (b, S) tensors in row order (packing reorders rows).
-    Every dp rank runs the same number of forwards, dummies included: they are collectives."""
+def forward_batch(forward, model, batch, cfg, mesh, *args):
+    """`forward(model, ids, lens, mesh, cfg, *args)` (a tensor or a tuple of (rows, S) tensors) over
+    every microbatch, dummies included (collectives); full (b, S) tensors in row order (packing
+    reorders rows)."""
     outs = None
     for micro in model_parallel.microbatches(batch.lens, cfg, mesh):
         idx, _ = micro_rows(micro, list(range(len(batch.lens))))
-        result = forward(batch.ids[idx], [batch.lens[i] for i in idx])
+        result = forward(model, batch.ids[idx], [batch.lens[i] for i in idx], mesh, cfg, *args)
         result = result if isinstance(result, tuple) else (result,)
         if outs is None:
             outs = [None if r is None else r.new_zeros(batch.ids.shape) for r in result]
@@ -425,16 +416,12 @@ def forward_batch(forward, batch, cfg, mesh):
 def score(policy, reference, critic, batch, cfg, mesh):
     """Step 4: the old policy's logprobs and entropy, the reference's logprobs (the initial
     weights swapped into the same module), and the critic's values."""
-    batch.old_lp, batch.entropy = forward_batch(
-        lambda ids, lens: model_parallel.forward_policy(policy, ids, lens, mesh, cfg, cfg.temperature, True),
-        batch, cfg, mesh)
+    batch.old_lp, batch.entropy = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
+                                                cfg.temperature, True)
     with model_parallel.swapped_weights(policy, reference):
-        batch.ref_lp, _ = forward_batch(
-            lambda ids, lens: model_parallel.forward_policy(policy, ids, lens, mesh, cfg, cfg.temperature),
-            batch, cfg, mesh)
+        batch.ref_lp, _ = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh, cfg.temperature)
     if critic is not None:
-        (values,) = forward_batch(lambda ids, lens: model_parallel.forward_critic(critic, ids, lens, mesh, cfg),
-                                  batch, cfg, mesh)
+        (values,) = forward_batch(model_parallel.forward_critic, critic, batch, cfg, mesh)
         batch.values = values * batch.mask  # (b, S)
 
 
@@ -446,8 +433,7 @@ def compute_advantages(batch, scores, all_scores, cfg, mesh):
     rows, last = torch.arange(len(batch.lens)), torch.tensor(batch.lens) - 1  # (b,), (b,)
     if cfg.advantage_estimator == "grpo":
         group_adv = grpo_advantages(torch.tensor(all_scores), cfg.samples_per_prompt)[samples_of(cfg, mesh)]  # (b,)
-        group_adv = group_adv.to(batch.mask.device)
-        batch.advantages = group_adv[:, None] * batch.mask  # (b, S)
+        batch.advantages = group_adv.to(batch.mask.device)[:, None] * batch.mask  # (b, S)
     else:
         rewards = -cfg.kl_coef * kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator) * batch.mask  # (b, S)
         rewards[rows, last] += scores
@@ -461,34 +447,27 @@ def compute_advantages(batch, scores, all_scores, cfg, mesh):
 
 
 # -----------------------------------------------------------------------------
-# Steps 7-8: the update. One optimizer step per minibatch and model; gradients accumulate
-# over the minibatch's microbatches.
+# Steps 7-8: the update, one optimizer step per minibatch and model.
 
-def backward_microbatches(loss_fn, rows, batch, cfg, mesh):
-    """Forward + backward of `loss_fn(batch rows) -> (loss, {name: number})` over the
-    microbatches of `rows`; returns this rank's share of the loss and its weighted sums of
-    the numbers."""
-    loss_share, sums = 0.0, {}
+def minibatch_update(model, optimizer, loss_fn, rows, batch, cfg, mesh):
+    """Forward + backward of `loss_fn(batch rows) -> (loss, {name: number})` over the microbatches
+    of `rows`, then clip the global grad norm and step, unless the norm or the loss on some dp
+    rank is NaN/inf: then skip, weights and AdamW state untouched, as Megatron-LM does.
+    Returns (this rank's weighted sums of the numbers, norm, skipped)."""
+    loss_share, sums = 0.0, Counter()
     for micro in model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh):
         idx, weight = micro_rows(micro, rows)
         loss, parts = loss_fn(idx)
         (weight * loss).backward()
         loss_share += weight * float(loss.detach())
-        for name, value in parts.items():
-            sums[name] = sums.get(name, 0.0) + weight * float(value)
-    return loss_share, sums
-
-
-def optimizer_step(model, optimizer, loss_share, cfg, mesh):
-    """Clip the global grad norm; step unless the norm or the loss on some dp rank is NaN/inf
-    (then skip, weights and AdamW state untouched, as Megatron-LM does). Returns (norm, skipped)."""
+        sums.update({name: weight * float(value) for name, value in parts.items()})
     norm = model_parallel.clip_grad_norm(list(model.parameters()), cfg.max_grad_norm)
     finite = torch.tensor([float(math.isfinite(norm) and math.isfinite(loss_share))])
     dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=mesh["dp"].get_group())
     if finite.item():
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return norm, not finite.item()
+    return sums, norm, not finite.item()
 
 
 def update_policy(policy, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
@@ -509,8 +488,7 @@ def update_policy(policy, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
             loss, parts["kl_loss"] = loss + kl, kl.detach()
         return loss, parts
 
-    loss_share, sums = backward_microbatches(loss_fn, rows, batch, cfg, mesh)
-    norm, skipped = optimizer_step(policy, optimizer, loss_share, cfg, mesh)
+    sums, norm, skipped = minibatch_update(policy, optimizer, loss_fn, rows, batch, cfg, mesh)
     stats.add(**sums)
     stats.add_global(grad_norm=norm, skipped_updates=skipped)
 
@@ -522,8 +500,7 @@ def update_critic(critic, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
         loss = value_loss(values, batch.values[idx], batch.returns[idx], batch.mask[idx], cfg.value_clip, num_tokens)
         return loss, {"value_loss": loss.detach()}
 
-    loss_share, sums = backward_microbatches(loss_fn, rows, batch, cfg, mesh)
-    norm, skipped = optimizer_step(critic, optimizer, loss_share, cfg, mesh)
+    sums, norm, skipped = minibatch_update(critic, optimizer, loss_fn, rows, batch, cfg, mesh)
     stats.add(**sums)
     stats.add_global(critic_grad_norm=norm, skipped_updates=skipped)
 
