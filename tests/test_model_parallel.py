@@ -233,7 +233,7 @@ CASES = {  # world size -> [((dp, cp, tp), models, packing values, config overri
 }
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: the slow tier
 def test_matches_hf_every_family_and_mesh(root, world_size):
     checks = {1: ["_microbatch_check"], 2: ["_refusals_check", "_weights_check"], 4: ["_weights_check"]}[world_size]
     run_ranks(_equivalence_body, world_size, root, CASES[world_size], checks)
