@@ -4,6 +4,7 @@ release that has it, in trl.experimental.ppo), on CPU, at 1 and at 2 processes.
     .venv/bin/python bench/peer_trl.py                    # 135M model, 3 steps x 4 runs (~15-20 min on 2 cores)
     .venv/bin/python bench/peer_trl.py --size tiny        # 2-layer model, 1 step x 4 runs: does everything run (~3 min)
     .venv/bin/python bench/peer_trl.py --steps 5 --runs trl_1p,ours_1p   # a subset of the runs
+    .venv/bin/python bench/peer_trl.py --profile          # where our 1-process step's time goes (~3 min)
 
 The peer runs from its own venv, bench/.venv-trl (git-ignored), which this script creates on
 first use from bench/peer_trl_requirements.txt: trl==1.12.0 and its dependencies, with torch
@@ -99,7 +100,7 @@ SIZES = {
                  prompt_len=16, response_len=8, steps=1),
 }
 BATCH, MINIBATCHES, SEED, LR, KL_COEF = 16, 2, 1, 1e-5, 0.05
-RUNS = ("trl_1p", "trl_2p", "ours_1p", "ours_2p")
+RUNS = ("trl_1p", "ours_1p", "trl_2p", "ours_2p")  # the two runs compared with each other run back to back
 QUIET = dict(HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", TRL_EXPERIMENTAL_SILENCE="1",
              TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
 
@@ -210,7 +211,11 @@ def run_ours(spec):
         print(f"ours: {world} process(es), {torch.get_num_threads()} threads each", flush=True)
     with open(spec["prompts"]) as f:
         pool = json.load(f)
+    report = profile_last_step(train_ppo, spec["steps"] - 1, spec["profile"][:-4]) if spec.get("profile") else None
     train_ppo.main(cfg, task=FixedPromptsTask(pool))
+    if report is not None and os.environ.get("RANK", "0") == "0":
+        with open(spec["profile"], "w") as f:
+            f.write(report())
     if os.environ.get("RANK", "0") == "0":
         rows = [json.loads(line) for line in open(os.path.join(spec["out_dir"], "metrics.jsonl"))]
         steps = [dict(step=r["step"], step_s=r["time_step_s"], gen=r["time_rollout_s"], nograd=r["time_logprobs_s"],
@@ -218,6 +223,81 @@ def run_ours(spec):
                  for r in rows]
         with open(spec["timings"], "w") as f:
             json.dump(steps, f)
+
+
+# The phases of our step, by the train_ppo / rollout functions that main() calls for them (looked up
+# by name at each call, so wrapping them here changes nothing in the modules).
+PROFILED = (("train_ppo", "rollouts", "generation"), ("train_ppo", "score", "no-grad forwards"),
+            ("train_ppo", "compute_advantages", "no-grad forwards"), ("train_ppo", "update_policy", "update"),
+            ("train_ppo", "update_critic", "update"), ("rollout", "refit", "refit"))
+
+
+def profile_last_step(train_ppo, last_step, dump_prefix, top=14):
+    """Wrap the phase functions so that, in step `last_step` only (earlier steps warm up), each call
+    runs under cProfile (Python functions, cumulative) and torch.profiler (aten ops, self CPU time).
+    Returns a function that renders the report per phase."""
+    import cProfile
+    import pstats
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    modules = {"train_ppo": train_ppo, "rollout": sys.modules["rollout"]}
+    on, phases = [False], {}  # phase -> dict(wall, cprofile, ops {name: (self us, calls)})
+
+    def wrap(module, name, phase):
+        fn = getattr(module, name)
+
+        def wrapped(*a, **k):
+            if name == "rollouts":
+                on[0] = a[3] == last_step  # rollouts(engine, task, cfg, step, mesh) opens a step
+            if not on[0]:
+                return fn(*a, **k)
+            rec = phases.setdefault(phase, dict(wall=0.0, cprofile=cProfile.Profile(), ops={}))
+            start = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                rec["cprofile"].enable()
+                try:
+                    out = fn(*a, **k)
+                finally:
+                    rec["cprofile"].disable()
+            rec["wall"] += time.perf_counter() - start
+            for e in prof.key_averages():
+                us, calls = rec["ops"].get(e.key, (0.0, 0))
+                rec["ops"][e.key] = (us + e.self_cpu_time_total, calls + e.count)
+            return out
+        setattr(module, name, wrapped)
+
+    for module, name, phase in PROFILED:
+        wrap(modules[module], name, phase)
+
+    def where(key):
+        path, line, func = key
+        if path == "~":
+            return func  # a builtin: a torch op called from Python, e.g. <built-in method torch._C._nn.linear>
+        parts = path.split(os.sep)
+        short = "/".join(parts[parts.index("site-packages") + 1:]) if "site-packages" in parts else parts[-1]
+        return f"{short}:{line} {func}"
+
+    def render():
+        lines = [f"profile of step {last_step + 1} (steps before it warm up): wall seconds per phase, then the "
+                 f"functions with the largest cumulative time (cProfile) and the aten ops with the largest "
+                 f"self CPU time (torch.profiler), as seconds and % of the phase's wall time"]
+        for phase, rec in phases.items():
+            wall = rec["wall"]
+            lines.append(f"\n== {phase}: {wall:.2f} s")
+            stats = pstats.Stats(rec["cprofile"]).stats  # {(file, line, func): (cc, nc, tottime, cumtime, callers)}
+            lines.append("  cumulative (Python functions and the torch calls they make):")
+            for key, (_, calls, _, cum, _) in sorted(stats.items(), key=lambda kv: -kv[1][3])[:top * 2]:
+                lines.append(f"    {cum:7.2f} s {100 * cum / wall:5.1f}%  {calls:6d}x  {where(key)}")
+            ours = [(key, v) for key, v in stats.items() if os.path.dirname(key[0]) == ROOT and v[3] > 0.005 * wall]
+            lines.append("  the project's own functions (cumulative, > 0.5% of the phase):")
+            for key, (_, calls, _, cum, _) in sorted(ours, key=lambda kv: -kv[1][3]):
+                lines.append(f"    {cum:7.2f} s {100 * cum / wall:5.1f}%  {calls:6d}x  {where(key)}")
+            rec["cprofile"].dump_stats(f"{dump_prefix}.{phase.split()[0]}.prof")  # for pstats
+            lines.append("  self CPU time of aten ops (forward and backward):")
+            for op, (us, calls) in sorted(rec["ops"].items(), key=lambda kv: -kv[1][0])[:top]:
+                lines.append(f"    {us / 1e6:7.2f} s {100 * us / 1e6 / wall:5.1f}%  {calls:6d}x  {op}")
+        return "\n".join(lines) + "\n"
+    return render
 
 
 # -----------------------------------------------------------------------------
@@ -355,6 +435,15 @@ def free_port():
         return s.getsockname()[1]
 
 
+def cpu_stall_us():
+    """Microseconds that runnable tasks waited for a CPU, since boot (Linux PSI), or None."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            return int(f.readline().split("total=")[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def launch(run, spec_path, python, timeout, log_path):
     """Run one of RUNS in its own process(es); its output goes to log_path. Returns the exit code."""
     nproc = 2 if run.endswith("2p") else 1
@@ -366,15 +455,19 @@ def launch(run, spec_path, python, timeout, log_path):
         torchrun = os.path.join(os.path.dirname(python), "torchrun")
         cmd = [torchrun, "--nproc_per_node=2", f"--master_port={free_port()}", os.path.abspath(__file__),
                "--worker", spec_path]
-    start = time.time()
+    start, stall = time.time(), cpu_stall_us()
     with open(log_path, "w") as log:
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
             code = proc.returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
-    print(f"{run}: {'ok' if code == 0 else f'FAILED ({code})'} in {time.time() - start:.0f}s "
-          f"(log: {os.path.relpath(log_path, ROOT)})", flush=True)
+    wall = time.time() - start
+    # a shared machine: the share of the run's wall time in which some task waited for a CPU (1-min
+    # load average beside it). Near 0 on an idle machine; high values mean the timings are inflated.
+    busy = "" if stall is None else f", CPU pressure {100 * (cpu_stall_us() - stall) / 1e6 / wall:.0f}%"
+    print(f"{run}: {'ok' if code == 0 else f'FAILED ({code})'} in {wall:.0f}s (load average "
+          f"{os.getloadavg()[0]:.1f}{busy}; log: {os.path.relpath(log_path, ROOT)})", flush=True)
     return code
 
 
@@ -391,6 +484,8 @@ def main():
     p.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
     p.add_argument("--out", help="work dir (default out/peer_trl_SIZE)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run before it is stopped")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of the runs: profile our step at 1 process (HF engine), the last of --steps (default 2)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one side from a spec file
     args = p.parse_args()
     if args.worker:
@@ -399,8 +494,8 @@ def main():
         return run_trl(spec) if spec["side"] == "trl" else run_ours(spec)
 
     size = SIZES[args.size]
-    steps = args.steps or size["steps"]
-    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    steps = args.steps or (2 if args.profile else size["steps"])
+    runs = ["ours_1p"] if args.profile else [r.strip() for r in args.runs.split(",") if r.strip()]
     unknown = [r for r in runs if r not in RUNS]
     if unknown:
         p.error(f"unknown run {unknown[0]!r}: choose from {','.join(RUNS)}")
@@ -420,7 +515,8 @@ def main():
         side, nproc = run.split("_")
         spec = dict(side=side, model_dir=model_dir, prompts=prompts, steps=steps, response_len=size["response_len"],
                     engine="hf" if run == "ours_1p" else "vllm", out_dir=os.path.join(out, run),
-                    timings=os.path.join(out, f"{run}.json"))
+                    timings=os.path.join(out, f"{run}.json"),
+                    profile=os.path.join(out, f"{run}.profile.txt") if args.profile else None)
         if os.path.exists(spec["timings"]):
             os.remove(spec["timings"])
         if side == "ours" and os.path.exists(os.path.join(spec["out_dir"], "metrics.jsonl")):
@@ -433,6 +529,10 @@ def main():
         if code == 0 and os.path.isfile(spec["timings"]):
             with open(spec["timings"]) as f:
                 results[run] = json.load(f)
+        if args.profile and code == 0:
+            print(open(spec["profile"]).read())
+            print("metrics.jsonl per step (the last one ran under both profilers): " + json.dumps(results[run]))
+            return 0
 
     print_table(results, steps)
     figures = {f"{run}_step_s": medians(results[run])[0]["step_s"] for run in RUNS if run in results}
@@ -464,6 +564,8 @@ def print_table(results, steps):
             parts = "old policy + entropy, reference via weight swap, critic"
         print(f"| {labels[run]} | {m['step_s']:.1f} s | {m['gen']:.1f} s | {m['nograd']:.1f} s ({parts}) | "
               f"{m['update']:.1f} s |")
+    print("fastest step of each run (load on a shared machine only adds time): " + ", ".join(
+        f"{run} {min(s['step_s'] for s in medians(results[run])[1]):.1f} s" for run in RUNS if run in results))
     print("response length, mean tokens per sequence: " + ", ".join(
         f"{run} {statistics.mean(s['response_len'] for s in results[run]):.1f}" for run in RUNS if run in results))
     for n in ("1p", "2p"):
