@@ -24,7 +24,7 @@ truncate a response. Temperature 1, kl_coef 0.05, lr 1e-5 for policy and critic,
 checkpointing (TRL's PPOConfig turns it on by default: turned off here, as ours runs).
 
 The four runs, each in its own process(es), N steps each (default 3; the first is warm-up and is
-left out of the medians):
+left out of the medians), the two runs that are compared with each other back to back:
   trl_1p   python, TRL's PPOTrainer on one process (2 torch threads, the machine's cores)
   trl_2p   torchrun --nproc_per_node=2: accelerate's MULTI_CPU (DDP over gloo), 1 thread per rank
   ours_1p  python, train_ppo.main with rollout_engine=hf (2 torch threads)
@@ -60,18 +60,25 @@ What differs, and why the comparison is still fair:
     local_rollout_forward_batch_size, default 64, is larger than the batch), ours in
     micro_batch_size rows (8 at 1 process, 4 per rank at 2: the per-rank minibatch, the largest
     our config accepts). The update is 8 rows (4 per rank at 2 processes) per forward/backward
-    on both sides. TRL updates policy and value head in one backward and one AdamW; ours in two
-    (same FLOPs); ours clips the global grad norm, TRL's PPO does not clip.
+    on both sides. TRL updates policy and value model in one backward and one AdamW (transformers'
+    default, the fused kernel); ours in two (same FLOPs), with torch's default AdamW (on CPU the
+    single-tensor loop); ours clips the global grad norm, TRL's PPO does not clip.
   - the value model. TRL's value model is an AutoModelForSequenceClassification from the same
     checkpoint (random score head), ours the same backbone with our fp32 value head.
 Everything else that the step computes (GAE, whitening, the clipped losses) is the same math.
 The speedup is TRL's median step time over ours at the same process count, all measured in one
 run of this script on one machine (a shared machine's load moves both; rerun to see the noise).
 
+Each run's line also gives the CPU pressure during it (/proc/pressure/cpu: the share of its wall
+time in which some task waited for a CPU): on a shared machine, figures taken at a high pressure
+are inflated by the other load, and the table's "fastest step" line is the less disturbed figure.
+
 Last line: RESULT trl_1p_step_s=... trl_2p_step_s=... ours_1p_step_s=... ours_2p_step_s=...
 speedup_1p=... speedup_2p=...   (a run that failed or was not asked for is left out.)
 
-Where the time goes in our step: docs/performance.md (the profile, with the command).
+--profile runs only ours_1p, 2 steps, and profiles step 2 phase by phase (cProfile + torch.profiler,
+wrapped around train_ppo's phase functions from here): out/peer_trl_135m/ours_1p.profile.txt.
+Measured figures, the profile and what it says should change: docs/performance.md.
 """
 import argparse
 import hashlib
@@ -478,7 +485,8 @@ def medians(steps):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description="Our PPO step against TRL 1.12's PPOTrainer, at 1 and 2 processes "
+                                "(see the module docstring).")
     p.add_argument("--size", choices=SIZES, default="135m")
     p.add_argument("--steps", type=int, help="PPO steps per run; the first is warm-up (default: 3, tiny: 1)")
     p.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
@@ -535,7 +543,8 @@ def main():
             return 0
 
     print_table(results, steps)
-    figures = {f"{run}_step_s": medians(results[run])[0]["step_s"] for run in RUNS if run in results}
+    order = ("trl_1p", "trl_2p", "ours_1p", "ours_2p")  # the RESULT line's order, whatever ran first
+    figures = {f"{run}_step_s": medians(results[run])[0]["step_s"] for run in order if run in results}
     for n in ("1p", "2p"):
         if f"trl_{n}" in results and f"ours_{n}" in results:
             figures[f"speedup_{n}"] = figures[f"trl_{n}_step_s"] / figures[f"ours_{n}_step_s"]
