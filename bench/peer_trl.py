@@ -128,7 +128,7 @@ def peer_python():
     if not os.path.isfile(python):
         base = getattr(sys, "_base_executable", sys.executable)  # the interpreter behind .venv
         subprocess.run([base, "-m", "venv", PEER_VENV], check=True)
-    log = os.path.join(os.path.dirname(PEER_VENV), "peer_trl_pip.log")
+    log = os.path.join(PEER_VENV, "pip.log")  # inside the (git-ignored) venv
     with open(log, "w") as f:
         if subprocess.run([python, "-m", "pip", "install", "--no-deps", "-r", PEER_REQUIREMENTS],
                           stdout=f, stderr=subprocess.STDOUT).returncode:
