@@ -1,10 +1,10 @@
 """The same PPO step, ours against the peer: Hugging Face TRL's PPOTrainer (trl 1.12.0, the last
 release that has it, in trl.experimental.ppo), on CPU, at 1 and at 2 processes.
 
-    .venv/bin/python bench/peer_trl.py                    # 135M model, 3 steps x 4 runs (~15-20 min on 2 cores)
-    .venv/bin/python bench/peer_trl.py --size tiny        # 2-layer model, 1 step x 4 runs: does everything run (~3 min)
+    .venv/bin/python bench/peer_trl.py                    # 135M model, 3 steps x 4 runs (13 min on a quiet 2-core machine)
+    .venv/bin/python bench/peer_trl.py --size tiny        # 2-layer model, 1 step x 4 runs: does everything run (~1.5 min)
     .venv/bin/python bench/peer_trl.py --steps 5 --runs trl_1p,ours_1p   # a subset of the runs
-    .venv/bin/python bench/peer_trl.py --profile          # where our 1-process step's time goes (~3 min)
+    .venv/bin/python bench/peer_trl.py --profile          # where our 1-process step's time goes (~4 min)
 
 The peer runs from its own venv, bench/.venv-trl (git-ignored), which this script creates on
 first use from bench/peer_trl_requirements.txt: trl==1.12.0 and its dependencies, with torch
