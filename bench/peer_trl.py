@@ -245,7 +245,6 @@ def profile_last_step(train_ppo, last_step, dump_prefix, top=14):
     Returns a function that renders the report per phase."""
     import cProfile
     import pstats
-    import torch
     from torch.profiler import ProfilerActivity, profile
     modules = {"train_ppo": train_ppo, "rollout": sys.modules["rollout"]}
     on, phases = [False], {}  # phase -> dict(wall, cprofile, ops {name: (self us, calls)})
