@@ -6,7 +6,6 @@ attention, no padding, no packing), and the same full gradients of a PPO-shaped 
     loss = sum over response tokens of (logprob * weight + value^2) / global response tokens.
 One spawn per world size runs many cases, so the suite stays within a few minutes on 2 cores.
 """
-import math
 import os
 
 import pytest
@@ -16,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import model_parallel as mp
 from _dist import run_ranks
+from conftest import hf_reference, toy_batch
 from config import Config
 
 TEMPERATURE = 0.8
@@ -31,17 +31,6 @@ def _cfg(**overrides):
     return Config(**dict(fields, **overrides))
 
 
-def _batch():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 258, (len(LENS), max(LENS)), generator=g)  # (B, S) toy-tokenizer ids
-    pos = torch.arange(max(LENS))[None]  # (1, S)
-    lens = torch.tensor(LENS)[:, None]  # (B, 1)
-    ids = ids.masked_fill(pos >= lens, 257)  # right padding with the pad id
-    mask = ((pos >= PROMPT_LEN) & (pos < lens)).float()  # (B, S) response tokens
-    weights = torch.randn(ids.shape, generator=g)  # (B, S) stand-in for advantages
-    return ids, mask, weights
-
-
 def _materialize(root, name):
     overrides = {
         "tiny-gemma3": dict(sliding_window=6),  # shorter than the rows: the local layers matter
@@ -52,32 +41,6 @@ def _materialize(root, name):
     return mp.materialize_tiny_model(preset, os.path.join(root, name), SEED, **overrides)
 
 
-def _reference(path):
-    """Per-sequence HF forward/backward of the PPO-shaped loss on the whole global batch."""
-    ids, mask, weights = _batch()
-    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    backbone = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").model
-    hidden = policy.config.hidden_size
-    # the value head's specification: N(0, 1/(hidden+1)) from a generator seeded with cfg.seed, bias 0
-    head_w = (torch.randn(1, hidden, generator=torch.Generator().manual_seed(SEED)) / math.sqrt(hidden + 1)).requires_grad_()
-    head_b = torch.zeros(1, requires_grad=True)
-    lp_rows, ent_rows, value_rows = [], [], []
-    for k, n in enumerate(LENS):
-        x = ids[k : k + 1, :n]  # (1, n) one sequence alone
-        logp = torch.log_softmax(policy(x).logits[0] / TEMPERATURE, -1)  # (n, V)
-        pad = torch.zeros(max(LENS) - n + 1)
-        lp_rows.append(torch.cat([pad[:1], logp[:-1].gather(1, x[0, 1:, None])[:, 0], pad[1:]]))  # (S,)
-        ent_rows.append(torch.cat([pad[:1], -(logp.exp() * logp).sum(-1)[:-1], pad[1:]]).detach())  # (S,)
-        v = backbone(x).last_hidden_state[0] @ head_w.T + head_b  # (n, 1)
-        value_rows.append(torch.cat([pad[:1], v[:-1, 0], pad[1:]]))  # (S,)  values[i] = head(h[i-1])
-    lp, values = torch.stack(lp_rows), torch.stack(value_rows)  # (B, S)
-    ((lp * weights * mask).sum() + (values**2 * mask).sum()).div(mask.sum()).backward()
-    grads = {n: p.grad for n, p in policy.named_parameters()}
-    grads.update({"critic." + n: p.grad for n, p in backbone.named_parameters(prefix="model")})
-    grads.update({"critic.lm_head.weight": head_w.grad, "critic.lm_head.bias": head_b.grad})
-    return dict(lp=lp.detach(), ent=torch.stack(ent_rows), values=values.detach(), grads=grads)
-
-
 MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-llama-tied", "tiny-qwen3-v263"]
 
 
@@ -85,7 +48,7 @@ MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-llama-t
 def root(tmp_path_factory):
     """Checkpoints and their single-process reference, computed once for every spawn."""
     root = str(tmp_path_factory.mktemp("models"))
-    torch.save({name: _reference(_materialize(root, name)) for name in MODELS}, os.path.join(root, "reference.pt"))
+    torch.save({name: hf_reference(_materialize(root, name), LENS, PROMPT_LEN, TEMPERATURE, SEED) for name in MODELS}, os.path.join(root, "reference.pt"))
     return root
 
 
@@ -98,7 +61,7 @@ def _check_case(root, name, mesh, cfg, label):
     if not _REFERENCE:  # each rank reads the parent's reference once
         _REFERENCE.update(torch.load(os.path.join(root, "reference.pt")))
     ref = _REFERENCE[name]
-    ids, mask, weights = _batch()
+    ids, mask, weights = toy_batch(LENS, PROMPT_LEN)
     dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     share = len(LENS) // dp_size
     mine = list(range(dp_rank * share, (dp_rank + 1) * share))  # this dp rank's global rows
@@ -165,7 +128,7 @@ def _weights_check(root, world_size):
     assert full.keys() == checkpoint.keys()
     assert all(torch.equal(full[n], checkpoint[n]) for n in full), "loaded weights differ from the file"
 
-    ids, mask, weights = _batch()
+    ids, mask, weights = toy_batch(LENS, PROMPT_LEN)
     forward = lambda: mp.forward_policy(policy, ids, LENS, mesh, cfg, TEMPERATURE, False)[0]
     with torch.no_grad():
         lp_initial = forward()  # FSDP2 leaves the root gathered after this: snapshot must not care
