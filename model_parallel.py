@@ -88,6 +88,16 @@ def make_mesh(world_size, tp_size, cp_size, device_type):
     return mesh
 
 
+def release_mesh(mesh):
+    """Last call of a run, after dist.destroy_process_group(). That call unregisters the process
+    groups, but the mesh still holds them (and DTensor's sharding cache holds the mesh), so their
+    communication threads would outlive Python's shutdown; one of them freeing a tensor then can
+    abort a finished run ("terminate called without an active exception", seen under load).
+    Dropping the mesh's references runs the groups' destructors, which join their threads, now.
+    (_pg_registry: private in torch 2.13; the flattened and sliced meshes share the root's.)"""
+    mesh._pg_registry.clear()
+
+
 def resolve_auto(cfg, device_type):
     """Replace "auto" in cfg.dtype and cfg.attention by what runs on this device: the GPU recipe
     (bf16, flash-attn's varlen kernel when installed) on CUDA, exact fp32 + masked SDPA on CPU."""

@@ -48,6 +48,7 @@ Deviations from the paper's PPO, on purpose:
   3. there is no reward model: the toy task's reward is a rule (as in RLVR / GSM8K).
 Deliberately left out: pretraining-loss mixing (PPO-ptx), reward normalization.
 """
+import gc
 import json
 import math
 import os
@@ -671,7 +672,9 @@ def main(cfg, task=None):
         engine.shutdown()  # vLLM destroys the process group itself, so this comes last
     elif dist.is_initialized():
         dist.destroy_process_group()
+    model_parallel.release_mesh(mesh)
 
 
 if __name__ == "__main__":
     main(CFG)
+    gc.collect()  # the models held process groups in reference cycles: free them now (release_mesh)

@@ -8,6 +8,7 @@ every matmul input to 8 bits of mantissa, so the bf16 trainer is compared within
 tolerance (stated below, a few times what was measured), not exactly; the fp32 trainer is
 compared exactly in test_model_parallel.py.
 """
+import gc
 import json
 import os
 
@@ -19,7 +20,7 @@ import config
 import model_parallel as mp
 import rollout
 import train_ppo
-from _dist import run_ranks
+from _dist import gloo_threads, run_ranks
 from conftest import hf_reference, toy_batch
 
 TEMPERATURE = 0.8
@@ -154,6 +155,12 @@ def _recording_body(rank, world_size, out_dir):
         first = json.loads(f.readline())
     assert abs(first["policy_loss"]) < 1e-5, first
     assert first["entropy_bonus"] == pytest.approx(0.1 * first["entropy"], rel=1e-4)
+
+    # main() released its mesh, so once the group is destroyed no gloo thread is left alive (one
+    # left over can abort a finished run while Python shuts down)
+    dist.destroy_process_group()
+    gc.collect()
+    assert not gloo_threads(), gloo_threads()
 
 
 def test_engine_calls_in_gpu_order_and_tp_ranks_train_on_one_copy_of_the_rollouts(tmp_path):
