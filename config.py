@@ -49,6 +49,7 @@ class Config:
     logprob_chunk_size: int = 0  # tokens per chunk in the logprob softmax (0 = no chunking)
     activation_checkpointing: bool = False  # recompute decoder layers in backward (GPU memory)
     cpu_offload: bool = False  # FSDP2 CPU offload of params/grads/optimizer state (GPU memory)
+    reshard_after_forward: bool = True  # FSDP2: false keeps each gathered layer until backward (and across no-grad microbatches): half the all-gathers, the whole model's memory (ZeRO-2-like; small models)
     dtype: str = "auto"  # compute dtype: bf16 (FSDP2 mixed precision, fp32 master weights), fp32; auto = bf16 on CUDA, fp32 on CPU
     attention: str = "auto"  # masked (SDPA + document mask), varlen (flash-attn's varlen contract; a PyTorch stand-in without it); auto = varlen on CUDA with flash-attn
     # task and rollout

@@ -143,45 +143,56 @@ def _vocab_range(logits, tp_group):
     return sum(sizes[: _rank(tp_group)]), sum(sizes)
 
 
-def _logprob_chunk(x, local_target, owned, tp_group, temperature):
+def _logprob_chunk(x, local_target, owned, tp_group, temperature, with_entropy=False):
     """log p(target) for n tokens whose vocab is split over tp, p = softmax(x / temperature).
     x: (n, V/tp) logits in their own dtype (bf16 or fp32); local_target: (n,) target id within this
     shard (clamped into range); owned: (n,) whether this rank's shard holds the target.
     Returns, in the math dtype: logprob (n,), logsumexp (n,) = log sum_v exp(x_v / T), exps
-    (n, V/tp) = exp((x - max) / T), and the sum of exps (n,)."""
+    (n, V/tp) = exp((x - max) / T), the sum of exps (n,), and the entropy (n,) if asked (else None)."""
     math_dtype = _math_dtype(x.dtype)
     # all-reduce 1 (MAX): log-softmax does not change when a constant is subtracted from every
     # logit; subtracting the global max keeps every exp() <= 1, so the sum cannot overflow
     max_logit = x.max(dim=-1).values.to(math_dtype)  # (n,)
     _all_reduce_(max_logit, dist.ReduceOp.MAX, tp_group)
-    # exp(x/T - max/T) as one fused pass (add with alpha), then exp in place; bf16 x plus an
-    # fp32 shift promotes to fp32: this is the block's one fp32 buffer
-    exps = torch.add(-max_logit[:, None] / temperature, x, alpha=1 / temperature).exp_()  # (n, V/tp)
+    # s = x/T - max/T as one fused pass (add with alpha), then exp in place; bf16 x plus an
+    # fp32 shift promotes to fp32: this is the block's one fp32 buffer (two with the entropy)
+    shifted = torch.add(-max_logit[:, None] / temperature, x, alpha=1 / temperature)  # (n, V/tp)
+    exps = shifted.exp() if with_entropy else shifted.exp_()  # (n, V/tp)
     target_logit = x.gather(1, local_target[:, None]).squeeze(1).to(math_dtype) / temperature  # (n,)
-    # all-reduce 2 (SUM), two numbers per token in one message: the partition function's terms
-    # from every shard, and the target's logit, which only the rank owning it contributes
-    sums = torch.stack([exps.sum(dim=-1), torch.where(owned, target_logit, 0.0)])  # (2, n)
-    _all_reduce_(sums, dist.ReduceOp.SUM, tp_group)
+    # all-reduce 2 (SUM), numbers per token in one message: the partition function's terms Z from
+    # every shard, the target's logit, which only the rank owning it contributes, and for the
+    # entropy sum_v exp(s_v) s_v (a row-wise dot product, no (n, V/tp) temporary)
+    sums = [exps.sum(dim=-1), torch.where(owned, target_logit, 0.0)]
+    if with_entropy:
+        sums.append(torch.bmm(exps[:, None, :], shifted[:, :, None]).view(-1))  # (n,)
+    sums = _all_reduce_(torch.stack(sums), dist.ReduceOp.SUM, tp_group)  # (2 or 3, n)
     logsumexp = max_logit / temperature + sums[0].log()  # (n,)  over the whole vocab
-    return sums[1] - logsumexp, logsumexp, exps, sums[0]
+    # H = -sum_v p_v log p_v with p = exp(s) / Z: log p = s - log Z, so H = log Z - sum_v p_v s_v
+    entropy = sums[0].log() - sums[2] / sums[0] if with_entropy else None  # (n,)
+    return sums[1] - logsumexp, logsumexp, exps, sums[0], entropy
 
 
-def _logprob_forward(logits, local_target, owned, tp_group, chunk_size, keep_probs, temperature):
+def _logprob_forward(logits, local_target, owned, tp_group, chunk_size, keep_probs, temperature,
+                     with_entropy=False):
     """Loop _logprob_chunk over blocks of chunk_size tokens (one block if chunk_size is 0).
     Every tp rank holds the same tokens, so all ranks cut the same blocks and their collectives
-    pair up. keep_probs (unchunked training only) returns the full softmax for the backward."""
+    pair up. keep_probs (unchunked training only) returns the full softmax for the backward;
+    with_entropy also returns each token's entropy (else None)."""
     num_tokens, math_dtype = logits.shape[0], _math_dtype(logits.dtype)
     step = chunk_size if chunk_size > 0 else max(num_tokens, 1)
     logprob = logits.new_empty(num_tokens, dtype=math_dtype)  # (N,)
     logsumexp = logits.new_empty(num_tokens, dtype=math_dtype)  # (N,)
+    entropy = logits.new_empty(num_tokens, dtype=math_dtype) if with_entropy else None  # (N,)
     probs = None
     for start in range(0, num_tokens, step):
         rows = slice(start, start + step)
-        logprob[rows], logsumexp[rows], exps, sum_exps = _logprob_chunk(logits[rows], local_target[rows],
-                                                                        owned[rows], tp_group, temperature)
+        logprob[rows], logsumexp[rows], exps, sum_exps, block_entropy = _logprob_chunk(
+            logits[rows], local_target[rows], owned[rows], tp_group, temperature, with_entropy)
+        if with_entropy:
+            entropy[rows] = block_entropy
         if keep_probs:
             probs = exps.div_(sum_exps[:, None])  # (N, V/tp)  softmax over the whole vocab
-    return logprob, logsumexp, probs
+    return logprob, logsumexp, probs, entropy
 
 
 def _one_hot_minus_probs_(probs, grad_out, local_target, owned):
@@ -204,8 +215,8 @@ class _VocabParallelLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, local_target, owned, tp_group, chunk_size, temperature):
         keep_probs = chunk_size == 0
-        logprob, logsumexp, probs = _logprob_forward(logits, local_target, owned, tp_group, chunk_size, keep_probs,
-                                                     temperature)
+        logprob, logsumexp, probs, _ = _logprob_forward(logits, local_target, owned, tp_group, chunk_size,
+                                                        keep_probs, temperature)
         ctx.chunk_size, ctx.logits_dtype, ctx.temperature = chunk_size, logits.dtype, temperature
         if keep_probs:
             # unchunked: keep the softmax (N, V/tp); the logits themselves may be freed
@@ -241,14 +252,16 @@ class _VocabParallelLogprob(torch.autograd.Function):
 
 
 def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlens=None, chunk_size=0,
-                   temperature=1.0):
+                   temperature=1.0, with_entropy=False):
     """log pi(x_i | x_<i) at every position i of input_ids, from this rank's shard of the logits,
     for the distribution softmax(logits / temperature).
     logits: (B, S/cp, V/tp), this rank's vocab shard at its zigzag positions (B=1 when packed).
     input_ids: (B, S) the full token ids, held by every tp and cp rank.
     Returns (B, S) in fp32 (fp64 for fp64 logits), identical on every rank; out[:, 0] = 0 and, with
     cu_seqlens, 0 at every sequence start. Differentiable w.r.t. logits (hand-written backward).
-    chunk_size > 0: tokens go through in blocks of chunk_size, softmax recomputed in the backward."""
+    chunk_size > 0: tokens go through in blocks of chunk_size, softmax recomputed in the backward.
+    with_entropy (no grad only; token_entropy has the differentiable one): returns (logprobs,
+    entropy), the entropy aligned like the logprobs and computed from the same softmax pass."""
     batch, seq_len = input_ids.shape
     cp_size, cp_rank = _size(cp_group), _rank(cp_group)
     if logits.shape[:2] != (batch, seq_len // cp_size) or seq_len % cp_size:
@@ -270,13 +283,18 @@ def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlen
     local_ids = local_ids.clamp(0, logits.shape[-1] - 1)  # (N,)  any valid column when not owned
     flat_logits = logits.reshape(-1, logits.shape[-1])  # (N, V/tp)
     if torch.is_grad_enabled() and logits.requires_grad:
+        if with_entropy:
+            raise ValueError("token_logprobs(with_entropy=True) is for no-grad passes: use token_entropy")
         logprob = _VocabParallelLogprob.apply(flat_logits, local_ids, owned, tp_group, chunk_size, temperature)  # (N,)
     else:
         # inference (old/reference policy): same math, nothing saved, chunking still bounds temps
-        logprob, _, _ = _logprob_forward(flat_logits, local_ids, owned, tp_group, chunk_size, False,
-                                         temperature)  # (N,)
+        logprob, _, _, entropy = _logprob_forward(flat_logits, local_ids, owned, tp_group, chunk_size, False,
+                                                  temperature, with_entropy)  # (N,), (N,) or None
     next_token_logprob = cp_gather(logprob.view(batch, -1), cp_group, dim=1)  # (B, S)
-    return shift_right(next_token_logprob, cu_seqlens)  # (B, S)
+    if not with_entropy:
+        return shift_right(next_token_logprob, cu_seqlens)  # (B, S)
+    entropy = cp_gather(entropy.view(batch, -1), cp_group, dim=1)  # (B, S)
+    return shift_right(next_token_logprob, cu_seqlens), shift_right(entropy, cu_seqlens)  # (B, S) x2
 
 
 # ----------------------------------------------------------------------------

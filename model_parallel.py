@@ -381,7 +381,10 @@ def _build(path, mesh, cfg, critic):
     offload = device.type == "cuda" and cfg.cpu_offload
     compute = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.dtype == "bf16"
                else MixedPrecisionPolicy())
-    fsdp = dict(mesh=mesh.dp_cp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+    # reshard_after_forward=False: a gathered layer stays gathered until its backward (or, in
+    # no-grad passes, until the next explicit reshard: every microbatch of a pass reuses it)
+    fsdp = dict(mesh=mesh.dp_cp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
+                reshard_after_forward=cfg.reshard_after_forward)
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=compute, **fsdp)
     if critic:  # the value head is its own unit with an fp32 param_dtype: FSDP2 casts its bf16
@@ -569,9 +572,12 @@ def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_
     # distributions the engine sampled from (as NeMo-RL and verl do)
     shards = dict(tp_group=_group(mesh, "tp"), cp_group=_group(mesh, "cp"), cu_seqlens=layout["cu_seqlens"],
                   chunk_size=cfg.logprob_chunk_size, temperature=temperature)
-    logprobs = token_logprobs(logits, layout["ids"], **shards)  # (B, T)
-    entropy = _unlayout(token_entropy(logits, **shards), layout, input_ids) if with_entropy else None
-    return _unlayout(logprobs, layout, input_ids), entropy  # (b, S), (b, S) or None
+    if with_entropy and not torch.is_grad_enabled():  # the metric: from the logprobs' own softmax pass
+        logprobs, entropy = token_logprobs(logits, layout["ids"], with_entropy=True, **shards)  # (B, T) x2
+    else:  # the entropy bonus needs token_entropy's gradient
+        logprobs = token_logprobs(logits, layout["ids"], **shards)  # (B, T)
+        entropy = token_entropy(logits, **shards) if with_entropy else None  # (B, T)
+    return _unlayout(logprobs, layout, input_ids), None if entropy is None else _unlayout(entropy, layout, input_ids)
 
 
 def forward_critic(critic, input_ids, seq_lens, mesh, cfg):

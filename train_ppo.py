@@ -312,7 +312,7 @@ def sft_warmup(model_dir, task, cfg, mesh):
     if os.path.isfile(os.path.join(sft_dir, "config.json")):
         return sft_dir
     policy = model_parallel.load_policy(model_dir, mesh, cfg)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft_lr, weight_decay=0.0, fused=True)
     per_rank = cfg.sft_batch_size // mesh["dp"].size()
     for it in range(cfg.sft_steps):
         pairs = task.prompts(f"sft{it}", cfg.sft_batch_size)
@@ -342,7 +342,9 @@ def build_models(model_dir, cfg, mesh):
         models["critic"] = (model_parallel.load_critic(cfg.critic_model or model_dir, mesh, cfg), cfg.critic_lr)
     parts = {}
     for name, (model, lr) in models.items():
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+        # fused: one kernel over every parameter (torch's default on CPU is a per-tensor loop,
+        # 20x slower here); the same math, in a different order of float operations
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=True)
         warmup = lambda step: min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0  # noqa: E731
         parts[name] = (model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup))
     return parts, reference

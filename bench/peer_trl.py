@@ -61,8 +61,11 @@ What differs, and why the comparison is still fair:
     micro_batch_size rows (8 at 1 process, 4 per rank at 2: the per-rank minibatch, the largest
     our config accepts). The update is 8 rows (4 per rank at 2 processes) per forward/backward
     on both sides. TRL updates policy and value model in one backward and one AdamW (transformers'
-    default, the fused kernel); ours in two (same FLOPs), with torch's default AdamW (on CPU the
-    single-tensor loop); ours clips the global grad norm, TRL's PPO does not clip.
+    default, the fused kernel); ours in two (same FLOPs), also with the fused AdamW; ours clips
+    the global grad norm, TRL's PPO does not clip.
+  - memory for communication. Ours runs with reshard_after_forward=false: FSDP2 gathers each
+    layer once per no-grad pass (not once per microbatch) and keeps it from forward to backward,
+    so each rank holds one whole replica during a pass, as TRL's DDP ranks always do.
   - the value model. TRL's value model is an AutoModelForSequenceClassification from the same
     checkpoint (random score head), ours the same backbone with our fp32 value head.
 Everything else that the step computes (GAE, whitening, the clipped losses) is the same math.
@@ -211,7 +214,8 @@ def run_ours(spec):
                      prompts_per_step=BATCH, samples_per_prompt=1, max_new_tokens=spec["response_len"],
                      temperature=1.0, ppo_epochs=1, num_minibatches=MINIBATCHES,
                      micro_batch_size=BATCH // MINIBATCHES // world, dtype="fp32", lr=LR, critic_lr=LR,
-                     kl_coef=KL_COEF, max_model_len=256, vllm_kv_cache_gb=1)
+                     kl_coef=KL_COEF, max_model_len=256, vllm_kv_cache_gb=1,
+                     reshard_after_forward=False)  # a whole replica per rank, as TRL's DDP keeps
     cfg = config.load([f"--{k}={v}" for k, v in overrides.items()], world_size=world)
     if os.environ.get("RANK", "0") == "0":
         import torch

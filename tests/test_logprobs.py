@@ -112,8 +112,11 @@ def check_layout(tp, cp, tp_rank, cp_rank, tp_group, cp_group):
 
                 with torch.no_grad():  # inference path: same values, no graph
                     lp = token_logprobs(local, ids, **kwargs)
+                    fused_lp, fused_ent = token_logprobs(local, ids, with_entropy=True, **kwargs)
                 assert lp.grad_fn is None
                 close(lp, ref_lp, f"no-grad logprobs {where}")
+                close(fused_lp, ref_lp, f"logprobs with the entropy {where}")
+                close(fused_ent, ref_ent, f"entropy from the logprob pass {where}")
 
     # cp_gather alone: natural order forward; backward hands back this rank's slice, not a sum
     gen = torch.Generator().manual_seed(7)
@@ -271,3 +274,6 @@ def test_temperature_is_applied_per_chunk_in_fp32():
             torch.testing.assert_close(grad.float(), want_grad, atol=grad_tol, rtol=grad_tol)
             ent = token_entropy(logits.detach(), chunk_size=chunk_size, temperature=0.7)
             torch.testing.assert_close(ent, plain_entropy(as_fp32.detach() / 0.7, ()), **TOL)
+            with torch.no_grad():
+                _, fused_ent = token_logprobs(logits, ids, chunk_size=chunk_size, temperature=0.7, with_entropy=True)
+            torch.testing.assert_close(fused_ent, plain_entropy(as_fp32.detach() / 0.7, ()), **TOL)
