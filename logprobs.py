@@ -7,7 +7,7 @@ cp rank also holds only its zigzag share of the positions. This module turns tho
 from the logits at i-1, and out[:, 0] = 0 (also at every packed sequence start).
 
     lp  = token_logprobs(logits, input_ids, tp_group=tp, cp_group=cp, chunk_size=1024, temperature=0.8)
-    ent = token_entropy(logits, tp_group=tp, cp_group=cp, chunk_size=1024, temperature=0.8)
+    lp, ent = token_logprobs(logits, input_ids, tp_group=tp, cp_group=cp, with_entropy=True)
 
 Logits arrive in the compute dtype (bf16 on GPU) and are upcast to fp32 and divided by the sampling
 temperature one chunk at a time: a full fp32 copy would cost more than the logits themselves.
@@ -195,60 +195,69 @@ def _logprob_forward(logits, local_target, owned, tp_group, chunk_size, keep_pro
     return logprob, logsumexp, probs, entropy
 
 
-def _one_hot_minus_probs_(probs, grad_out, local_target, owned):
-    """In place: probs (n, V/tp) becomes grad_out * (one_hot(target) - probs), this rank's slice."""
-    probs.mul_(-grad_out[:, None])  # (n, V/tp)
+def _grad_from_probs_(probs, coef, grad_logprob, local_target, owned):
+    """In place: probs (n, V/tp) becomes grad_logprob * one_hot(target) - probs * coef, this rank's
+    slice of d loss / d x (see _VocabParallelLogprob); coef is (n, 1) or (n, V/tp)."""
+    probs.mul_(-coef)  # (n, V/tp)
     # the one-hot lives on the rank owning the target; elsewhere we add 0 at a clamped column
-    probs.scatter_add_(1, local_target[:, None], torch.where(owned, grad_out, 0.0)[:, None])
+    probs.scatter_add_(1, local_target[:, None], torch.where(owned, grad_logprob, 0.0)[:, None])
     return probs
 
 
 class _VocabParallelLogprob(torch.autograd.Function):
-    """log p(target) from vocab-sharded logits (N, V/tp) -> (N,), at temperature T (x = logits / T).
-    Backward, derived: log p_t = x_t - log sum_v exp(x_v), and d/dx_v log sum exp = softmax_v, so
-        d log p_t / d x_v = 1[v == t] - softmax_v   =>   grad_x = grad_out * (one_hot(t) - softmax),
-    and grad_logits = grad_x / T, returned in the logits' dtype.
-    Every tp rank backpropagates the same loss, so each needs only its own vocab columns of this,
-    and its softmax already carries the all-reduced denominator: the backward has no communication.
-    The max drops out of the derivative (shift invariance), hence its all-reduce without a gradient."""
+    """log p(target) from vocab-sharded logits (N, V/tp) -> (N,), and the entropy H (N,) if asked,
+    for p = softmax(x) with x = logits / T. Backward, derived (d/dx_v log sum exp = p_v, sum_v p_v = 1):
+        log p_t = x_t - log sum_v exp(x_v)    =>  d log p_t / d x_v = 1[v == t] - p_v
+        H = -sum_u p_u log p_u                =>  d H / d x_v       = -p_v (log p_v + H)
+    so with upstream gradients g (logprob) and h (entropy)
+        grad_x = g one_hot(t) - p * (g + h (log p + H)),   grad_logits = grad_x / T.
+    Every tp rank backpropagates the same loss, and its p and H already carry the all-reduced sums,
+    so each rank computes its own vocab columns of this with no communication. The max drops out
+    of the derivative (shift invariance), hence its all-reduce without a gradient."""
 
     @staticmethod
-    def forward(ctx, logits, local_target, owned, tp_group, chunk_size, temperature):
-        keep_probs = chunk_size == 0
-        logprob, logsumexp, probs, _ = _logprob_forward(logits, local_target, owned, tp_group, chunk_size,
-                                                        keep_probs, temperature)
-        ctx.chunk_size, ctx.logits_dtype, ctx.temperature = chunk_size, logits.dtype, temperature
+    def forward(ctx, logits, local_target, owned, tp_group, chunk_size, temperature, with_entropy):
+        keep_probs = chunk_size == 0 and not with_entropy
+        logprob, logsumexp, probs, entropy = _logprob_forward(logits, local_target, owned, tp_group,
+                                                              chunk_size, keep_probs, temperature, with_entropy)
+        ctx.keep_probs, ctx.logits_dtype, ctx.temperature = keep_probs, logits.dtype, temperature
+        ctx.chunk_size = chunk_size if chunk_size > 0 else max(logits.shape[0], 1)
         if keep_probs:
-            # unchunked: keep the softmax (N, V/tp); the logits themselves may be freed
+            # unchunked logprobs only: keep the softmax (N, V/tp); the logits themselves may be freed
             ctx.save_for_backward(probs, local_target, owned)
         else:
-            # chunked: keep only the logits the caller already has plus one number per token,
-            # and rebuild softmax = exp(x - logsumexp) block by block in the backward
-            ctx.save_for_backward(logits, local_target, owned, logsumexp)
-        return logprob  # (N,)
+            # keep only the logits the caller already has plus a few numbers per token, and
+            # rebuild log p = x/T - logsumexp block by block in the backward
+            ctx.save_for_backward(logits, local_target, owned, logsumexp, entropy)
+        return logprob, entropy  # (N,), (N,) or None
 
     @staticmethod
-    def backward(ctx, grad_logprob):  # grad_logprob: (N,)
-        grad_x = grad_logprob / ctx.temperature  # (N,)  d/dlogits = d/dx / T
-        if ctx.chunk_size == 0:
+    def backward(ctx, grad_logprob, grad_entropy):  # (N,), (N,) or None
+        grad_logprob = grad_logprob / ctx.temperature  # (N,)  d/dlogits = d/dx / T
+        if ctx.keep_probs:
             probs, local_target, owned = ctx.saved_tensors  # (N, V/tp), (N,), (N,)
             # a fresh buffer, not probs in place: a second backward (retain_graph, gradcheck)
             # must still find the softmax intact
-            grad = _one_hot_minus_probs_(probs.clone(), grad_x, local_target, owned)
-            return grad.to(ctx.logits_dtype), None, None, None, None, None  # (N, V/tp)
-        logits, local_target, owned, logsumexp = ctx.saved_tensors  # (N, V/tp), (N,) x3
+            grad = _grad_from_probs_(probs.clone(), grad_logprob[:, None], grad_logprob, local_target, owned)
+            return grad.to(ctx.logits_dtype), None, None, None, None, None, None  # (N, V/tp)
+        logits, local_target, owned, logsumexp, entropy = ctx.saved_tensors  # (N, V/tp), (N,) x3 or x4
+        if grad_entropy is not None:
+            grad_entropy = grad_entropy / ctx.temperature  # (N,)
         grad = torch.empty_like(logits)  # (N, V/tp)  in the logits' dtype: the only full-size buffer
         for start in range(0, logits.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
-            # softmax = exp(x/T - lse) (one fused add, as in the forward), built straight into
-            # grad when the logits are fp32; bf16 logits promote to one fp32 block
+            # log p = x/T - lse as one fused add (as in the forward), built straight into grad
+            # when the logits are fp32; bf16 logits promote to one fp32 block
             same_dtype = grad.dtype == logsumexp.dtype
-            probs = torch.add(-logsumexp[rows, None], logits[rows], alpha=1 / ctx.temperature,
-                              out=grad[rows] if same_dtype else None).exp_()  # (n, V/tp)
-            probs = _one_hot_minus_probs_(probs, grad_x[rows], local_target[rows], owned[rows])  # (n, V/tp)
+            log_probs = torch.add(-logsumexp[rows, None], logits[rows], alpha=1 / ctx.temperature,
+                                  out=grad[rows] if same_dtype else None)  # (n, V/tp)
+            coef = grad_logprob[rows, None]  # (n, 1)  g, or g + h (log p + H): one more block
+            if grad_entropy is not None:
+                coef = (log_probs + entropy[rows, None]).mul_(grad_entropy[rows, None]).add_(coef)  # (n, V/tp)
+            block = _grad_from_probs_(log_probs.exp_(), coef, grad_logprob[rows], local_target[rows], owned[rows])
             if not same_dtype:
-                grad[rows] = probs  # (n, V/tp)  cast to the logits' dtype on the store
-        return grad, None, None, None, None, None
+                grad[rows] = block  # (n, V/tp)  cast to the logits' dtype on the store
+        return grad, None, None, None, None, None, None
 
 
 def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlens=None, chunk_size=0,
@@ -260,8 +269,8 @@ def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlen
     Returns (B, S) in fp32 (fp64 for fp64 logits), identical on every rank; out[:, 0] = 0 and, with
     cu_seqlens, 0 at every sequence start. Differentiable w.r.t. logits (hand-written backward).
     chunk_size > 0: tokens go through in blocks of chunk_size, softmax recomputed in the backward.
-    with_entropy (no grad only; token_entropy has the differentiable one): returns (logprobs,
-    entropy), the entropy aligned like the logprobs and computed from the same softmax pass."""
+    with_entropy: returns (logprobs, entropy), the entropy of the distribution each x_i was drawn
+    from, aligned like the logprobs, from the same softmax pass and differentiable as well."""
     batch, seq_len = input_ids.shape
     cp_size, cp_rank = _size(cp_group), _rank(cp_group)
     if logits.shape[:2] != (batch, seq_len // cp_size) or seq_len % cp_size:
@@ -283,64 +292,15 @@ def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlen
     local_ids = local_ids.clamp(0, logits.shape[-1] - 1)  # (N,)  any valid column when not owned
     flat_logits = logits.reshape(-1, logits.shape[-1])  # (N, V/tp)
     if torch.is_grad_enabled() and logits.requires_grad:
-        if with_entropy:
-            raise ValueError("token_logprobs(with_entropy=True) is for no-grad passes: use token_entropy")
-        logprob = _VocabParallelLogprob.apply(flat_logits, local_ids, owned, tp_group, chunk_size, temperature)  # (N,)
-    else:
-        # inference (old/reference policy): same math, nothing saved, chunking still bounds temps
+        logprob, entropy = _VocabParallelLogprob.apply(flat_logits, local_ids, owned, tp_group, chunk_size,
+                                                       temperature, with_entropy)  # (N,), (N,) or None
+    else:  # inference (old/reference policy): same math, nothing saved, chunking still bounds temps
         logprob, _, _, entropy = _logprob_forward(flat_logits, local_ids, owned, tp_group, chunk_size, False,
                                                   temperature, with_entropy)  # (N,), (N,) or None
-    next_token_logprob = cp_gather(logprob.view(batch, -1), cp_group, dim=1)  # (B, S)
-    if not with_entropy:
-        return shift_right(next_token_logprob, cu_seqlens)  # (B, S)
-    entropy = cp_gather(entropy.view(batch, -1), cp_group, dim=1)  # (B, S)
-    return shift_right(next_token_logprob, cu_seqlens), shift_right(entropy, cu_seqlens)  # (B, S) x2
 
-
-# ----------------------------------------------------------------------------
-# entropy of the vocab-sharded distribution (a metric, and the optional entropy bonus)
-
-class _TPSum(torch.autograd.Function):
-    """All-reduce SUM over tp forward, identity backward (Megatron-LM's "reduce from the tensor
-    parallel region"): every tp rank backpropagates the same loss, so the gradient reaching a
-    rank's partial sum is the gradient of the total, with no further reduction."""
-
-    @staticmethod
-    def forward(ctx, partial, tp_group):
-        return _all_reduce_(partial.clone(), dist.ReduceOp.SUM, tp_group)
-
-    @staticmethod
-    def backward(ctx, grad_total):
-        return grad_total, None
-
-
-def token_entropy(logits, *, tp_group=None, cp_group=None, cu_seqlens=None, chunk_size=0, temperature=1.0):
-    """Entropy of the distribution each x_i was drawn from, softmax(logits / temperature),
-    aligned like token_logprobs.
-    logits: (B, S/cp, V/tp). Returns (B, S) in fp32 (fp64 for fp64 logits); 0 at position 0 and
-    at sequence starts. Differentiable through plain autograd ops (with grad, each block keeps its
-    own (n, V/tp) intermediates, so chunking bounds the memory of no-grad calls only).
-    With m = max_v x_v, s = (x - m) / T and Z = sum_v exp(s_v), p = exp(s) / Z and
-        H = -sum_v p_v log p_v = log Z - sum_v p_v s_v,
-    where every term is bounded (s <= 0) just as in the log-softmax above."""
-    batch, local_seq, local_vocab = logits.shape
-    flat_logits = logits.reshape(-1, local_vocab)  # (N, V/tp)
-    math_dtype = _math_dtype(logits.dtype)
-    step = chunk_size if chunk_size > 0 else max(flat_logits.shape[0], 1)
-    blocks = []
-    for start in range(0, flat_logits.shape[0], step):
-        x = flat_logits[start : start + step]  # (n, V/tp)  in the logits' dtype
-        # H does not depend on m, so m is a constant to autograd (detached) and only the sums
-        # below carry gradient; MAX all-reduce as in the log-softmax
-        max_logit = x.detach().max(dim=-1).values.to(math_dtype)  # (n,)
-        _all_reduce_(max_logit, dist.ReduceOp.MAX, tp_group)
-        shifted = (x - max_logit[:, None]) / temperature  # (n, V/tp)  math dtype (bf16 promotes)
-        exps = shifted.exp()  # (n, V/tp)
-        partial = torch.stack([exps.sum(dim=-1), (exps * shifted).sum(dim=-1)])  # (2, n)
-        z, z_times_mean_shifted = _TPSum.apply(partial, tp_group)  # (n,), (n,)
-        blocks.append(z.log() - z_times_mean_shifted / z)  # (n,)
-    entropy = torch.cat(blocks).view(batch, local_seq)  # (B, S/cp)
-    return shift_right(cp_gather(entropy, cp_group, dim=1), cu_seqlens)  # (B, S)
+    def align(per_row):  # (N,) at this rank's rows -> (B, S): gathered over cp, shifted right by one
+        return shift_right(cp_gather(per_row.view(batch, -1), cp_group, dim=1), cu_seqlens)
+    return (align(logprob), align(entropy)) if with_entropy else align(logprob)  # (B, S), or (B, S) x2
 
 
 # ----------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
-from logprobs import cp_gather, shift_right, token_entropy, token_logprobs, unpack_packed, zigzag_positions
+from logprobs import cp_gather, shift_right, token_logprobs, unpack_packed, zigzag_positions
 
 try:  # GPU only: flash-attn's varlen kernel skips the masked-out blocks of a packed row
     from flash_attn import flash_attn_varlen_func
@@ -572,12 +572,11 @@ def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_
     # distributions the engine sampled from (as NeMo-RL and verl do)
     shards = dict(tp_group=_group(mesh, "tp"), cp_group=_group(mesh, "cp"), cu_seqlens=layout["cu_seqlens"],
                   chunk_size=cfg.logprob_chunk_size, temperature=temperature)
-    if with_entropy and not torch.is_grad_enabled():  # the metric: from the logprobs' own softmax pass
-        logprobs, entropy = token_logprobs(logits, layout["ids"], with_entropy=True, **shards)  # (B, T) x2
-    else:  # the entropy bonus needs token_entropy's gradient
-        logprobs = token_logprobs(logits, layout["ids"], **shards)  # (B, T)
-        entropy = token_entropy(logits, **shards) if with_entropy else None  # (B, T)
-    return _unlayout(logprobs, layout, input_ids), None if entropy is None else _unlayout(entropy, layout, input_ids)
+    if not with_entropy:
+        return _unlayout(token_logprobs(logits, layout["ids"], **shards), layout, input_ids), None  # (b, S)
+    # the entropy (a metric, or the bonus with its gradient) from the logprobs' own softmax pass
+    logprobs, entropy = token_logprobs(logits, layout["ids"], with_entropy=True, **shards)  # (B, T) x2
+    return _unlayout(logprobs, layout, input_ids), _unlayout(entropy, layout, input_ids)  # (b, S) x2
 
 
 def forward_critic(critic, input_ids, seq_lens, mesh, cfg):

@@ -12,7 +12,6 @@ from _dist import grid_groups, run_ranks
 from conftest import at_positions, plain_logprobs
 from logprobs import (
     cp_gather,
-    token_entropy,
     token_logprobs,
     unpack_packed,
     zigzag_positions,
@@ -103,12 +102,19 @@ def check_layout(tp, cp, tp_rank, cp_rank, tp_group, cp_group):
                 close(lp, ref_lp, f"logprobs {where}")
                 close(local.grad, shard(ref_lp_grad, tp, tp_rank, cp, cp_rank), f"grad {where}")
 
+                # the entropy alone, then both together: each gradient, and their sum
                 local = shard(full, tp, tp_rank, cp, cp_rank)
-                ent = token_entropy(local, **kwargs)
+                _, ent = token_logprobs(local, ids, with_entropy=True, **kwargs)
                 (ent * weights).sum().backward()
                 close(ent, ref_ent, f"entropy {where}")
                 expected = shard(ref_ent_grad, tp, tp_rank, cp, cp_rank)
                 close(local.grad, expected, f"entropy grad {where}")
+                local = shard(full, tp, tp_rank, cp, cp_rank)
+                lp, ent = token_logprobs(local, ids, with_entropy=True, **kwargs)
+                ((lp - 0.5 * ent) * weights).sum().backward()
+                close(lp, ref_lp, f"logprobs with the entropy {where}")
+                expected = shard(ref_lp_grad - 0.5 * ref_ent_grad, tp, tp_rank, cp, cp_rank)
+                close(local.grad, expected, f"logprob - 0.5 entropy grad {where}")
 
                 with torch.no_grad():  # inference path: same values, no graph
                     lp = token_logprobs(local, ids, **kwargs)
@@ -158,11 +164,13 @@ def test_gradcheck_float64():
     for chunk_size, cu in ((0, None), (4, torch.tensor([0, 2, 6], dtype=torch.int32))):
         kwargs = dict(cu_seqlens=cu, chunk_size=chunk_size)
         assert torch.autograd.gradcheck(lambda x: token_logprobs(x, ids, **kwargs), (logits,))
-        assert torch.autograd.gradcheck(lambda x: token_entropy(x, **kwargs), (logits,))
+        both = lambda x: token_logprobs(x, ids, with_entropy=True, **kwargs)  # noqa: E731
+        assert torch.autograd.gradcheck(both, (logits,))
 
 
 def test_saved_tensors():
-    """Inference saves nothing; unchunked keeps the softmax; chunked only the logits + O(N)."""
+    """Inference saves nothing; unchunked keeps the softmax; chunked (or with the entropy) only the
+    logits + O(N)."""
     logits = torch.randn(2, 6, 10, requires_grad=True)
     ids = torch.randint(0, 10, (2, 6))
 
@@ -183,6 +191,11 @@ def test_saved_tensors():
     big = [t for t in saved if t.numel() >= 12 * 10]
     assert len(big) == 1 and big[0].data_ptr() == logits.data_ptr()  # the caller's logits, no copy
     assert sum(t.numel() for t in saved if t is not big[0]) <= 3 * 12  # targets, owned, logsumexp
+    for chunk_size in (0, 4):  # with the entropy: the logits again, plus the entropy itself
+        out, saved = saved_by(lambda: token_logprobs(logits, ids, chunk_size=chunk_size, with_entropy=True))
+        big = [t for t in saved if t.numel() >= 12 * 10]
+        assert len(big) == 1 and big[0].data_ptr() == logits.data_ptr()
+        assert sum(t.numel() for t in saved if t is not big[0]) <= 4 * 12
 
 
 def test_packed_equals_each_sequence_alone():
@@ -254,7 +267,7 @@ def test_bf16_logits_compute_in_fp32():
 
 
 def test_temperature_is_applied_per_chunk_in_fp32():
-    """token_logprobs/token_entropy at T=0.7 equal plain log_softmax(logits.float() / 0.7), value
+    """token_logprobs and its entropy at T=0.7 equal plain log_softmax(logits.float() / 0.7), value
     and gradient, for fp32 and bf16 logits, chunked or not (the temperature and the upcast moved
     inside the chunk loop; the reference does them up front on the whole tensor)."""
     gen = torch.Generator().manual_seed(2)
@@ -266,14 +279,18 @@ def test_temperature_is_applied_per_chunk_in_fp32():
         as_fp32 = logits.detach().float().requires_grad_(True)
         want = plain_logprobs(as_fp32 / 0.7, ids)
         (want_grad,) = torch.autograd.grad((want * weights).sum(), as_fp32)
+        want_ent = plain_entropy(as_fp32 / 0.7, ())
+        (want_ent_grad,) = torch.autograd.grad((want_ent * weights).sum(), as_fp32)
         for chunk_size in (0, 3):
             out = token_logprobs(logits, ids, chunk_size=chunk_size, temperature=0.7)
             torch.testing.assert_close(out, want.detach(), **TOL)
             (grad,) = torch.autograd.grad((out * weights).sum(), logits)
             assert grad.dtype == dtype
             torch.testing.assert_close(grad.float(), want_grad, atol=grad_tol, rtol=grad_tol)
-            ent = token_entropy(logits.detach(), chunk_size=chunk_size, temperature=0.7)
-            torch.testing.assert_close(ent, plain_entropy(as_fp32.detach() / 0.7, ()), **TOL)
             with torch.no_grad():
-                _, fused_ent = token_logprobs(logits, ids, chunk_size=chunk_size, temperature=0.7, with_entropy=True)
-            torch.testing.assert_close(fused_ent, plain_entropy(as_fp32.detach() / 0.7, ()), **TOL)
+                _, ent = token_logprobs(logits, ids, chunk_size=chunk_size, temperature=0.7, with_entropy=True)
+            torch.testing.assert_close(ent, want_ent.detach(), **TOL)
+            _, ent = token_logprobs(logits, ids, chunk_size=chunk_size, temperature=0.7, with_entropy=True)
+            (grad,) = torch.autograd.grad((ent * weights).sum(), logits)
+            assert grad.dtype == dtype
+            torch.testing.assert_close(grad.float(), want_ent_grad, atol=grad_tol, rtol=grad_tol)
