@@ -66,13 +66,12 @@ class Config:
     rollout_tp_size: int = 1  # vLLM tensor-parallel size (ranks that share one engine)
     refit_bucket_mb: int = 64  # weights pushed into the engine in buckets of at most this size
     max_model_len: int = 512  # vLLM: longest prompt + response, in tokens
-    # 0.3 of an 80 GB GPU = 24 GB for vLLM while it generates: Qwen2.5-1.5B in bf16 is 3 GB, its KV cache
-    # ~28 KB/token, so ~21 GB hold ~750k tokens, far more than 64 sequences x 1024 per GPU need. The trainer
-    # keeps its fp32 params + grads + AdamW (16 bytes/param, both models: 16 GB for 0.5B on 1 GPU) and its
-    # activations in the other 56 GB; sleep mode hands vLLM's 24 GB back during training.
+    # 0.3 of 80 GB = 24 GB for vLLM: Qwen2.5-1.5B bf16 (3 GB) + ~750k tokens of KV cache (28 KB each). The
+    # trainer's fp32 params + grads + AdamW (16 bytes/param) and activations use the rest; sleep mode frees the 24 GB.
     vllm_gpu_memory_utilization: float = 0.3  # vLLM on GPU: fraction of GPU memory for its weights + KV cache (the trainer shares the GPU)
     vllm_kv_cache_gb: int = 1  # vLLM on CPU: KV cache size in GiB (per rank)
     tis_cap: float = 0.0  # truncated importance sampling cap for engine/trainer mismatch (0 = off)
+    old_logprobs: str = "trainer"  # pi_old of the ratio: trainer = a no-grad policy pass (exact whatever the engine); engine = the engine's sampling logprobs, one forward fewer, as TRL's PPOTrainer (exact only if the engine computes as the trainer: HF engine in fp32); no entropy metric then
     # supervised warm-up (SFT) before PPO: gives PPO a policy worth improving
     sft_steps: int = 0  # optimizer steps of SFT on the task's reference answers (0 = none)
     sft_batch_size: int = 32  # global: sequences per SFT step
@@ -104,7 +103,7 @@ class Config:
 # Fields whose value must be one of a few strings, and what each accepts.
 CHOICES = {"rollout_engine": ("auto", "vllm", "hf"), "kl_estimator": ("k1", "k3"), "task": ("toy_add", "gsm8k"),
            "dtype": ("auto", "bf16", "fp32"), "attention": ("auto", "masked", "varlen"),
-           "advantage_estimator": ("gae", "grpo")}
+           "advantage_estimator": ("gae", "grpo"), "old_logprobs": ("trainer", "engine")}
 # Fields that must be >= 1 (integers) and > 0 (floats).
 POSITIVE = ("steps", "tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size",
             "prompts_per_step", "samples_per_prompt", "max_new_tokens", "rollout_tp_size",

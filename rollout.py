@@ -24,12 +24,10 @@ from model_parallel import rng_states, set_rng_states
 # -----------------------------------------------------------------------------
 # The toy task: small-number addition, "3+4=" -> "7". Reward 1 for the exact sum followed
 # by end-of-text, 0 otherwise: a verifiable, rule-based reward like GSM8K's. Operands are
-# 0..4, so 25 facts: a 1M-parameter model memorizes 100 facts (0..9) too slowly for a CPU
-# demo of a few minutes, by SFT or by RL alike (measured: 150 SFT steps reach only 47%).
-# Its tokenizer is built in code (nothing downloaded): a byte-level BPE with no merges, every
-# byte its own token (ids 0..255), plus two special tokens. The toy model's vocab (262) is
-# deliberately larger than these 258 ids, as with real checkpoints whose embedding matrix is
-# padded (Qwen2.5: 151,936 rows for 151,665 tokens). Real models bring their own tokenizer.
+# 0..4 (25 facts: a 1M-parameter model learns 0..9 too slowly for a CPU demo). Its tokenizer,
+# built in code, is a byte-level BPE with no merges (ids 0..255) plus two special tokens. The
+# toy model's vocab (262) is larger than these 258 ids on purpose, as with real checkpoints whose
+# embedding matrix is padded (Qwen2.5: 151,936 rows for 151,665 tokens).
 TOY_OPERANDS = 5
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 
@@ -286,7 +284,7 @@ class HFEngine:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
         # One generator per sample: a row's draws never depend on the other rows.
         gens = [torch.Generator().manual_seed(s) for s in seeds]
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
         responses, logprobs = [[] for _ in range(B)], [[] for _ in range(B)]
         done = [False] * B
         for _ in range(max_new_tokens):

@@ -16,7 +16,7 @@ The algorithm is PPO with a learned critic and GAE, as used for RLHF by Instruct
   1. draw prompts (same RNG on every rank); each data-parallel (dp) rank keeps its slice
   2. rollout: the engine samples responses and returns its own logprob of each token
   3. reward: a rule-based score per sequence, placed on its last response token
-  4. three forward passes without grad: old policy logprobs, reference logprobs, values
+  4. forward passes without grad: old policy logprobs (or the engine's), reference logprobs, values
   5. per-token reward = score - kl_coef * KL(policy || reference)
   6. GAE -> advantages and returns; advantages whitened over the whole global batch
   7. ppo_epochs x minibatches x microbatches of clipped policy and value losses
@@ -417,10 +417,13 @@ def forward_batch(forward, model, batch, cfg, mesh, *args):
 
 @torch.no_grad()
 def score(policy, reference, critic, batch, cfg, mesh):
-    """Step 4: the old policy's logprobs and entropy, the reference's logprobs (the initial
-    weights swapped into the same module), and the critic's values."""
-    batch.old_lp, batch.entropy = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
-                                                cfg.temperature, True)
+    """Step 4: the old policy's logprobs and entropy (or the engine's logprobs), the reference's
+    logprobs (the initial weights swapped into the same module), and the critic's values."""
+    if cfg.old_logprobs == "engine":  # the sampling logprobs as pi_old: one policy forward fewer
+        batch.old_lp, batch.entropy = batch.engine_lp, None
+    else:
+        batch.old_lp, batch.entropy = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
+                                                    cfg.temperature, True)
     with model_parallel.swapped_weights(policy, reference):
         batch.ref_lp, _ = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh, cfg.temperature)
     if critic is not None:
@@ -516,9 +519,11 @@ def batch_stats(batch, scores, cfg, stats):
     mask = batch.mask
     kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
     mismatch = (batch.old_lp - batch.engine_lp).abs()  # (b, S)
-    stats.add(tokens=mask.sum(), kl=masked_sum(kl, mask), entropy=masked_sum(batch.entropy, mask),
-              mismatch=masked_sum(mismatch, mask), mult_prob_error=masked_sum(torch.exp(mismatch), mask),
-              sequences=len(batch.lens), all_tokens=sum(batch.lens), reward=scores.sum(), reward_sq=(scores ** 2).sum())
+    if batch.entropy is not None:  # none with old_logprobs=engine
+        stats.add(entropy=masked_sum(batch.entropy, mask))
+    stats.add(tokens=mask.sum(), kl=masked_sum(kl, mask), mismatch=masked_sum(mismatch, mask),
+              mult_prob_error=masked_sum(torch.exp(mismatch), mask), sequences=len(batch.lens),
+              all_tokens=sum(batch.lens), reward=scores.sum(), reward_sq=(scores ** 2).sum())
     if batch.returns is not None:  # explained variance = 1 - Var(R - V) / Var(R), over response tokens
         err = (batch.returns - batch.values) * mask  # (b, S)
         stats.add(ret=batch.returns.sum(), ret_sq=(batch.returns ** 2).sum(), err=err.sum(), err_sq=(err ** 2).sum())
@@ -529,9 +534,11 @@ def step_metrics(sums, cfg):
     n_tok, n_seq, n_updates = sums["tokens"], sums["sequences"], cfg.ppo_epochs * cfg.num_minibatches
     reward_mean = sums["reward"] / n_seq
     m = dict(reward_mean=reward_mean, reward_std=math.sqrt(max(sums["reward_sq"] / n_seq - reward_mean ** 2, 0.0)),
-             kl=sums["kl"] / n_tok, entropy=sums["entropy"] / n_tok, response_len_mean=n_tok / n_seq,
+             kl=sums["kl"] / n_tok, response_len_mean=n_tok / n_seq,
              logprob_mismatch=sums["mismatch"] / n_tok, token_mult_prob_error=sums["mult_prob_error"] / n_tok,
              clip_frac=sums["clipped_tokens"] / (n_tok * cfg.ppo_epochs), skipped_updates=int(sums["skipped_updates"]))
+    if "entropy" in sums:
+        m["entropy"] = sums["entropy"] / n_tok
     for name in ("policy_loss", "entropy_bonus", "kl_loss", "value_loss", "grad_norm", "critic_grad_norm"):
         if name in sums:
             m[name] = sums[name] / n_updates

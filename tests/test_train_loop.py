@@ -62,6 +62,30 @@ def test_grpo_runs_without_a_critic(tmp_path):
     assert any(k.startswith("policy.") for k in keys) and not any(k.startswith("critic") for k in keys)
 
 
+def _old_logprobs_body(rank, world_size, out_dir):
+    rollout.HFEngine.shutdown = lambda self: None  # keep the process group for the second run
+    for source in ("trainer", "engine"):
+        cfg = config.Config(out_dir=os.path.join(out_dir, source), old_logprobs=source, steps=2, prompts_per_step=2,
+                            samples_per_prompt=4, num_minibatches=2, ppo_epochs=2, max_new_tokens=4,
+                            micro_batch_size=2, rollout_engine="hf", export_hf=False, plot_every=0)
+        config.validate(cfg, world_size)
+        train_ppo.main(cfg)
+
+
+def test_engine_logprobs_as_old_policy_train_the_same_in_fp32(tmp_path):
+    """old_logprobs=engine skips the old-policy pass; with the HF engine in fp32 the engine's
+    logprobs are the trainer's up to float rounding, so both runs must train the same: every
+    loss, KL and grad norm of 2 steps x 2 epochs (the second epoch's ratio is not 1) to 1e-4."""
+    run_ranks(_old_logprobs_body, 2, str(tmp_path))
+    trainer, engine = ([json.loads(line) for line in open(tmp_path / source / "metrics.jsonl")]
+                       for source in ("trainer", "engine"))
+    for a, b in zip(trainer, engine):
+        assert "entropy" in a and "entropy" not in b and b["logprob_mismatch"] == 0.0
+        assert a["logprob_mismatch"] < 1e-5  # what makes the engine's logprobs usable here
+        for key in ("reward_mean", "kl", "policy_loss", "value_loss", "grad_norm", "critic_grad_norm", "clip_frac"):
+            assert abs(a[key] - b[key]) <= 1e-4 * max(abs(a[key]), 1e-2), (key, a[key], b[key])
+
+
 def test_policy_ratio_is_clamped_before_exp():
     logprobs, old = torch.tensor([[0.0, 1000.0]]), torch.tensor([[0.0, 0.0]])  # a wild token
     loss, _ = train_ppo.policy_loss(logprobs, old, torch.tensor([[0.0, -1.0]]), torch.ones(1, 2), 0.2)
