@@ -66,8 +66,7 @@ class Config:
     rollout_tp_size: int = 1  # vLLM tensor-parallel size (ranks that share one engine)
     refit_bucket_mb: int = 64  # weights pushed into the engine in buckets of at most this size
     max_model_len: int = 512  # vLLM: longest prompt + response, in tokens
-    # 0.3 of 80 GB = 24 GB for vLLM: Qwen2.5-1.5B bf16 (3 GB) + ~750k tokens of KV cache (28 KB each). The
-    # trainer's fp32 params + grads + AdamW (16 bytes/param) and activations use the rest; sleep mode frees the 24 GB.
+    # 0.3 x 80 GB = 24 GB: Qwen2.5-1.5B bf16 (3 GB) + ~750k tokens of KV cache; freed by sleep mode while training
     vllm_gpu_memory_utilization: float = 0.3  # vLLM on GPU: fraction of GPU memory for its weights + KV cache (the trainer shares the GPU)
     vllm_kv_cache_gb: int = 1  # vLLM on CPU: KV cache size in GiB (per rank)
     tis_cap: float = 0.0  # truncated importance sampling cap for engine/trainer mismatch (0 = off)
@@ -227,6 +226,8 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.rollout_engine == "hf" and cfg.rollout_tp_size != 1:
         raise ConfigError(f"rollout_tp_size={cfg.rollout_tp_size} needs rollout_engine=vllm "
                           "(the HF engine is one full model per rank)")
+    if cfg.old_logprobs == "engine" and cfg.tis_cap:
+        raise ConfigError("tis_cap corrects pi_old vs the engine; old_logprobs=engine makes them equal: set tis_cap=0")
     if cfg.sequence_parallel and cfg.tp_size == 1:
         raise ConfigError("sequence_parallel=true needs tp_size > 1 (it shards activations over tp)")
     if cfg.resume and cfg.resume != "auto" and not os.path.isdir(cfg.resume):

@@ -419,9 +419,8 @@ def forward_batch(forward, model, batch, cfg, mesh, *args):
 def score(policy, reference, critic, batch, cfg, mesh):
     """Step 4: the old policy's logprobs and entropy (or the engine's logprobs), the reference's
     logprobs (the initial weights swapped into the same module), and the critic's values."""
-    if cfg.old_logprobs == "engine":  # the sampling logprobs as pi_old: one policy forward fewer
-        batch.old_lp, batch.entropy = batch.engine_lp, None
-    else:
+    batch.old_lp, batch.entropy = batch.engine_lp, None  # old_logprobs=engine: one policy forward fewer
+    if cfg.old_logprobs == "trainer":  # pi_old as the trainer computes it, whatever the engine computed
         batch.old_lp, batch.entropy = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
                                                     cfg.temperature, True)
     with model_parallel.swapped_weights(policy, reference):

@@ -38,6 +38,8 @@ def test_every_field_has_a_doc_and_sizes_say_per_rank_or_global():
     (["--lam=1.5"], 1, "lam"),
     (["--sequence_parallel=true"], 1, "sequence_parallel"),
     (["--rollout_tp_size=2"], 3, "rollout_tp_size"),
+    (["--old_logprobs=engine", "--tis_cap=2"], 1, "tis_cap"),  # TIS would do nothing
+    (["--old_logprobs=policy"], 1, "old_logprobs"),
 ])
 def test_bad_config_names_the_key(argv, world, key, tmp_path):
     with pytest.raises(config.ConfigError, match=key):
