@@ -49,6 +49,7 @@ class Config:
     logprob_chunk_size: int = 0  # tokens per chunk in the logprob softmax (0 = no chunking)
     activation_checkpointing: bool = False  # recompute decoder layers in backward (GPU memory)
     cpu_offload: bool = False  # FSDP2 CPU offload of params/grads/optimizer state (GPU memory)
+    data_parallel: str = "fsdp"  # fsdp: FSDP2 shards params/grads/AdamW state over dp*cp; ddp: whole replicas, gradients all-reduced (DDP; fp32, tp=1): faster for small models on gloo
     reshard_after_forward: bool = True  # FSDP2: false keeps each gathered layer until backward (and across no-grad microbatches): half the all-gathers, the whole model's memory (ZeRO-2-like; small models)
     dtype: str = "auto"  # compute dtype: bf16 (FSDP2 mixed precision, fp32 master weights), fp32; auto = bf16 on CUDA, fp32 on CPU
     attention: str = "auto"  # masked (SDPA + document mask), varlen (flash-attn's varlen contract; a PyTorch stand-in without it); auto = varlen on CUDA with flash-attn
@@ -102,7 +103,8 @@ class Config:
 # Fields whose value must be one of a few strings, and what each accepts.
 CHOICES = {"rollout_engine": ("auto", "vllm", "hf"), "kl_estimator": ("k1", "k3"), "task": ("toy_add", "gsm8k"),
            "dtype": ("auto", "bf16", "fp32"), "attention": ("auto", "masked", "varlen"),
-           "advantage_estimator": ("gae", "grpo"), "old_logprobs": ("trainer", "engine")}
+           "advantage_estimator": ("gae", "grpo"), "old_logprobs": ("trainer", "engine"),
+           "data_parallel": ("fsdp", "ddp")}
 # Fields that must be >= 1 (integers) and > 0 (floats).
 POSITIVE = ("steps", "tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size",
             "prompts_per_step", "samples_per_prompt", "max_new_tokens", "rollout_tp_size",
@@ -228,6 +230,9 @@ def validate(cfg: Config, world_size: int) -> None:
                           "(the HF engine is one full model per rank)")
     if cfg.old_logprobs == "engine" and cfg.tis_cap:
         raise ConfigError("tis_cap corrects pi_old vs the engine; old_logprobs=engine makes them equal: set tis_cap=0")
+    if cfg.data_parallel == "ddp" and (cfg.tp_size > 1 or cfg.dtype == "bf16" or cfg.cpu_offload):
+        raise ConfigError("data_parallel=ddp keeps plain fp32 replicas: it needs tp_size=1, dtype=fp32 (or auto on CPU) "
+                          "and cpu_offload=false; use data_parallel=fsdp")
     if cfg.sequence_parallel and cfg.tp_size == 1:
         raise ConfigError("sequence_parallel=true needs tp_size > 1 (it shards activations over tp)")
     if cfg.resume and cfg.resume != "auto" and not os.path.isdir(cfg.resume):

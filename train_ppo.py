@@ -460,7 +460,9 @@ def minibatch_update(model, optimizer, loss_fn, rows, batch, cfg, mesh):
     rank is NaN/inf: then skip, weights and AdamW state untouched, as Megatron-LM does.
     Returns (this rank's weighted sums of the numbers, norm, skipped)."""
     loss_share, sums = 0.0, Counter()
-    for micro in model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh):
+    micros = model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh)
+    for i, micro in enumerate(micros):
+        model_parallel.sync_gradients(model, sync=i == len(micros) - 1)
         idx, weight = micro_rows(micro, rows)
         loss, parts = loss_fn(idx)
         (weight * loss).backward()

@@ -5,6 +5,7 @@ release that has it, in trl.experimental.ppo), on CPU, at 1 and at 2 processes.
     .venv/bin/python bench/peer_trl.py --size tiny        # 2-layer model, 1 step x 6 runs: does everything run (~2 min)
     .venv/bin/python bench/peer_trl.py --steps 5 --runs trl_1p,ours_1p   # a subset of the runs
     .venv/bin/python bench/peer_trl.py --profile          # where our 1-process step's time goes (~4 min)
+    .venv/bin/python bench/peer_trl.py --profile ours_2p  # the same for our 2-process step (rank 0)
 
 The peer runs from its own venv, bench/.venv-trl (git-ignored), which this script creates on
 first use from bench/peer_trl_requirements.txt: trl==1.12.0 and its dependencies, with torch
@@ -86,7 +87,7 @@ Last line: RESULT trl_1p_step_s=... trl_2p_step_s=... ours_1p_step_s=... ours_2p
 ours_1p_elp_step_s=... ours_2p_elp_step_s=... speedup_1p=... speedup_2p=... speedup_1p_elp=...
 speedup_2p_elp=...   (a run that failed or was not asked for is left out.)
 
---profile runs only ours_1p, 2 steps, and profiles step 2 phase by phase (cProfile + torch.profiler,
+--profile [RUN] runs only ours_1p (or RUN), 2 steps, and profiles step 2 phase by phase (cProfile + torch.profiler,
 wrapped around train_ppo's phase functions from here): out/peer_trl_135m/ours_1p.profile.txt.
 Measured figures, the profile and what it says should change: docs/performance.md.
 """
@@ -505,8 +506,8 @@ def main():
     p.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
     p.add_argument("--out", help="work dir (default out/peer_trl_SIZE)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run before it is stopped")
-    p.add_argument("--profile", action="store_true",
-                   help="instead of the runs: profile our step at 1 process (HF engine), the last of --steps (default 2)")
+    p.add_argument("--profile", nargs="?", const="ours_1p", choices=[r for r in RUNS if r.startswith("ours")],
+                   help="instead of the runs: profile one of ours (default ours_1p), the last of --steps (default 2)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one side from a spec file
     args = p.parse_args()
     if args.worker:
@@ -516,7 +517,7 @@ def main():
 
     size = SIZES[args.size]
     steps = args.steps or (2 if args.profile else size["steps"])
-    runs = ["ours_1p"] if args.profile else [r.strip() for r in args.runs.split(",") if r.strip()]
+    runs = [args.profile] if args.profile else [r.strip() for r in args.runs.split(",") if r.strip()]
     unknown = [r for r in runs if r not in RUNS]
     if unknown:
         p.error(f"unknown run {unknown[0]!r}: choose from {','.join(RUNS)}")

@@ -68,7 +68,10 @@ def _check_case(root, name, mesh, cfg, label):
     policy, critic = mp.load_policy(path, mesh, cfg), mp.load_critic(path, mesh, cfg)
     n_tokens = mask.sum()  # global response tokens (every rank knows the whole batch here)
     seen, outputs = [], {}
-    for rows in mp.microbatches([LENS[i] for i in mine], cfg, mesh):
+    micros = mp.microbatches([LENS[i] for i in mine], cfg, mesh)
+    for i, rows in enumerate(micros):
+        for model in (policy, critic):  # ddp: all-reduce after the last microbatch only
+            mp.sync_gradients(model, i == len(micros) - 1)
         idx, w = ([mine[r] for r in rows], 1.0) if rows else ([mine[0]], 0.0)  # dummy: weight 0
         lens = [LENS[i] for i in idx]
         lp, ent = mp.forward_policy(policy, ids[idx], lens, mesh, cfg, TEMPERATURE, True)
@@ -85,7 +88,8 @@ def _check_case(root, name, mesh, cfg, label):
     for prefix, model in (("", policy), ("critic.", critic)):
         names = set()
         for name, param in model.named_parameters():
-            full = param.grad.full_tensor()  # collective: the whole gradient on every rank
+            grad = param.grad  # a DTensor shard under fsdp: gathered (collective); whole under ddp
+            full = grad.full_tensor() if isinstance(grad, torch.distributed.tensor.DTensor) else grad
             outputs[prefix + name] = full
             want = ref["grads"][prefix + name]
             rel = ((full - want).norm() / want.norm().clamp(min=1e-12)).item()
@@ -116,12 +120,12 @@ def _equivalence_body(rank, world_size, root, cases, checks=()):
         globals()[check](root, world_size)
 
 
-def _weights_check(root, world_size):
+def _weights_check(root, world_size, data_parallel="fsdp"):
     """Refit names/values, the reference swap, clipping and HF export: on 4 ranks FSDP x TP
-    (dp2 tp2), on 2 ranks CP (cp2)."""
+    (dp2 tp2), on 2 ranks CP (cp2) under FSDP2 and under DDP."""
     mesh = mp.make_mesh(world_size, 2 if world_size == 4 else 1, 2 if world_size == 2 else 1, "cpu")
     path = _materialize(root, "tiny-qwen3")
-    cfg = _cfg(packing=True)
+    cfg = _cfg(packing=True, data_parallel=data_parallel)
     policy = mp.load_policy(path, mesh, cfg)
     checkpoint = load_file(os.path.join(path, "model.safetensors"))
     full = dict(mp.iter_full_params(policy))
@@ -145,7 +149,7 @@ def _weights_check(root, world_size):
             assert torch.equal(forward(), lp_initial), "reference forward must see the initial weights"
         assert torch.equal(forward(), lp_trained), "the live weights must come back exactly"
 
-    out = os.path.join(root, f"export{world_size}")
+    out = os.path.join(root, f"export{world_size}{data_parallel}")
     full = dict(mp.iter_full_params(policy))
     mp.save_hf(policy, out, extra_files={"README.txt": "tiny test export"})
     if torch.distributed.get_rank() == 0:
@@ -153,6 +157,10 @@ def _weights_check(root, world_size):
         assert all(torch.equal(reloaded[n], full[n]) for n in full), "export differs from the trained weights"
         assert '"ppo"' not in open(os.path.join(out, "config.json")).read(), "our attention leaked into config"
         assert open(os.path.join(out, "README.txt")).read() == "tiny test export"
+
+
+def _weights_check_ddp(root, world_size):
+    _weights_check(root, world_size, "ddp")
 
 
 def _refusals_check(root, world_size):
@@ -182,14 +190,17 @@ def _microbatch_check(root, world_size):
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 BOTH = (False, True)
 CASES = {  # world size -> [((dp, cp, tp), models, packing values, config overrides)]
-    1: [((1, 1, 1), FAMILIES, BOTH, {})],
+    1: [((1, 1, 1), FAMILIES, BOTH, {}),
+        ((1, 1, 1), ["tiny-llama-tied"], (True,), dict(data_parallel="ddp"))],  # one rank: a plain module
     2: [((2, 1, 1), FAMILIES + ["tiny-gemma3"], BOTH, {}),
         ((1, 1, 2), FAMILIES, BOTH, {}),
         ((1, 2, 1), FAMILIES, BOTH, {}),
         ((1, 2, 1), ["tiny-gemma3"], (True,), {}),  # sliding window + zigzag + packing
         ((1, 1, 2), ["tiny-qwen3"], (True,), dict(sequence_parallel=True)),
         ((1, 1, 2), ["tiny-llama-tied", "tiny-qwen3-v263"], (False,), {}),
-        ((2, 1, 1), ["tiny-llama"], (True,), dict(activation_checkpointing=True, cpu_offload=True))],
+        ((2, 1, 1), ["tiny-llama"], (True,), dict(activation_checkpointing=True, cpu_offload=True)),
+        ((2, 1, 1), FAMILIES + ["tiny-gemma3", "tiny-llama-tied"], BOTH, dict(data_parallel="ddp")),
+        ((1, 2, 1), ["tiny-qwen3"], BOTH, dict(data_parallel="ddp"))],
     4: [((2, 1, 2), FAMILIES, BOTH, {}),
         ((1, 2, 2), FAMILIES, BOTH, {}),
         ((1, 2, 2), ["tiny-qwen2"], (True,), dict(sequence_parallel=True))],
@@ -198,7 +209,7 @@ CASES = {  # world size -> [((dp, cp, tp), models, packing values, config overri
 
 @pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: the slow tier
 def test_matches_hf_every_family_and_mesh(root, world_size):
-    checks = {1: ["_microbatch_check"], 2: ["_refusals_check", "_weights_check"], 4: ["_weights_check"]}[world_size]
+    checks = {1: ["_microbatch_check"], 2: ["_refusals_check", "_weights_check", "_weights_check_ddp"], 4: ["_weights_check"]}[world_size]
     run_ranks(_equivalence_body, world_size, root, CASES[world_size], checks)
 
 
