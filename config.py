@@ -231,8 +231,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.old_logprobs == "engine" and cfg.tis_cap:
         raise ConfigError("tis_cap corrects pi_old vs the engine; old_logprobs=engine makes them equal: set tis_cap=0")
     if cfg.data_parallel == "ddp" and (cfg.tp_size > 1 or cfg.dtype == "bf16" or cfg.cpu_offload):
-        raise ConfigError("data_parallel=ddp keeps plain fp32 replicas: it needs tp_size=1, dtype=fp32 (or auto on CPU) "
-                          "and cpu_offload=false; use data_parallel=fsdp")
+        raise ConfigError("data_parallel=ddp (plain fp32 replicas) needs tp_size=1, dtype=fp32/auto, cpu_offload=false")
     if cfg.sequence_parallel and cfg.tp_size == 1:
         raise ConfigError("sequence_parallel=true needs tp_size > 1 (it shards activations over tp)")
     if cfg.resume and cfg.resume != "auto" and not os.path.isdir(cfg.resume):

@@ -90,12 +90,10 @@ def make_mesh(world_size, tp_size, cp_size, device_type):
 
 
 def release_mesh(mesh):
-    """Last call of a run, after dist.destroy_process_group(). That call unregisters the process
-    groups, but the mesh still holds them (and DTensor's sharding cache holds the mesh), so their
-    communication threads would outlive Python's shutdown; one of them freeing a tensor then can
-    abort a finished run ("terminate called without an active exception", seen under load).
-    Dropping the mesh's references runs the groups' destructors, which join their threads, now.
-    (_pg_registry: private in torch 2.13; the flattened and sliced meshes share the root's.)"""
+    """Last call of a run, after dist.destroy_process_group(), which leaves the groups held by the
+    mesh (itself held by DTensor's cache): their threads would outlive Python's shutdown and could
+    abort a finished run ("terminate called without an active exception"). Dropping them joins the
+    threads now. (_pg_registry: private in torch 2.13; sliced meshes share the root's.)"""
     mesh._pg_registry.clear()
 
 
@@ -412,10 +410,9 @@ def _build(path, mesh, cfg, critic):
     if tied and model.lm_head.weight is not model.model.embed_tokens.weight:  # to_empty gave each
         model.lm_head.weight = model.model.embed_tokens.weight  # its own tensor (not under FSDP2)
     if cfg.data_parallel == "ddp" and mesh.dp_cp.size() > 1:  # on one rank: a plain module
-        # DDP in torch's composable form (names unchanged; torchtitan's apply_ddp makes the same
-        # call): whole replicas, no all-gathers; in backward, 25 MB buckets of gradients are
-        # all-reduced while earlier layers still compute. On gloo one all-reduce costs about what
-        # FSDP2's reduce-scatter or all-gather costs alone, so small models step faster this way.
+        # DDP in torch's composable form (names unchanged; as torchtitan's apply_ddp): whole replicas,
+        # 25 MB buckets of gradients all-reduced while earlier layers compute. On gloo one all-reduce
+        # costs what FSDP2's reduce-scatter or all-gather costs alone: small models step faster.
         replicate(model, process_group=mesh.dp_cp.get_group(), broadcast_buffers=False)
         model.register_comm_hook(mesh.dp_cp.get_group(), _sum_hook)  # summed, as FSDP's above
     model.train()  # no dropout in these families; train mode lets activation checkpointing act
@@ -427,9 +424,8 @@ def _sum_hook(group, bucket):  # a DDP comm hook: SUM over the group (DDP's defa
 
 
 def sync_gradients(model, sync):
-    """DDP: all-reduce in the next backward only if `sync` (a minibatch's last microbatch). Each
-    all-reduce sums the gradients accumulated so far: two in one minibatch would count the first
-    microbatches twice. (FSDP2 reduce-scatters each backward's own gradients: nothing to do.)"""
+    """DDP: all-reduce in the next backward only if `sync` (a minibatch's last microbatch): each
+    all-reduce sums all gradients accumulated so far. (FSDP2 reduces each backward's own.)"""
     if isinstance(model, DDP):
         model.set_requires_gradient_sync(sync)
 
@@ -479,7 +475,7 @@ def load_critic(path, mesh, cfg):
 
 def microbatches(seq_lens, cfg, mesh):
     """Lists of row indices, the same count on every dp rank ([] = a dummy to run with weight 0,
-    so FSDP's collectives still match). Packing: first-fit decreasing into rows of at most
+    so FSDP's or DDP's collectives still match). Packing: first-fit decreasing into rows of at most
     max_tokens_per_microbatch tokens; otherwise micro_batch_size rows at a time."""
     if cfg.packing:
         multiple = 2 * mesh["cp"].size() * mesh["tp"].size()
@@ -590,8 +586,7 @@ def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_
     logits = model(**layout["model_kwargs"]).logits  # (B, T/cp, V/tp)  vocab-sharded, bf16 under dtype=bf16
     if isinstance(logits, DTensor):  # tp > 1: this rank's vocab shard, never gathered
         logits = logits.to_local()  # (B, T/cp, V/tp)
-    # logprobs.py divides by the sampling temperature, so that pi/pi_old compares the
-    # distributions the engine sampled from (as NeMo-RL and verl do)
+    # logits / the sampling temperature: pi/pi_old compares what the engine sampled from (NeMo-RL, verl)
     shards = dict(tp_group=_group(mesh, "tp"), cp_group=_group(mesh, "cp"), cu_seqlens=layout["cu_seqlens"],
                   chunk_size=cfg.logprob_chunk_size, temperature=temperature)
     if not with_entropy:

@@ -236,9 +236,8 @@ def make_batch(prompts, responses, pad_id, engine_logprobs=None, device="cpu"):
 
 
 def micro_rows(micro, rows):
-    """Batch rows of a microbatch (indices into `rows`) and its loss weight. An empty one is a
-    dummy that keeps FSDP's collectives matched across dp ranks: it reruns a real row with
-    weight 0, so it costs compute but changes nothing."""
+    """Batch rows of a microbatch (indices into `rows`) and its loss weight. An empty one is a dummy
+    that keeps the collectives matched across dp ranks: a real row again, weight 0, no effect."""
     return ([rows[i] for i in micro], 1.0) if micro else ([rows[0]], 0.0)
 
 
@@ -263,9 +262,8 @@ class StepStats:
 
 
 def memory_used_gb():
-    """GPU: memory in use on the device by any allocator (torch.cuda.mem_get_info; vLLM's
-    sleeping pool counts in max_memory_allocated although it went back to the driver).
-    CPU: the process's peak resident set (ru_maxrss, KiB on Linux; libraries included)."""
+    """GPU: memory in use by any allocator (mem_get_info: vLLM's sleeping pool, back with the driver,
+    would count in max_memory_allocated). CPU: the peak resident set (ru_maxrss, KiB on Linux)."""
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
         return (total - free) / 2**30
@@ -576,8 +574,7 @@ def plot_curves(metrics_path, png_path):
     fig, axes = plt.subplots(2, 2, figsize=(9, 6))
     for ax, key in zip(axes.flat, keys):
         ax.plot([r["step"] for r in rows], [r[key] for r in rows])
-        ax.set_title(key)
-        ax.set_xlabel("step")
+        ax.set(title=key, xlabel="step")
     fig.tight_layout()
     fig.savefig(png_path + ".tmp.png")
     plt.close(fig)

@@ -115,6 +115,30 @@ def test_killed_save_is_ignored_and_resume_on_another_mesh_matches(straight, res
     assert sorted(os.listdir(os.path.join(resumed["out"], "ckpt"))) == ["step_2", "step_4"]
 
 
+def test_resume_under_ddp_matches_fsdp_and_its_checkpoint_loads_under_fsdp(straight, tmp_path):
+    """straight's step_2 (FSDP2 shards) resumed with data_parallel=ddp (whole replicas, dp=2):
+    steps 3-4 match the straight FSDP2 run to fp32 reduction noise, and so do the exported
+    weights. Then DDP's own step_4 (plain tensors) loaded under FSDP2 exports the same weights."""
+    from safetensors.torch import load_file
+    full_out = straight[0]
+    out = str(tmp_path / "out")
+    os.makedirs(os.path.join(out, "ckpt"))
+    shutil.copytree(os.path.join(full_out, "sft"), os.path.join(out, "sft"))  # the warm-up is reused
+    shutil.copytree(os.path.join(full_out, "ckpt", "step_2"), os.path.join(out, "ckpt", "step_2"))
+    run_cli(2, *ARGS, f"--model={straight[1]}", "--steps=4", "--save_every=2", "--resume=auto",
+            "--data_parallel=ddp", f"--out_dir={out}")
+    full, rows = read_metrics(full_out), read_metrics(out)
+    assert [r["step"] for r in rows] == [2, 3]
+    for a, b in zip(full[2:], rows):
+        for k in COMPARED:
+            assert close(a[k], b[k]), (a["step"], k, a[k], b[k])
+    want, ddp = (load_file(os.path.join(d, "hf", "model.safetensors")) for d in (full_out, out))
+    assert max((want[n] - ddp[n]).abs().max().item() for n in want) <= 1e-5
+    run_cli(2, *ARGS, f"--model={straight[1]}", "--steps=4", "--resume=auto", f"--out_dir={out}")  # fsdp, no step left
+    again = load_file(os.path.join(out, "hf", "model.safetensors"))
+    assert all(torch.equal(again[n], ddp[n]) for n in ddp), "DDP's checkpoint did not load exactly under FSDP2"
+
+
 def test_keep_checkpoints_and_complete_only(straight, tmp_path):
     out, _ = straight
     assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["step_2", "step_4"]
