@@ -579,21 +579,25 @@ def _unlayout(per_token, layout, like):
     return unpack_packed(per_token, layout["cu_seqlens"][: layout["n_seqs"] + 1], seq_len).to(like.device)  # (b, S)
 
 
-def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_entropy=False):
+def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_entropy=False, unscored=0):
     """Per-token logprobs (b, S) under pi(.)^(1/temperature), and the entropy if asked, aligned as in
-    train_ppo.py's docstring (0 at position 0). Packing, CP and TP stay inside."""
+    train_ppo.py's docstring (0 at position 0). Packing, CP and TP stay inside. `unscored`: leading
+    positions that no loss reads in any row (the shortest prompt); without CP, SP or packing the LM
+    head skips them, as it need not predict their tokens (they come back as 0)."""
     layout = _layout(input_ids, seq_lens, mesh, cfg)
-    logits = model(**layout["model_kwargs"]).logits  # (B, T/cp, V/tp)  vocab-sharded, bf16 under dtype=bf16
+    plain_rows = mesh["cp"].size() == 1 and not (cfg.packing or cfg.sequence_parallel)  # positions = row positions
+    skip = max(unscored - 1, 0) if plain_rows else 0  # logits at unscored-1 predict the first scored token
+    logits = model(**layout["model_kwargs"], logits_to_keep=layout["ids"].shape[1] - skip).logits  # (B, T/cp - skip, V/tp)
     if isinstance(logits, DTensor):  # tp > 1: this rank's vocab shard, never gathered
         logits = logits.to_local()  # (B, T/cp, V/tp)
     # logits / the sampling temperature: pi/pi_old compares what the engine sampled from (NeMo-RL, verl)
     shards = dict(tp_group=_group(mesh, "tp"), cp_group=_group(mesh, "cp"), cu_seqlens=layout["cu_seqlens"],
                   chunk_size=cfg.logprob_chunk_size, temperature=temperature)
-    if not with_entropy:
-        return _unlayout(token_logprobs(logits, layout["ids"], **shards), layout, input_ids), None  # (b, S)
     # the entropy (a metric, or the bonus with its gradient) from the logprobs' own softmax pass
-    logprobs, entropy = token_logprobs(logits, layout["ids"], with_entropy=True, **shards)  # (B, T) x2
-    return _unlayout(logprobs, layout, input_ids), _unlayout(entropy, layout, input_ids)  # (b, S) x2
+    out = token_logprobs(logits, layout["ids"][:, skip:], with_entropy=with_entropy, **shards)  # (B, T - skip)
+    logprobs, entropy = out if with_entropy else (out, None)
+    back = lambda x: None if x is None else _unlayout(F.pad(x, (skip, 0)), layout, input_ids)  # noqa: E731 (b, S)
+    return back(logprobs), back(entropy)
 
 
 def forward_critic(critic, input_ids, seq_lens, mesh, cfg):

@@ -211,6 +211,7 @@ class Batch:
     mask: torch.Tensor  # (b, S) 1 on response tokens
     engine_lp: torch.Tensor  # (b, S) the engine's logprob of each response token
     lens: list  # b ints: prompt + response tokens of each row
+    unscored: int  # the shortest prompt: leading positions that no row scores
     old_lp: Optional[torch.Tensor] = None  # (b, S) policy that sampled, as the trainer computes it
     ref_lp: Optional[torch.Tensor] = None  # (b, S) reference (initial) policy
     entropy: Optional[torch.Tensor] = None  # (b, S) of the policy's next-token distribution
@@ -232,7 +233,7 @@ def make_batch(prompts, responses, pad_id, engine_logprobs=None, device="cpu"):
         mask[i, len(p):lens[i]] = 1
         if engine_logprobs is not None:
             engine_lp[i, len(p):lens[i]] = torch.tensor(engine_logprobs[i], dtype=torch.float32)
-    return Batch(ids.to(device), mask.to(device), engine_lp.to(device), lens)
+    return Batch(ids.to(device), mask.to(device), engine_lp.to(device), lens, min(map(len, prompts)))
 
 
 def micro_rows(micro, rows):
@@ -420,9 +421,10 @@ def score(policy, reference, critic, batch, cfg, mesh):
     batch.old_lp, batch.entropy = batch.engine_lp, None  # old_logprobs=engine: one policy forward fewer
     if cfg.old_logprobs == "trainer":  # pi_old as the trainer computes it, whatever the engine computed
         batch.old_lp, batch.entropy = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
-                                                    cfg.temperature, True)
+                                                    cfg.temperature, True, batch.unscored)
     with model_parallel.swapped_weights(policy, reference):
-        batch.ref_lp, _ = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh, cfg.temperature)
+        batch.ref_lp, _ = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh, cfg.temperature,
+                                        False, batch.unscored)
     if critic is not None:
         (values,) = forward_batch(model_parallel.forward_critic, critic, batch, cfg, mesh)
         batch.values = values * batch.mask  # (b, S)
@@ -479,7 +481,7 @@ def update_policy(policy, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
     """One minibatch of the clipped surrogate (+ entropy bonus; + GRPO's KL loss)."""
     def loss_fn(idx):
         lp, entropy = model_parallel.forward_policy(policy, batch.ids[idx], [batch.lens[i] for i in idx],
-                                                    mesh, cfg, cfg.temperature, cfg.entropy_coef > 0)
+                                                    mesh, cfg, cfg.temperature, cfg.entropy_coef > 0, batch.unscored)
         mask = batch.mask[idx]
         pg_loss, n_clipped = policy_loss(lp, batch.old_lp[idx], batch.advantages[idx], mask, cfg.clip_ratio,
                                          num_tokens, batch.tis[idx] if cfg.tis_cap else None)

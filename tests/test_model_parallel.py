@@ -74,14 +74,16 @@ def _check_case(root, name, mesh, cfg, label):
             mp.sync_gradients(model, i == len(micros) - 1)
         idx, w = ([mine[r] for r in rows], 1.0) if rows else ([mine[0]], 0.0)  # dummy: weight 0
         lens = [LENS[i] for i in idx]
-        lp, ent = mp.forward_policy(policy, ids[idx], lens, mesh, cfg, TEMPERATURE, True)
+        # unscored: the LM head skips the prompt where it can (cp = 1, no packing, no SP)
+        lp, ent = mp.forward_policy(policy, ids[idx], lens, mesh, cfg, TEMPERATURE, True, unscored=PROMPT_LEN)
         values = mp.forward_critic(critic, ids[idx], lens, mesh, cfg)
         loss = ((lp * weights[idx] * mask[idx]).sum() + (values**2 * mask[idx]).sum()) / n_tokens
         (w * loss).backward()
         if rows:
             seen += idx
             for name, got in (("lp", lp), ("ent", ent), ("values", values)):
-                err = (got.detach() - ref[name][idx]).abs().max().item()
+                start = 0 if name == "values" else PROMPT_LEN  # lp, ent: 0 where unscored, or real values
+                err = (got.detach() - ref[name][idx])[:, start:].abs().max().item()
                 assert err <= 1e-5, f"{label}: {name} differs from HF by {err:.2e}"
                 outputs[name, tuple(idx)] = got.detach()
     assert sorted(seen) == mine, f"{label}: microbatches covered {seen}, expected {mine}"
