@@ -49,8 +49,10 @@ What differs, and why the comparison is still fair:
     (a few Python operations), but ours computes the old policy's logprobs and entropy with a
     forward of its own, where TRL takes them from generate's scores. So each side runs exactly
     three 135M no-grad forwards over the 16 x 129 tokens (TRL: reference, value, reward; ours:
-    old policy, reference, critic); ours does ~8% more FLOPs there (two forwards end in the
-    49,152-wide LM head, TRL's one). That is the like-for-like comparison: speedup_1p/_2p.
+    old policy, reference, critic). Two of ours end in the 49,152-wide LM head (TRL's one), but
+    ours computes it only from the last prompt position on (66 of 130 positions: forward_policy's
+    `unscored`), where TRL computes it everywhere and slices: ~1% more FLOPs than TRL's there,
+    ~6% fewer in the update. That is the like-for-like comparison: speedup_1p/_2p.
     The *_elp runs take the old policy's logprobs from the engine as TRL does (old_logprobs=
     engine; here the engine computes in fp32, and the table prints how far its logprobs are
     from the trainer's): two no-grad forwards against TRL's three, the one fewer being TRL's

@@ -1,0 +1,67 @@
+"""What one collective costs on gloo (CPU), for the choice between FSDP2 and DDP on small models.
+
+    .venv/bin/python bench/gloo_collectives.py            # 2 processes on this machine (~20 s)
+
+FSDP2 all-gathers each layer's parameters before its forward (and, with reshard_after_forward,
+again before its backward) and reduce-scatters its gradients after the backward; DDP keeps whole
+replicas and all-reduces the gradients once. In bytes moved, all-gather + reduce-scatter is one
+all-reduce, so on NCCL the two layouts cost about the same communication. This script measures
+what each call costs on gloo, over the sizes of one decoder layer of the 135M model that
+bench/peer_trl.py uses (3.5M fp32 parameters, 14 MB) and of eight of them (112 MB): the mean of
+10 calls after one warm-up, rank 0's clock, a barrier before each size.
+
+Last line: RESULT all_reduce_14mb_ms=... reduce_scatter_14mb_ms=... all_gather_14mb_ms=...
+(and the same for 112mb) rs_over_ar_14mb=... ag_over_ar_14mb=... (ratios to the all-reduce of
+the same tensor: both above ~1 mean FSDP2's two calls cost gloo more than DDP's one).
+Measured figures: docs/performance.md.
+"""
+import os
+import subprocess
+import sys
+import time
+
+SIZES = {"14mb": 3_500_000, "112mb": 28_000_000}  # fp32 elements
+CALLS = 10
+
+
+def worker():
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    figures = {}
+    for label, numel in SIZES.items():
+        full = torch.randn(numel)  # an unsharded gradient / gathered parameter
+        shard = torch.empty(numel // world)  # this rank's shard
+        gathered = torch.empty(numel)
+        calls = {"all_reduce": lambda: dist.all_reduce(full),
+                 "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+                 "all_gather": lambda: dist.all_gather_into_tensor(gathered, shard)}
+        for name, call in calls.items():
+            call()  # warm-up: gloo sets up its buffers on the first call of a size
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                call()
+            figures[f"{name}_{label}_ms"] = (time.perf_counter() - start) / CALLS * 1000
+    if rank == 0:
+        for label in SIZES:
+            print(f"{label}: " + ", ".join(f"{n} {figures[f'{n}_{label}_ms']:.1f} ms"
+                                          for n in ("all_reduce", "reduce_scatter", "all_gather")))
+        for label in SIZES:
+            ar = figures[f"all_reduce_{label}_ms"]
+            figures[f"rs_over_ar_{label}"] = figures[f"reduce_scatter_{label}_ms"] / ar
+            figures[f"ag_over_ar_{label}"] = figures[f"all_gather_{label}_ms"] / ar
+        print("RESULT " + " ".join(f"{k}={v:.2f}" if "_over_" in k else f"{k}={v:.1f}" for k, v in figures.items()))
+    dist.destroy_process_group()
+
+
+def main():
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, PPO_GLOO_BENCH_WORKER="1")
+    cmd = [torchrun, "--nproc_per_node=2", "--master_port=29631", os.path.abspath(__file__)]
+    sys.exit(subprocess.run(cmd, env=env).returncode)
+
+
+if __name__ == "__main__":
+    worker() if os.environ.get("PPO_GLOO_BENCH_WORKER") else main()
