@@ -411,8 +411,8 @@ def _build(path, mesh, cfg, critic):
         model.lm_head.weight = model.model.embed_tokens.weight  # its own tensor (not under FSDP2)
     if cfg.data_parallel == "ddp" and mesh.dp_cp.size() > 1:  # on one rank: a plain module
         # DDP in torch's composable form (names unchanged; as torchtitan's apply_ddp): whole replicas,
-        # 25 MB buckets of gradients all-reduced while earlier layers compute. On gloo one all-reduce
-        # costs what FSDP2's reduce-scatter or all-gather costs alone: small models step faster.
+        # 25 MB buckets of gradients all-reduced while earlier layers compute. On gloo FSDP2's
+        # all-gather + reduce-scatter cost 2-3x one all-reduce (bench/gloo_collectives.py).
         replicate(model, process_group=mesh.dp_cp.get_group(), broadcast_buffers=False)
         model.register_comm_hook(mesh.dp_cp.get_group(), _sum_hook)  # summed, as FSDP's above
     model.train()  # no dropout in these families; train mode lets activation checkpointing act

@@ -35,8 +35,8 @@ def worker():
         shard = torch.empty(numel // world)  # this rank's shard
         gathered = torch.empty(numel)
         calls = {"all_reduce": lambda: dist.all_reduce(full),
-                 "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
-                 "all_gather": lambda: dist.all_gather_into_tensor(gathered, shard)}
+                 "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
+                 "all_gather": lambda: dist.all_gather_single(gathered, shard)}
         for name, call in calls.items():
             call()  # warm-up: gloo sets up its buffers on the first call of a size
             dist.barrier()
