@@ -1,7 +1,7 @@
 """The same PPO step, ours against the peer: Hugging Face TRL's PPOTrainer (trl 1.12.0, the last
 release that has it, in trl.experimental.ppo), on CPU, at 1 and at 2 processes.
 
-    .venv/bin/python bench/peer_trl.py                    # 135M model, 3 steps x 6 runs (~19 min on a quiet 2-core machine)
+    .venv/bin/python bench/peer_trl.py                    # 135M model, 3 steps x 6 runs (~16 min on a quiet 2-core machine)
     .venv/bin/python bench/peer_trl.py --size tiny        # 2-layer model, 1 step x 6 runs: does everything run (~2 min)
     .venv/bin/python bench/peer_trl.py --steps 5 --runs trl_1p,ours_1p   # a subset of the runs
     .venv/bin/python bench/peer_trl.py --profile          # where our 1-process step's time goes (~4 min)
