@@ -99,11 +99,11 @@ def release_mesh(mesh):
 
 def resolve_auto(cfg, device_type):
     """Replace "auto" in cfg.dtype and cfg.attention by what runs on this device: the GPU recipe
-    (bf16, flash-attn's varlen kernel when installed) on CUDA, exact fp32 + masked SDPA on CPU."""
+    (bf16, flash-attn's varlen kernel when installed) on CUDA, exact fp32 + masked SDPA elsewhere."""
     if cfg.dtype == "auto":
         cfg.dtype = "bf16" if device_type == "cuda" and cfg.data_parallel == "fsdp" else "fp32"
     if cfg.attention == "auto":
-        cfg.attention = "varlen" if device_type == "cuda" and flash_attn_varlen_func is not None else "masked"
+        cfg.attention = "varlen" if cfg.dtype == "bf16" and device_type == "cuda" and flash_attn_varlen_func else "masked"
 
 
 def _group(mesh, dim):

@@ -38,8 +38,8 @@ NeMo-RL, verl, OpenRLHF and TRL all use). Prompt "2+3=", response "5<eos>":
     values[i]             0     .     .     .     head(h[3])   head(h[4])   (V of the state x_<i)
     rewards[i]            0     0     0     0     -kl_coef*kl  score - kl_coef*kl
 
-('.' = computed, but masked out of every loss.) Position 0 has no prediction and holds 0, as
-does every sequence start in a packed row; losses and statistics only see the mask.
+('.' = computed, or 0 where the LM head skips the prompt: never in a loss.) Position 0 has no
+prediction and holds 0, as does every packed sequence start; losses and statistics see the mask.
 
 Deviations from the paper's PPO, on purpose:
   1. the minibatch split is fixed across epochs (no reshuffle), so that it does not

@@ -127,6 +127,7 @@ def test_resume_under_ddp_matches_fsdp_and_its_checkpoint_loads_under_fsdp(strai
     shutil.copytree(os.path.join(full_out, "ckpt", "step_2"), os.path.join(out, "ckpt", "step_2"))
     run_cli(2, *ARGS, f"--model={straight[1]}", "--steps=4", "--save_every=2", "--resume=auto",
             "--data_parallel=ddp", f"--out_dir={out}")
+    assert json.load(open(os.path.join(out, "config.json")))["data_parallel"] == "ddp"
     full, rows = read_metrics(full_out), read_metrics(out)
     assert [r["step"] for r in rows] == [2, 3]
     for a, b in zip(full[2:], rows):

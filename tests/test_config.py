@@ -42,6 +42,7 @@ def test_every_field_has_a_doc_and_sizes_say_per_rank_or_global():
     (["--old_logprobs=policy"], 1, "old_logprobs"),
     (["--data_parallel=ddp", "--tp_size=2"], 2, "data_parallel=ddp"),  # DDP replicas are plain tensors
     (["--data_parallel=ddp", "--dtype=bf16"], 2, "data_parallel=ddp"),  # bf16 is FSDP2's mixed precision
+    (["--data_parallel=ddp", "--cpu_offload=true"], 2, "data_parallel=ddp"),  # offload is FSDP2's
     (["--data_parallel=zero3"], 1, "data_parallel"),
 ])
 def test_bad_config_names_the_key(argv, world, key, tmp_path):
