@@ -397,6 +397,13 @@ def _build(path, mesh, cfg, critic):
                 # gradients are summed over dp*cp, not averaged (force SUM: gloo has no PREMUL_SUM)
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
+    elif mesh.dp_cp.size() > 1:  # ddp (on one rank: a plain module)
+        # DDP in torch's composable form (names unchanged; as torchtitan's apply_ddp): whole replicas,
+        # 25 MB buckets of gradients all-reduced while earlier layers compute. On gloo FSDP2's
+        # all-gather + reduce-scatter cost 2-3x one all-reduce (bench/gloo_collectives.py). DDP
+        # itself is built at the first forward, from the parameters allocated and loaded below.
+        replicate(model, process_group=mesh.dp_cp.get_group(), broadcast_buffers=False)
+        model.register_comm_hook(mesh.dp_cp.get_group(), _sum_hook)  # summed, as FSDP2's above
     model.to_empty(device="cpu" if offload else device)  # only now is memory allocated: our shards
     # buffers computed at construction (RoPE frequencies, Gemma's embedding scale) are not in the
     # checkpoint: transformers' own initializer recomputes them; parameters are marked done
@@ -409,12 +416,6 @@ def _build(path, mesh, cfg, critic):
             module._buffers.update({n: b.to(device) for n, b in module._buffers.items() if b is not None})
     if tied and model.lm_head.weight is not model.model.embed_tokens.weight:  # to_empty gave each
         model.lm_head.weight = model.model.embed_tokens.weight  # its own tensor (not under FSDP2)
-    if cfg.data_parallel == "ddp" and mesh.dp_cp.size() > 1:  # on one rank: a plain module
-        # DDP in torch's composable form (names unchanged; as torchtitan's apply_ddp): whole replicas,
-        # 25 MB buckets of gradients all-reduced while earlier layers compute. On gloo FSDP2's
-        # all-gather + reduce-scatter cost 2-3x one all-reduce (bench/gloo_collectives.py).
-        replicate(model, process_group=mesh.dp_cp.get_group(), broadcast_buffers=False)
-        model.register_comm_hook(mesh.dp_cp.get_group(), _sum_hook)  # summed, as FSDP's above
     model.train()  # no dropout in these families; train mode lets activation checkpointing act
     return model
 

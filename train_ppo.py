@@ -397,14 +397,14 @@ def rollouts(engine, task, cfg, step, mesh):
 # -----------------------------------------------------------------------------
 # Steps 4-6: no-grad forward passes, per-token rewards, advantages.
 
-def forward_batch(forward, model, batch, cfg, mesh, *args):
-    """`forward(model, ids, lens, mesh, cfg, *args)` (a tensor or a tuple of (rows, S) tensors) over
+def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
+    """`forward(model, ids, lens, mesh, cfg, **kwargs)` (a tensor or a tuple of (rows, S) tensors) over
     every microbatch, dummies included (collectives); full (b, S) tensors in row order (packing
     reorders rows)."""
     outs = None
     for micro in model_parallel.microbatches(batch.lens, cfg, mesh):
         idx, _ = micro_rows(micro, list(range(len(batch.lens))))
-        result = forward(model, batch.ids[idx], [batch.lens[i] for i in idx], mesh, cfg, *args)
+        result = forward(model, batch.ids[idx], [batch.lens[i] for i in idx], mesh, cfg, **kwargs)
         result = result if isinstance(result, tuple) else (result,)
         if outs is None:
             outs = [None if r is None else r.new_zeros(batch.ids.shape) for r in result]
@@ -421,10 +421,11 @@ def score(policy, reference, critic, batch, cfg, mesh):
     batch.old_lp, batch.entropy = batch.engine_lp, None  # old_logprobs=engine: one policy forward fewer
     if cfg.old_logprobs == "trainer":  # pi_old as the trainer computes it, whatever the engine computed
         batch.old_lp, batch.entropy = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
-                                                    cfg.temperature, True, batch.unscored)
+                                                    temperature=cfg.temperature, with_entropy=True,
+                                                    unscored=batch.unscored)
     with model_parallel.swapped_weights(policy, reference):
-        batch.ref_lp, _ = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh, cfg.temperature,
-                                        False, batch.unscored)
+        batch.ref_lp, _ = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
+                                        temperature=cfg.temperature, unscored=batch.unscored)
     if critic is not None:
         (values,) = forward_batch(model_parallel.forward_critic, critic, batch, cfg, mesh)
         batch.values = values * batch.mask  # (b, S)
@@ -480,8 +481,9 @@ def minibatch_update(model, optimizer, loss_fn, rows, batch, cfg, mesh):
 def update_policy(policy, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
     """One minibatch of the clipped surrogate (+ entropy bonus; + GRPO's KL loss)."""
     def loss_fn(idx):
-        lp, entropy = model_parallel.forward_policy(policy, batch.ids[idx], [batch.lens[i] for i in idx],
-                                                    mesh, cfg, cfg.temperature, cfg.entropy_coef > 0, batch.unscored)
+        lp, entropy = model_parallel.forward_policy(policy, batch.ids[idx], [batch.lens[i] for i in idx], mesh, cfg,
+                                                    temperature=cfg.temperature, with_entropy=cfg.entropy_coef > 0,
+                                                    unscored=batch.unscored)
         mask = batch.mask[idx]
         pg_loss, n_clipped = policy_loss(lp, batch.old_lp[idx], batch.advantages[idx], mask, cfg.clip_ratio,
                                          num_tokens, batch.tis[idx] if cfg.tis_cap else None)
