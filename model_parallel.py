@@ -402,7 +402,9 @@ def _build(path, mesh, cfg, critic):
         # 25 MB buckets of gradients all-reduced while earlier layers compute. On gloo FSDP2's
         # all-gather + reduce-scatter cost 2-3x one all-reduce (bench/gloo_collectives.py). DDP
         # itself is built at the first forward, from the parameters allocated and loaded below.
-        replicate(model, process_group=mesh.dp_cp.get_group(), broadcast_buffers=False)
+        # gradient_as_bucket_view: the gradients live in the buckets (no copy in and out per all-reduce)
+        replicate(model, process_group=mesh.dp_cp.get_group(), broadcast_buffers=False,
+                  gradient_as_bucket_view=True)
         model.register_comm_hook(mesh.dp_cp.get_group(), _sum_hook)  # summed, as FSDP2's above
     model.to_empty(device="cpu" if offload else device)  # only now is memory allocated: our shards
     # buffers computed at construction (RoPE frequencies, Gemma's embedding scale) are not in the
@@ -644,13 +646,23 @@ def _copy_into(model, weights):
 @contextmanager
 def swapped_weights(model, snapshot):
     """Within the block, `model` computes with the snapshot's weights; afterwards the live
-    weights are back exactly (they wait on CPU meanwhile)."""
-    live = snapshot_weights(model)
-    _copy_into(model, snapshot)
+    weights are back exactly. Plain tensors on the snapshot's device (DDP or one rank, on CPU)
+    trade storage with the snapshot, no copy; shards (FSDP2) and GPU weights are copied, the
+    live ones waiting on CPU meanwhile."""
+    params = dict(model.named_parameters())
+    if all(not isinstance(p, DTensor) and p.device == snapshot[n].device for n, p in params.items()):
+        def trade():  # each tensor's storage goes to the other side; the Parameter objects stay
+            for name, param in params.items():
+                param.data, snapshot[name] = snapshot[name], param.data
+        enter = leave = trade
+    else:
+        live = snapshot_weights(model)
+        enter, leave = lambda: _copy_into(model, snapshot), lambda: _copy_into(model, live)
+    enter()
     try:
         yield model
     finally:
-        _copy_into(model, live)
+        leave()
 
 
 # -----------------------------------------------------------------------------
@@ -672,7 +684,7 @@ def clip_grad_norm(params, max_norm):
             # Shard or FSDP-over-TP's _StridedShard: any split that is not a replica
             groups = tuple(grad.device_mesh.get_group(dim) for dim, p in enumerate(grad.placements)
                            if not p.is_replicate())
-        sq = _local(grad).float().pow(2).sum()  # ()
+        sq = torch.linalg.vector_norm(_local(grad), dtype=torch.float32).square()  # ()  one pass, no temporary
         by_groups[groups] = by_groups.get(groups, 0) + sq
     for groups, sq in by_groups.items():  # the same order on every rank: parameters come in order
         for group in groups:

@@ -151,9 +151,10 @@ def _weights_check(root, world_size, data_parallel="fsdp"):
     with torch.no_grad():
         lp_trained = forward()
         assert (lp_trained - lp_initial).abs().max() > 1e-3, "the step should change the policy"
-        with mp.swapped_weights(policy, snapshot):
-            assert torch.equal(forward(), lp_initial), "reference forward must see the initial weights"
-        assert torch.equal(forward(), lp_trained), "the live weights must come back exactly"
+        for _ in range(2):  # twice: the snapshot itself must come through a swap intact
+            with mp.swapped_weights(policy, snapshot):
+                assert torch.equal(forward(), lp_initial), "reference forward must see the initial weights"
+            assert torch.equal(forward(), lp_trained), "the live weights must come back exactly"
 
     out = os.path.join(root, f"export{world_size}{data_parallel}")
     full = dict(mp.iter_full_params(policy))
