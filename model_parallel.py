@@ -399,10 +399,9 @@ def _build(path, mesh, cfg, critic):
                 module.set_force_sum_reduction_for_comms(True)
     elif mesh.dp_cp.size() > 1:  # ddp (on one rank: a plain module)
         # DDP in torch's composable form (names unchanged; as torchtitan's apply_ddp): whole replicas,
-        # 25 MB buckets of gradients all-reduced while earlier layers compute. On gloo FSDP2's
-        # all-gather + reduce-scatter cost 2-3x one all-reduce (bench/gloo_collectives.py). DDP
-        # itself is built at the first forward, from the parameters allocated and loaded below.
-        # gradient_as_bucket_view: the gradients live in the buckets (no copy in and out per all-reduce)
+        # 25 MB buckets of gradients (the .grad tensors are views of them: no copies) all-reduced
+        # while earlier layers compute. On gloo FSDP2's all-gather + reduce-scatter cost 2-3x one
+        # all-reduce (bench/gloo_collectives.py). Built at the first forward, after loading below.
         replicate(model, process_group=mesh.dp_cp.get_group(), broadcast_buffers=False,
                   gradient_as_bucket_view=True)
         model.register_comm_hook(mesh.dp_cp.get_group(), _sum_hook)  # summed, as FSDP2's above
