@@ -198,9 +198,8 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"gamma={cfg.gamma} and lam={cfg.lam} must lie in [0, 1]")
     # The mesh: world = dp * cp * tp (torchtitan asserts the same product, naming each factor).
     if world_size % (cfg.tp_size * cfg.cp_size):
-        raise ConfigError(f"world size {world_size} is not divisible by tp_size*cp_size = "
-                          f"{cfg.tp_size}*{cfg.cp_size}: choose tp_size and cp_size whose product "
-                          f"divides the number of processes")
+        raise ConfigError(f"world size {world_size} is not divisible by tp_size*cp_size = {cfg.tp_size}*{cfg.cp_size}: "
+                          f"choose tp_size and cp_size whose product divides the number of processes")
     dp = world_size // (cfg.tp_size * cfg.cp_size)
     if world_size % cfg.rollout_tp_size:
         raise ConfigError(f"rollout_tp_size={cfg.rollout_tp_size} does not divide world size "

@@ -172,8 +172,7 @@ def _logprob_chunk(x, local_target, owned, tp_group, temperature, with_entropy=F
     return sums[1] - logsumexp, logsumexp, exps, sums[0], entropy
 
 
-def _logprob_forward(logits, local_target, owned, tp_group, chunk_size, keep_probs, temperature,
-                     with_entropy=False):
+def _logprob_forward(logits, local_target, owned, tp_group, chunk_size, keep_probs, temperature, with_entropy=False):
     """Loop _logprob_chunk over blocks of chunk_size tokens (one block if chunk_size is 0).
     Every tp rank holds the same tokens, so all ranks cut the same blocks and their collectives
     pair up. keep_probs (unchunked training only) returns the full softmax for the backward;

@@ -235,8 +235,7 @@ def validation_accuracy(engine, task: Task, cfg) -> float:
     if mine:
         outs = engine.generate([task.encode(q) for q, _ in mine], [0] * len(mine),
                                cfg.max_new_tokens, 0.0, task.eos_id)  # temperature 0: greedy
-        correct = sum(task.reward(task.decode(r), a, r[-1] == task.eos_id) == 1.0
-                      for (r, _), (_, a) in zip(outs, mine))
+        correct = sum(task.reward(task.decode(r), a, r[-1] == task.eos_id) == 1.0 for (r, _), (_, a) in zip(outs, mine))
     total = torch.tensor([float(correct)])
     torch.distributed.all_reduce(total)  # every member of a vLLM group counted the same prompts
     return total.item() / cfg.rollout_tp_size / len(task.val)
@@ -316,14 +315,9 @@ class HFEngine:
                 raise KeyError(f"refit: the engine has no parameter named {name!r}")
             self.params[name].copy_(tensor)
 
-    def finish_refit(self):
-        """Nothing is cached across calls here (vLLM resets its prefix cache instead)."""
-
-    def sleep(self):
-        """The HF engine keeps its memory (it is the CPU / debugging fallback)."""
-
-    def wake_up(self, tags):
-        """Nothing was freed."""
+    def finish_refit(self): ...  # nothing is cached across calls here (vLLM resets its prefix cache instead)
+    def sleep(self): ...  # the HF engine keeps its memory (it is the CPU / debugging fallback)
+    def wake_up(self, tags): ...  # nothing was freed
 
     def shutdown(self):
         if torch.distributed.is_initialized():

@@ -193,8 +193,7 @@ def local_indices(global_batch, num_minibatches, dp_size, dp_rank):
     its r-th slice of each block: so minibatch membership does not depend on dp."""
     per_minibatch = global_batch // num_minibatches
     per_rank = per_minibatch // dp_size
-    return [m * per_minibatch + dp_rank * per_rank + i
-            for m in range(num_minibatches) for i in range(per_rank)]
+    return [m * per_minibatch + dp_rank * per_rank + i for m in range(num_minibatches) for i in range(per_rank)]
 
 
 def samples_of(cfg, mesh, rank=None):
@@ -399,8 +398,7 @@ def rollouts(engine, task, cfg, step, mesh):
 
 def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
     """`forward(model, ids, lens, mesh, cfg, **kwargs)` (a tensor or a tuple of (rows, S) tensors) over
-    every microbatch, dummies included (collectives); full (b, S) tensors in row order (packing
-    reorders rows)."""
+    every microbatch, dummies included (collectives); full (b, S) tensors in row order (packing reorders rows)."""
     outs = None
     for micro in model_parallel.microbatches(batch.lens, cfg, mesh):
         idx, _ = micro_rows(micro, list(range(len(batch.lens))))

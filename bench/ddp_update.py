@@ -1,0 +1,114 @@
+"""Three per-step overheads of the data_parallel=ddp update, each before and after its change,
+measured in the same run (2 processes over gloo, 1 thread each, as bench/peer_trl.py's ours_2p).
+
+    .venv/bin/python bench/ddp_update.py            # ~3 min on a quiet 2-core machine
+
+1. DDP's gradient buckets. By default DDP copies every gradient into its 25 MB buckets before the
+   all-reduce and the result back out; with gradient_as_bucket_view=True the .grad tensors are
+   views of the buckets and neither copy happens. Timed: forward + backward + grad norm + fused
+   AdamW step of a Llama of the 135M model's shape cut to 10 layers (56M parameters, tied
+   embeddings), 4 rows of 130 tokens per rank; the two variants alternate, median of 7 after
+   one warm-up each.
+2. The reference swap (model_parallel.swapped_weights). Before: the live weights copied to CPU,
+   the reference copied in, the live weights copied back (three copies of the model). After,
+   for plain CPU tensors: the two sides trade storage, no copy. Timed on the full 135M model's
+   parameter shapes (134.5M fp32 elements), median of 5.
+3. The squares of the global grad norm (model_parallel.clip_grad_norm). Before: grad.pow(2).sum(),
+   which writes a squared copy of every gradient; after: linalg.vector_norm(grad)^2, one pass.
+   Same 135M shapes, median of 5.
+
+Last line: RESULT ddp_step_copy_s=... ddp_step_view_s=... swap_copy_s=... swap_trade_s=...
+norm_pow_sum_s=... norm_vector_norm_s=... (rank 0's clock; seconds per call). Figures:
+docs/performance.md.
+"""
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+# the 135M model's parameter shapes (hidden 576, 30 layers, MLP 1536, 3 KV heads of 64, vocab 49,152)
+SHAPES = ([(49152, 576)] + [(576, 576)] * 60 + [(192, 576)] * 60 + [(1536, 576)] * 60 + [(576, 1536)] * 30
+          + [(576,)] * 61)
+
+
+def median_time(fn, reps):
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def worker():
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._composable.replicate import replicate
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+    ids = torch.randint(0, config.vocab_size, (4, 130))
+    steps = {}
+    for view in (False, True):
+        model = AutoModelForCausalLM.from_config(config)
+        replicate(model, process_group=dist.group.WORLD, broadcast_buffers=False, gradient_as_bucket_view=view)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+        def step(model=model, optimizer=optimizer):
+            model(input_ids=ids, labels=ids).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            dist.barrier()
+        steps[view] = step
+    times = {False: [], True: []}
+    for it in range(8):  # alternate the variants: load on a shared machine hits both alike
+        for view in ((False, True) if it % 2 else (True, False)):
+            dist.barrier()
+            start = time.perf_counter()
+            steps[view]()
+            if it:  # the first of each is warm-up
+                times[view].append(time.perf_counter() - start)
+    figures = dict(ddp_step_copy_s=statistics.median(times[False]), ddp_step_view_s=statistics.median(times[True]))
+    if dist.get_rank() == 0:  # the single-process parts, on rank 0 while rank 1 waits
+        params = [torch.randn(shape) for shape in SHAPES]
+        snapshot = [p.clone() for p in params]
+
+        def swap_copy():  # what swapped_weights did: save live, copy reference in, copy live back
+            live = [p.detach().to("cpu", copy=True) for p in params]
+            for p, s in zip(params, snapshot):
+                p.copy_(s)
+            for p, s in zip(params, live):
+                p.copy_(s)
+
+        def swap_trade():  # what it does now for plain tensors: trade storage both ways
+            for _ in range(2):
+                for i, p in enumerate(params):
+                    p.data, snapshot[i] = snapshot[i], p.data
+        figures.update(swap_copy_s=median_time(swap_copy, 5), swap_trade_s=median_time(swap_trade, 5))
+        figures.update(norm_pow_sum_s=median_time(lambda: sum(g.float().pow(2).sum() for g in params), 5),
+                       norm_vector_norm_s=median_time(lambda: sum(torch.linalg.vector_norm(g, dtype=torch.float32)
+                                                                  .square() for g in params), 5))
+        print(f"DDP step (10-layer 135M-shaped Llama, 4 x 130 tokens per rank): bucket copies "
+              f"{figures['ddp_step_copy_s']:.2f} s, bucket views {figures['ddp_step_view_s']:.2f} s")
+        print(f"reference swap, 134.5M fp32: copies {figures['swap_copy_s']:.3f} s, trade {figures['swap_trade_s']:.4f} s")
+        print(f"grad-norm squares, 134.5M fp32: pow(2).sum() {figures['norm_pow_sum_s']:.3f} s, "
+              f"vector_norm {figures['norm_vector_norm_s']:.3f} s")
+        print("RESULT " + " ".join(f"{k}={v:.4f}" for k, v in figures.items()))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, PPO_DDP_BENCH_WORKER="1")
+    cmd = [torchrun, "--nproc_per_node=2", "--master_port=29632", os.path.abspath(__file__)]
+    sys.exit(subprocess.run(cmd, env=env).returncode)
+
+
+if __name__ == "__main__":
+    worker() if os.environ.get("PPO_DDP_BENCH_WORKER") else main()
