@@ -647,8 +647,10 @@ def swapped_weights(model, snapshot):
     weights are back exactly. Plain tensors on the snapshot's device (DDP or one rank, on CPU)
     trade storage with the snapshot, no copy; shards (FSDP2) and GPU weights are copied, the
     live ones waiting on CPU meanwhile."""
+    _reshard(model)  # a gathered FSDP2 module shows plain full tensors, not its shards
     params = dict(model.named_parameters())
-    if all(not isinstance(p, DTensor) and p.device == snapshot[n].device for n, p in params.items()):
+    if all(not isinstance(p, DTensor) and (p.device, p.shape) == (snapshot[n].device, snapshot[n].shape)
+           for n, p in params.items()):
         def trade():  # each tensor's storage goes to the other side; the Parameter objects stay
             for name, param in params.items():
                 param.data, snapshot[name] = snapshot[name], param.data
