@@ -1,7 +1,7 @@
 """The same PPO step, ours against the peer: Hugging Face TRL's PPOTrainer (trl 1.12.0, the last
 release that has it, in trl.experimental.ppo), on CPU, at 1 and at 2 processes.
 
-    .venv/bin/python bench/peer_trl.py                    # 135M model, 3 steps x 6 runs (~16 min on a quiet 2-core machine)
+    .venv/bin/python bench/peer_trl.py                    # 135M model, 4 steps x 6 runs (~22 min on a quiet 2-core machine)
     .venv/bin/python bench/peer_trl.py --size tiny        # 2-layer model, 1 step x 6 runs: does everything run (~2 min)
     .venv/bin/python bench/peer_trl.py --steps 5 --runs trl_1p,ours_1p   # a subset of the runs
     .venv/bin/python bench/peer_trl.py --profile          # where our 1-process step's time goes (~4 min)
@@ -24,12 +24,12 @@ truncate a response. Temperature 1, kl_coef 0.05, lr 1e-5 for policy and critic,
 2 minibatches of 8 sequences, one optimizer step per minibatch and model, fp32, no activation
 checkpointing (TRL's PPOConfig turns it on by default: turned off here, as ours runs).
 
-The six runs, each in its own process(es), N steps each (default 3; the first is warm-up and is
+The six runs, each in its own process(es), N steps each (default 4; the first is warm-up and is
 left out of the medians), the runs that are compared with each other back to back:
   trl_1p   python, TRL's PPOTrainer on one process (2 torch threads, the machine's cores)
   trl_2p   torchrun --nproc_per_node=2: accelerate's MULTI_CPU (DDP over gloo), 1 thread per rank
   ours_1p  python, train_ppo.main with rollout_engine=hf (2 torch threads)
-  ours_2p  torchrun --nproc_per_node=2, rollout_engine=vllm (FSDP2 over gloo, 1 thread per rank)
+  ours_2p  torchrun --nproc_per_node=2, rollout_engine=vllm (DDP over gloo, 1 thread per rank)
   ours_1p_elp, ours_2p_elp  the same with old_logprobs=engine (see "the reward" below)
 
 Phases. Ours: the trainer's own metrics.jsonl (time_rollout_s = generation + reward,
@@ -112,7 +112,7 @@ SIZES = {
     "135m": dict(model=dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                             num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
                             max_position_embeddings=2048),
-                 prompt_len=65, response_len=64, steps=3),
+                 prompt_len=65, response_len=64, steps=4),
     "tiny": dict(model=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                             num_key_value_heads=1, head_dim=64, vocab_size=1024, tie_word_embeddings=True,
                             max_position_embeddings=512),
@@ -503,7 +503,7 @@ def main():
     p = argparse.ArgumentParser(description="Our PPO step against TRL 1.12's PPOTrainer, at 1 and 2 processes "
                                 "(see the module docstring).")
     p.add_argument("--size", choices=SIZES, default="135m")
-    p.add_argument("--steps", type=int, help="PPO steps per run; the first is warm-up (default: 3, tiny: 1)")
+    p.add_argument("--steps", type=int, help="PPO steps per run; the first is warm-up (default: 4, tiny: 1)")
     p.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
     p.add_argument("--out", help="work dir (default out/peer_trl_SIZE)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run before it is stopped")
