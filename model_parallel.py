@@ -399,7 +399,7 @@ def _build(path, mesh, cfg, critic):
                 module.set_force_sum_reduction_for_comms(True)
     elif mesh.dp_cp.size() > 1:  # ddp (on one rank: a plain module)
         # DDP in torch's composable form (names unchanged; as torchtitan's apply_ddp): whole replicas,
-        # 25 MB buckets of gradients (the .grad tensors are views of them: no copies) all-reduced
+        # 25 MB buckets of gradients (.grad then views them: no copy back out) all-reduced
         # while earlier layers compute. On gloo FSDP2's all-gather + reduce-scatter cost 2-3x one
         # all-reduce (bench/gloo_collectives.py). Built at the first forward, after loading below.
         replicate(model, process_group=mesh.dp_cp.get_group(), broadcast_buffers=False, gradient_as_bucket_view=True)
@@ -649,8 +649,8 @@ def swapped_weights(model, snapshot):
     live ones waiting on CPU meanwhile."""
     _reshard(model)  # a gathered FSDP2 module shows plain full tensors, not its shards
     params = dict(model.named_parameters())
-    if all(not isinstance(p, DTensor) and (p.device, p.shape) == (snapshot[n].device, snapshot[n].shape)
-           for n, p in params.items()):
+    same = lambda p, s: (p.device, p.shape, p.dtype) == (s.device, s.shape, s.dtype)  # noqa: E731
+    if all(not isinstance(p, DTensor) and same(p, snapshot[n]) for n, p in params.items()):
         def trade():  # each tensor's storage goes to the other side; the Parameter objects stay
             for name, param in params.items():
                 param.data, snapshot[name] = snapshot[name], param.data
@@ -684,7 +684,9 @@ def clip_grad_norm(params, max_norm):
             # Shard or FSDP-over-TP's _StridedShard: any split that is not a replica
             groups = tuple(grad.device_mesh.get_group(dim) for dim, p in enumerate(grad.placements)
                            if not p.is_replicate())
-        sq = torch.linalg.vector_norm(_local(grad), dtype=torch.float32).square()  # ()  one pass, no temporary
+        # per row, then summed: one pass, no squared copy; a single fp32 running sum over a whole
+        # 28M-element gradient would drift by ~3e-3 (bench/ddp_update.py)
+        sq = torch.linalg.vector_norm(_local(grad), dim=-1, dtype=torch.float32).square().sum()  # ()
         by_groups[groups] = by_groups.get(groups, 0) + sq
     for groups, sq in by_groups.items():  # the same order on every rank: parameters come in order
         for group in groups:

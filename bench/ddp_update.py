@@ -4,22 +4,25 @@ measured in the same run (2 processes over gloo, 1 thread each, as bench/peer_tr
     .venv/bin/python bench/ddp_update.py            # ~3 min on a quiet 2-core machine
 
 1. DDP's gradient buckets. By default DDP copies every gradient into its 25 MB buckets before the
-   all-reduce and the result back out; with gradient_as_bucket_view=True the .grad tensors are
-   views of the buckets and neither copy happens. Timed: forward + backward + grad norm + fused
-   AdamW step of a Llama of the 135M model's shape cut to 10 layers (56M parameters, tied
-   embeddings), 4 rows of 130 tokens per rank; the two variants alternate, median of 7 after
-   one warm-up each.
+   all-reduce and the result back out; with gradient_as_bucket_view=True the .grad tensors then
+   view the buckets and the copy back out is gone (the copy in stays: zero_grad(set_to_none=True)
+   drops the views, and autograd makes fresh gradients the next backward). Timed: forward +
+   backward + grad norm + fused AdamW step of a Llama of the 135M model's shape cut to 10 layers
+   (63.7M parameters, tied embeddings), 4 rows of 130 tokens per rank, gradients summed by the
+   trainer's SUM comm hook; the two variants alternate, median of 7 after one warm-up each.
 2. The reference swap (model_parallel.swapped_weights). Before: the live weights copied to CPU,
    the reference copied in, the live weights copied back (three copies of the model). After,
    for plain CPU tensors: the two sides trade storage, no copy. Timed on the full 135M model's
    parameter shapes (134.5M fp32 elements), median of 5.
 3. The squares of the global grad norm (model_parallel.clip_grad_norm). Before: grad.pow(2).sum(),
-   which writes a squared copy of every gradient; after: linalg.vector_norm(grad)^2, one pass.
-   Same 135M shapes, median of 5.
+   which writes a squared copy of every gradient; after: the squared norms of its rows, summed,
+   one pass. Same 135M shapes, median of 5. Also their error against fp64 on the largest tensor
+   (the 28M-element embedding), and that of one vector_norm over the whole tensor, which on CPU
+   runs a single fp32 sum and drifts (why the norms are taken per row).
 
 Last line: RESULT ddp_step_copy_s=... ddp_step_view_s=... swap_copy_s=... swap_trade_s=...
-norm_pow_sum_s=... norm_vector_norm_s=... (rank 0's clock; seconds per call). Figures:
-docs/performance.md.
+norm_pow_sum_s=... norm_rows_s=... (rank 0's clock; seconds per call) norm_rows_rel_err=...
+norm_whole_rel_err=... (relative error of the sum of squares). Figures: docs/performance.md.
 """
 import os
 import statistics
@@ -49,6 +52,10 @@ def worker():
     from transformers import AutoModelForCausalLM, LlamaConfig
     dist.init_process_group("gloo")
     torch.manual_seed(0)
+
+    def sum_hook(group, bucket):  # as model_parallel's: SUM over the group
+        return dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+
     config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
     ids = torch.randint(0, config.vocab_size, (4, 130))
@@ -56,6 +63,7 @@ def worker():
     for view in (False, True):
         model = AutoModelForCausalLM.from_config(config)
         replicate(model, process_group=dist.group.WORLD, broadcast_buffers=False, gradient_as_bucket_view=view)
+        model.register_comm_hook(dist.group.WORLD, sum_hook)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
         def step(model=model, optimizer=optimizer):
@@ -90,15 +98,20 @@ def worker():
                 for i, p in enumerate(params):
                     p.data, snapshot[i] = snapshot[i], p.data
         figures.update(swap_copy_s=median_time(swap_copy, 5), swap_trade_s=median_time(swap_trade, 5))
+        rows = lambda g: torch.linalg.vector_norm(g, dim=-1, dtype=torch.float32).square().sum()  # noqa: E731
         figures.update(norm_pow_sum_s=median_time(lambda: sum(g.float().pow(2).sum() for g in params), 5),
-                       norm_vector_norm_s=median_time(lambda: sum(torch.linalg.vector_norm(g, dtype=torch.float32)
-                                                                  .square() for g in params), 5))
+                       norm_rows_s=median_time(lambda: sum(rows(g) for g in params), 5))
+        emb = params[0] * 1e-3  # the 28M-element embedding, at a gradient's scale
+        exact = emb.double().pow(2).sum().item()
+        whole = torch.linalg.vector_norm(emb, dtype=torch.float32).square().item()
+        figures.update(norm_rows_rel_err=abs(rows(emb).item() / exact - 1), norm_whole_rel_err=abs(whole / exact - 1))
         print(f"DDP step (10-layer 135M-shaped Llama, 4 x 130 tokens per rank): bucket copies "
               f"{figures['ddp_step_copy_s']:.2f} s, bucket views {figures['ddp_step_view_s']:.2f} s")
         print(f"reference swap, 134.5M fp32: copies {figures['swap_copy_s']:.3f} s, trade {figures['swap_trade_s']:.4f} s")
         print(f"grad-norm squares, 134.5M fp32: pow(2).sum() {figures['norm_pow_sum_s']:.3f} s, "
-              f"vector_norm {figures['norm_vector_norm_s']:.3f} s")
-        print("RESULT " + " ".join(f"{k}={v:.4f}" for k, v in figures.items()))
+              f"per-row norms {figures['norm_rows_s']:.3f} s; error vs fp64 on 28M elements: per row "
+              f"{figures['norm_rows_rel_err']:.1e}, one vector_norm {figures['norm_whole_rel_err']:.1e}")
+        print("RESULT " + " ".join(f"{k}={v:.1e}" if k.endswith("_err") else f"{k}={v:.4f}" for k, v in figures.items()))
     dist.barrier()
     dist.destroy_process_group()
 
