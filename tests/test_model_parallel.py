@@ -148,6 +148,11 @@ def _weights_check(root, world_size, data_parallel="fsdp"):
     mp.clip_grad_norm(list(policy.parameters()), max_norm=norm / 2)  # halves every gradient
     assert abs(mp.clip_grad_norm(list(policy.parameters()), max_norm=1e9) / norm - 0.5) < 1e-5
     torch.optim.SGD(policy.parameters(), lr=0.5).step()
+    grads = lambda: {n: mp._local(p.grad).clone() for n, p in policy.named_parameters()}  # noqa: E731
+    policy.zero_grad(set_to_none=True)
+    (forward() * weights * mask).sum().backward()
+    grads_before = grads()  # at the trained weights, before any swap
+    policy.zero_grad(set_to_none=True)
     with torch.no_grad():
         lp_trained = forward()
         assert (lp_trained - lp_initial).abs().max() > 1e-3, "the step should change the policy"
@@ -155,6 +160,9 @@ def _weights_check(root, world_size, data_parallel="fsdp"):
             with mp.swapped_weights(policy, snapshot):
                 assert torch.equal(forward(), lp_initial), "reference forward must see the initial weights"
             assert torch.equal(forward(), lp_trained), "the live weights must come back exactly"
+    # the same backward after the swaps: the same gradients (DDP's hooks still sum them over dp)
+    (forward() * weights * mask).sum().backward()
+    assert all(torch.equal(g, grads_before[n]) for n, g in grads().items()), "gradients changed after a swap"
 
     out = os.path.join(root, f"export{world_size}{data_parallel}")
     full = dict(mp.iter_full_params(policy))
