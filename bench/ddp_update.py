@@ -12,13 +12,15 @@ measured in the same run (2 processes over gloo, 1 thread each, as bench/peer_tr
    trainer's SUM comm hook; the two variants alternate, median of 7 after one warm-up each.
 2. The reference swap (model_parallel.swapped_weights). Before: the live weights copied to CPU,
    the reference copied in, the live weights copied back (three copies of the model). After,
-   for plain CPU tensors: the two sides trade storage, no copy. Timed on the full 135M model's
-   parameter shapes (134.5M fp32 elements), median of 5.
-3. The squares of the global grad norm (model_parallel.clip_grad_norm). Before: grad.pow(2).sum(),
-   which writes a squared copy of every gradient; after: the squared norms of its rows, summed,
-   one pass. Same 135M shapes, median of 5. Also their error against fp64 on the largest tensor
-   (the 28M-element embedding), and that of one vector_norm over the whole tensor, which on CPU
-   runs a single fp32 sum and drifts (why the norms are taken per row).
+   for plain CPU tensors: the two sides trade storage, no copy. Both timed through
+   model_parallel's own functions (the copy path is still what FSDP2 and GPU weights take) on a
+   module with the full 135M model's parameter shapes (134.5M fp32 elements), median of 5.
+3. The squares of the global grad norm. Before: grad.pow(2).sum(), which writes a squared copy of
+   every gradient; after: model_parallel.clip_grad_norm itself (max_norm=0: the norm only), the
+   squared norms of each gradient's rows, summed, in one pass. Same 135M shapes, median of 5.
+   Also the error against fp64 on the largest tensor (the 28M-element embedding): of
+   clip_grad_norm, and of one vector_norm over the whole tensor, which on CPU runs a single fp32
+   sum and drifts (why the norms are taken per row).
 
 Last line: RESULT ddp_step_copy_s=... ddp_step_view_s=... swap_copy_s=... swap_trade_s=...
 norm_pow_sum_s=... norm_rows_s=... (rank 0's clock; seconds per call) norm_rows_rel_err=...
@@ -29,6 +31,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 # the 135M model's parameter shapes (hidden 576, 30 layers, MLP 1536, 3 KV heads of 64, vocab 49,152)
 SHAPES = ([(49152, 576)] + [(576, 576)] * 60 + [(192, 576)] * 60 + [(1536, 576)] * 60 + [(576, 1536)] * 30
@@ -50,11 +54,10 @@ def worker():
     import torch.distributed as dist
     from torch.distributed._composable.replicate import replicate
     from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import model_parallel as mp
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-
-    def sum_hook(group, bucket):  # as model_parallel's: SUM over the group
-        return dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 
     config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
@@ -63,7 +66,7 @@ def worker():
     for view in (False, True):
         model = AutoModelForCausalLM.from_config(config)
         replicate(model, process_group=dist.group.WORLD, broadcast_buffers=False, gradient_as_bucket_view=view)
-        model.register_comm_hook(dist.group.WORLD, sum_hook)
+        model.register_comm_hook(dist.group.WORLD, mp._sum_hook)  # the trainer's SUM
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
         def step(model=model, optimizer=optimizer):
@@ -83,28 +86,29 @@ def worker():
                 times[view].append(time.perf_counter() - start)
     figures = dict(ddp_step_copy_s=statistics.median(times[False]), ddp_step_view_s=statistics.median(times[True]))
     if dist.get_rank() == 0:  # the single-process parts, on rank 0 while rank 1 waits
-        params = [torch.randn(shape) for shape in SHAPES]
-        snapshot = [p.clone() for p in params]
+        # "after": the trainer's own functions on a module of plain CPU parameters (as under ddp)
+        holder = torch.nn.Module()
+        for i, shape in enumerate(SHAPES):
+            holder.register_parameter(f"p{i}", torch.nn.Parameter(torch.randn(shape)))
+            holder.get_parameter(f"p{i}").grad = torch.randn(shape) * 1e-3
+        params, snapshot = list(holder.parameters()), mp.snapshot_weights(holder)
 
-        def swap_copy():  # what swapped_weights did: save live, copy reference in, copy live back
-            live = [p.detach().to("cpu", copy=True) for p in params]
-            for p, s in zip(params, snapshot):
-                p.copy_(s)
-            for p, s in zip(params, live):
-                p.copy_(s)
+        def swap_copy():  # the copy path (FSDP2, GPU), which was the only one before
+            live = mp.snapshot_weights(holder)
+            mp._copy_into(holder, snapshot)
+            mp._copy_into(holder, live)
 
-        def swap_trade():  # what it does now for plain tensors: trade storage both ways
-            for _ in range(2):
-                for i, p in enumerate(params):
-                    p.data, snapshot[i] = snapshot[i], p.data
+        def swap_trade():  # what swapped_weights does now for plain tensors
+            with mp.swapped_weights(holder, snapshot):
+                pass
         figures.update(swap_copy_s=median_time(swap_copy, 5), swap_trade_s=median_time(swap_trade, 5))
-        rows = lambda g: torch.linalg.vector_norm(g, dim=-1, dtype=torch.float32).square().sum()  # noqa: E731
-        figures.update(norm_pow_sum_s=median_time(lambda: sum(g.float().pow(2).sum() for g in params), 5),
-                       norm_rows_s=median_time(lambda: sum(rows(g) for g in params), 5))
-        emb = params[0] * 1e-3  # the 28M-element embedding, at a gradient's scale
-        exact = emb.double().pow(2).sum().item()
-        whole = torch.linalg.vector_norm(emb, dtype=torch.float32).square().item()
-        figures.update(norm_rows_rel_err=abs(rows(emb).item() / exact - 1), norm_whole_rel_err=abs(whole / exact - 1))
+        figures.update(norm_pow_sum_s=median_time(lambda: sum(p.grad.float().pow(2).sum() for p in params), 5),
+                       norm_rows_s=median_time(lambda: mp.clip_grad_norm(params, max_norm=0), 5))
+        emb = params[0]  # the 28M-element embedding
+        exact = emb.grad.double().pow(2).sum().item()
+        whole = torch.linalg.vector_norm(emb.grad, dtype=torch.float32).square().item()
+        figures.update(norm_rows_rel_err=abs(mp.clip_grad_norm([emb], max_norm=0) ** 2 / exact - 1),
+                       norm_whole_rel_err=abs(whole / exact - 1))
         print(f"DDP step (10-layer 135M-shaped Llama, 4 x 130 tokens per rank): bucket copies "
               f"{figures['ddp_step_copy_s']:.2f} s, bucket views {figures['ddp_step_view_s']:.2f} s")
         print(f"reference swap, 134.5M fp32: copies {figures['swap_copy_s']:.3f} s, trade {figures['swap_trade_s']:.4f} s")
@@ -119,7 +123,7 @@ def worker():
 def main():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = dict(os.environ, PPO_DDP_BENCH_WORKER="1")
-    cmd = [torchrun, "--nproc_per_node=2", "--master_port=29632", os.path.abspath(__file__)]
+    cmd = [torchrun, "--standalone", "--nproc_per_node=2", os.path.abspath(__file__)]  # a free port
     sys.exit(subprocess.run(cmd, env=env).returncode)
 
 

@@ -59,7 +59,7 @@ def worker():
 def main():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = dict(os.environ, PPO_GLOO_BENCH_WORKER="1")
-    cmd = [torchrun, "--nproc_per_node=2", "--master_port=29631", os.path.abspath(__file__)]
+    cmd = [torchrun, "--standalone", "--nproc_per_node=2", os.path.abspath(__file__)]  # a free port
     sys.exit(subprocess.run(cmd, env=env).returncode)
 
 
