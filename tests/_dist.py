@@ -36,6 +36,11 @@ def _worker(rank, fn, world_size, port, args):
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        if dist.is_initialized():
+            # rank 0 hosts the store every group is built through: a body with no collective at
+            # its end (a by-hand check) could let rank 0 exit while another rank still reads the
+            # store, which fails that rank with "Connection reset by peer"
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

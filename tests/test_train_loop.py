@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -38,6 +39,19 @@ def _grpo_body(rank, world_size):
 
 def test_grpo_advantages_by_hand_with_groups_split_across_dp_ranks():
     run_ranks(_grpo_body, 2)
+
+
+def _late_mesh_body(rank, world_size):
+    """Rank 0 builds its mesh and returns; rank 1 builds its own 2 s later. Every group is built
+    through the store that rank 0 hosts, and nothing here is a collective: the race the check
+    above lost once in CI (rank 1: "Connection reset by peer"), made certain."""
+    if rank == 1:
+        time.sleep(2)
+    model_parallel.make_mesh(world_size, 1, 1, "cpu")
+
+
+def test_a_rank_that_ends_first_waits_for_the_others():
+    run_ranks(_late_mesh_body, 2)  # tests/_dist.py's barrier after the body keeps rank 0 alive
 
 
 def _grpo_run_body(rank, world_size, out_dir):
