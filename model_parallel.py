@@ -402,7 +402,7 @@ def _build(path, mesh, cfg, critic):
         # 25 MB buckets of gradients (.grad then views them: no copy back out) all-reduced
         # while earlier layers compute. On gloo FSDP2's all-gather + reduce-scatter cost 2-3x one
         # all-reduce (bench/gloo_collectives.py). Built at the first forward, after loading below.
-        replicate(model, process_group=mesh.dp_cp.get_group(), broadcast_buffers=False, gradient_as_bucket_view=True)
+        replicate(model, process_group=mesh.dp_cp.get_group(), forward_sync_buffers=False, gradient_as_bucket_view=True)
         model.register_comm_hook(mesh.dp_cp.get_group(), _sum_hook)  # summed, as FSDP2's above
     model.to_empty(device="cpu" if offload else device)  # only now is memory allocated: our shards
     # buffers computed at construction (RoPE frequencies, Gemma's embedding scale) are not in the

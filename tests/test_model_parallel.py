@@ -126,11 +126,12 @@ def _equivalence_body(rank, world_size, root, cases, checks=()):
         globals()[check](root, world_size)
 
 
-def _weights_check(root, world_size, data_parallel="fsdp"):
+def _weights_check(root, world_size, data_parallel="fsdp", name="tiny-qwen3"):
     """Refit names/values, the reference swap, clipping and HF export: on 4 ranks FSDP x TP
-    (dp2 tp2), on 2 ranks CP (cp2) under FSDP2 and under DDP."""
+    (dp2 tp2), on 2 ranks CP (cp2) under FSDP2 and under DDP (tied embeddings there: the swap
+    trades the one shared tensor)."""
     mesh = mp.make_mesh(world_size, 2 if world_size == 4 else 1, 2 if world_size == 2 else 1, "cpu")
-    path = _materialize(root, "tiny-qwen3")
+    path = _materialize(root, name)
     cfg = _cfg(packing=True, data_parallel=data_parallel)
     policy = mp.load_policy(path, mesh, cfg)
     checkpoint = load_file(os.path.join(path, "model.safetensors"))
@@ -175,7 +176,7 @@ def _weights_check(root, world_size, data_parallel="fsdp"):
 
 
 def _weights_check_ddp(root, world_size):
-    _weights_check(root, world_size, "ddp")
+    _weights_check(root, world_size, "ddp", "tiny-llama-tied")
 
 
 def _refusals_check(root, world_size):

@@ -78,8 +78,11 @@ def test_grpo_runs_without_a_critic(tmp_path):
 
 def _old_logprobs_body(rank, world_size, out_dir):
     rollout.HFEngine.shutdown = lambda self: None  # keep the process group for the second run
-    for source in ("trainer", "engine"):
-        cfg = config.Config(out_dir=os.path.join(out_dir, source), old_logprobs=source, steps=2, prompts_per_step=2,
+    # the engine run under DDP: its policy's first forward is then the reference pass, so DDP is
+    # built inside the weight swap; and FSDP2 and DDP must train alike
+    for source, data_parallel in (("trainer", "fsdp"), ("engine", "ddp")):
+        cfg = config.Config(out_dir=os.path.join(out_dir, source), old_logprobs=source, data_parallel=data_parallel,
+                            steps=2, prompts_per_step=2,
                             samples_per_prompt=4, num_minibatches=2, ppo_epochs=2, max_new_tokens=4,
                             micro_batch_size=2, rollout_engine="hf", export_hf=False, plot_every=0)
         config.validate(cfg, world_size)
@@ -89,7 +92,8 @@ def _old_logprobs_body(rank, world_size, out_dir):
 def test_engine_logprobs_as_old_policy_train_the_same_in_fp32(tmp_path):
     """old_logprobs=engine skips the old-policy pass; with the HF engine in fp32 the engine's
     logprobs are the trainer's up to float rounding, so both runs must train the same: every
-    loss, KL and grad norm of 2 steps x 2 epochs (the second epoch's ratio is not 1) to 1e-4."""
+    loss, KL and grad norm of 2 steps x 2 epochs (the second epoch's ratio is not 1) to 1e-4.
+    The trainer run is FSDP2, the engine run DDP (built inside the reference swap)."""
     run_ranks(_old_logprobs_body, 2, str(tmp_path))
     trainer, engine = ([json.loads(line) for line in open(tmp_path / source / "metrics.jsonl")]
                        for source in ("trainer", "engine"))
