@@ -65,13 +65,14 @@ def worker():
     steps = {}
     for view in (False, True):
         model = AutoModelForCausalLM.from_config(config)
-        replicate(model, process_group=dist.group.WORLD, broadcast_buffers=False, gradient_as_bucket_view=view)
+        # as model_parallel._build does, except the bucket-view flag under test
+        replicate(model, process_group=dist.group.WORLD, forward_sync_buffers=False, gradient_as_bucket_view=view)
         model.register_comm_hook(dist.group.WORLD, mp._sum_hook)  # the trainer's SUM
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
         def step(model=model, optimizer=optimizer):
             model(input_ids=ids, labels=ids).loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            mp.clip_grad_norm(list(model.parameters()), 1.0)  # the trainer's
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             dist.barrier()

@@ -1,5 +1,6 @@
 """The trainer's loop (train_ppo.main) run in-process on spawned gloo ranks: GRPO without a
-critic and its advantages by hand; and small defects a GPU review found that a CPU can test
+critic and its advantages by hand (plus the spawn helper's closing barrier, which that check
+once lost a race without); and small defects a GPU review found that a CPU can test
 (log-ratio clamp, GSM8K reward needs EOS, gpu_step's FLOP count), plus the README's recipe.
 The engine-call order of a GPU run is in tests/test_gpu_paths.py."""
 import json
@@ -82,9 +83,8 @@ def _old_logprobs_body(rank, world_size, out_dir):
     # built inside the weight swap; and FSDP2 and DDP must train alike
     for source, data_parallel in (("trainer", "fsdp"), ("engine", "ddp")):
         cfg = config.Config(out_dir=os.path.join(out_dir, source), old_logprobs=source, data_parallel=data_parallel,
-                            steps=2, prompts_per_step=2,
-                            samples_per_prompt=4, num_minibatches=2, ppo_epochs=2, max_new_tokens=4,
-                            micro_batch_size=2, rollout_engine="hf", export_hf=False, plot_every=0)
+                            steps=2, prompts_per_step=2, samples_per_prompt=4, num_minibatches=2, ppo_epochs=2,
+                            max_new_tokens=4, micro_batch_size=2, rollout_engine="hf", export_hf=False, plot_every=0)
         config.validate(cfg, world_size)
         train_ppo.main(cfg)
 
