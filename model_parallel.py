@@ -21,6 +21,7 @@ Where the ideas come from (code and prose are our own):
    to a temp dir and renamed: torchtitan's checkpointing (components/checkpoint.py).
 """
 import datetime
+import inspect
 import math
 import os
 import random
@@ -50,6 +51,11 @@ try:  # GPU only: flash-attn's varlen kernel skips the masked-out blocks of a pa
     from flash_attn import flash_attn_varlen_func
 except ImportError:
     flash_attn_varlen_func = None
+try:  # GPU only, without flash-attn: PyTorch's own FlashAttention-2 varlen kernel
+    from torch.nn.attention.varlen import varlen_attn
+    VARLEN_ARGS = inspect.signature(varlen_attn).parameters  # window_size since torch 2.11, enable_gqa 2.13
+except ImportError:
+    varlen_attn, VARLEN_ARGS = None, {}
 
 
 # -----------------------------------------------------------------------------
@@ -99,11 +105,11 @@ def release_mesh(mesh):
 
 def resolve_auto(cfg, device_type):
     """Replace "auto" in cfg.dtype and cfg.attention by what runs on this device: the GPU recipe
-    (bf16, flash-attn's varlen kernel when installed) on CUDA, exact fp32 + masked SDPA elsewhere."""
+    (bf16, a varlen flash kernel) on CUDA, exact fp32 + masked SDPA elsewhere."""
     if cfg.dtype == "auto":
         cfg.dtype = "bf16" if device_type == "cuda" and cfg.data_parallel == "fsdp" else "fp32"
     if cfg.attention == "auto":
-        cfg.attention = "varlen" if cfg.dtype == "bf16" and device_type == "cuda" and flash_attn_varlen_func else "masked"
+        cfg.attention = "varlen" if cfg.dtype == "bf16" and device_type == "cuda" and gpu_varlen_kernel() else "masked"
 
 
 def _group(mesh, dim):
@@ -202,6 +208,26 @@ def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     return torch.cat(outs)  # (total_q, Hq, D)
 
 
+def torch_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale=None, causal=True, window_size=(-1, -1)):
+    """GPU only: the same contract through torch's varlen_attn (its window (left, 0) is causal,
+    bottom-right aligned like flash-attn's: tests/test_cuda.py checks it against the stand-in)."""
+    window = (window_size[0], 0) if causal else tuple(window_size)
+    gqa = {}
+    if k.shape[1] != q.shape[1]:  # torch 2.13 serves each KV head to its query heads; 2.11 needs copies
+        if "enable_gqa" in VARLEN_ARGS:
+            gqa = dict(enable_gqa=True)
+        else:  # query head h reads KV head h // (Hq/Hkv), as HF's repeat_kv
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))  # (total_k, Hq, D)
+    return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
+                       window_size=window, **gqa)
+
+
+def gpu_varlen_kernel():
+    """flash-attn's kernel if installed, else torch's if this torch has one, else None."""
+    return flash_attn_varlen_func or (torch_varlen_attention if "window_size" in VARLEN_ARGS else None)
+
+
 def _masked_attention(query, key, value, scaling, sliding_window, layout):
     """SDPA with an explicit (B, T/cp, T) mask: a key is visible if it is in the query's document
     and not in its future, counted in row positions (zigzag order is irrelevant once every token
@@ -218,16 +244,16 @@ def _masked_attention(query, key, value, scaling, sliding_window, layout):
 
 def _varlen_attention(query, key, value, scaling, sliding_window, layout):
     """The same attention through the varlen contract: tokens flattened to (tokens, heads, dim),
-    one causal segment per (row, zigzag chunk, document). flash-attn on CUDA when installed (it
-    never looks at the masked-out blocks), the reference kernel above otherwise."""
+    one causal segment per (row, zigzag chunk, document). On CUDA in bf16 a flash kernel (it never
+    looks at the masked-out blocks): flash-attn's if installed, else torch's; else the reference."""
     batch, heads, local_len, dim = query.shape  # query: (B, Hq/tp, T/cp, D)
     q = query.transpose(1, 2).reshape(batch * local_len, heads, dim)  # (B*T/cp, Hq/tp, D)
     k = key.transpose(1, 2).flatten(0, 1)  # (B*T, Hkv/tp, D)  (gathered order under CP)
     v = value.transpose(1, 2).flatten(0, 1)  # (B*T, Hkv/tp, D)
     if layout["kv_index"] is not None:  # CP: each segment's keys, from its document's start on
         k, v = k[layout["kv_index"]], v[layout["kv_index"]]  # (total_k, Hkv/tp, D)
-    on_gpu = flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-    kernel = flash_attn_varlen_func if on_gpu else varlen_attention_reference
+    gpu_kernel = gpu_varlen_kernel() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
+    kernel = gpu_kernel or varlen_attention_reference
     out = kernel(q, k, v, layout["cu_seqlens_q"], layout["cu_seqlens_k"], layout["max_seqlen_q"],
                  layout["max_seqlen_k"], softmax_scale=scaling, causal=True,
                  window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1))  # (B*T/cp, Hq/tp, D)

@@ -19,8 +19,9 @@ TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 def cpu_env(**extra):
     """The environment for a child process: one OpenMP thread per process (the ranks share
-    a couple of cores), plus extra variables."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+    a couple of cores), no GPU (on a GPU machine the trainer would pick it: these tests are the
+    CPU suite; tests/test_cuda.py is the GPU one), plus extra variables."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **extra}
 
 
 def torchrun_cmd(nproc, *args, script="train_ppo.py"):
@@ -127,3 +128,13 @@ def hf_reference(path, lens, prompt_len, temperature, seed):
     grads.update({"critic." + n: p.grad for n, p in backbone.named_parameters(prefix="model")})
     grads.update({"critic.lm_head.weight": head_w.grad, "critic.lm_head.bias": head_b.grad})
     return dict(lp=lp.detach(), ent=ent, values=values.detach(), grads=grads)
+
+
+def varlen_case():
+    """Varlen arguments of three segments with GQA (4 query heads, 2 KV heads): a whole document
+    of 10 tokens, then the last 4 queries of a 9-token document (as a CP rank holds them: q
+    shorter than k), then 5. Returns q (19, 4, 32), k, v (24, 2, 32), cu_seqlens_q, cu_seqlens_k."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(19, 4, 32, generator=g)  # (total_q, Hq, D)
+    k, v = (torch.randn(24, 2, 32, generator=g) for _ in range(2))  # (total_k, Hkv, D)
+    return q, k, v, torch.tensor([0, 10, 14, 19], dtype=torch.int32), torch.tensor([0, 10, 19, 24], dtype=torch.int32)

@@ -34,6 +34,7 @@ def generated(tmp_path_factory):
     # launched from the user's environment as `make demo` is: torchrun sets OMP_NUM_THREADS=1 for
     # its workers itself (and says so on the console, which the console check must see)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU suite (on a GPU machine the trainer would pick the GPU)
     proc = run_cli(2, "--config", "configs/test_tiny.toml", "--steps=3", f"--out_dir={out}", env=env)
     return out, proc
 

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import model_parallel as mp
 from _dist import run_ranks
-from conftest import hf_reference, toy_batch
+from conftest import hf_reference, toy_batch, varlen_case
 from config import Config
 
 TEMPERATURE = 0.8
@@ -234,21 +234,10 @@ def test_mesh_sizes_must_multiply_to_world_size():
         mp.make_mesh(6, 4, 1, "cpu")
 
 
-def _varlen_case(dtype=torch.float32, device="cpu"):
-    """Three segments with GQA (4 query heads, 2 KV heads): a whole document of 10 tokens, then
-    the last 4 queries of a 9-token document (as a CP rank holds them: q shorter than k), then 5."""
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(19, 4, 32, generator=g)  # (total_q, Hq, D)
-    k, v = (torch.randn(24, 2, 32, generator=g) for _ in range(2))  # (total_k, Hkv, D)
-    cu_q, cu_k = torch.tensor([0, 10, 14, 19]), torch.tensor([0, 10, 19, 24])
-    to = lambda x: x.to(device, dtype)  # noqa: E731
-    return to(q), to(k), to(v), cu_q.to(device, torch.int32), cu_k.to(device, torch.int32)
-
-
 def test_varlen_reference_kernel_by_hand():
     """The CPU stand-in for flash_attn_varlen_func against softmax(q k^T / sqrt(d)) v written out
     per query: causal bottom-right (query j of Lq sees keys <= j + Lk - Lq), window, GQA."""
-    q, k, v, cu_q, cu_k = _varlen_case()
+    q, k, v, cu_q, cu_k = varlen_case()
     for window in (-1, 3):
         got = mp.varlen_attention_reference(q, k, v, cu_q, cu_k, 10, 10, softmax_scale=0.2, causal=True,
                                             window_size=(window, 0))
@@ -263,16 +252,25 @@ def test_varlen_reference_kernel_by_hand():
                     torch.testing.assert_close(got[q0 + j, h], weights @ vals, atol=1e-6, rtol=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or mp.flash_attn_varlen_func is None,
-                    reason="GPU path: needs CUDA and flash-attn")
-def test_flash_varlen_matches_the_reference_kernel():
-    """flash-attn's kernel against our CPU stand-in on the same varlen arguments (bf16 on GPU)."""
-    q, k, v, cu_q, cu_k = _varlen_case()
-    for window in (-1, 3):
-        want = mp.varlen_attention_reference(q, k, v, cu_q, cu_k, 10, 10, softmax_scale=0.2, window_size=(window, 0))
-        got = mp.flash_attn_varlen_func(*_varlen_case(torch.bfloat16, "cuda"), 10, 10, softmax_scale=0.2,
-                                        causal=True, window_size=(window, 0))
-        assert (got.float().cpu() - want).abs().max() < 3e-2
+def test_torch_varlen_wrapper_passes_window_and_gqa_as_each_torch_takes_them(monkeypatch):
+    """torch_varlen_attention (the GPU kernel without flash-attn; run on a GPU by test_cuda.py)
+    with a CPU stand-in for torch's varlen_attn: torch 2.11's signature has no enable_gqa, so
+    the KV heads must be copied to the query heads in HF's order; 2.13's takes enable_gqa."""
+    q, k, v, cu_q, cu_k = varlen_case()
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        assert isinstance(window_size, tuple) and window_size[1] == 0, window_size  # causal, as torch reads it
+        assert enable_gqa or k.shape[1] == q.shape[1], "unequal heads need enable_gqa"
+        return mp.varlen_attention_reference(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale,
+                                             window_size=window_size)
+
+    monkeypatch.setattr(mp, "varlen_attn", stand_in)
+    for args in (("window_size",), ("window_size", "enable_gqa")):  # torch 2.11, torch 2.13
+        monkeypatch.setattr(mp, "VARLEN_ARGS", args)
+        for window in (-1, 3):
+            want = mp.varlen_attention_reference(q, k, v, cu_q, cu_k, 10, 10, softmax_scale=0.2, window_size=(window, 0))
+            got = mp.torch_varlen_attention(q, k, v, cu_q, cu_k, 10, 10, softmax_scale=0.2, window_size=(window, 0))
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
 def test_grad_norm_is_exact_on_a_large_gradient():
