@@ -52,7 +52,7 @@ class Config:
     data_parallel: str = "fsdp"  # fsdp: FSDP2 shards params/grads/AdamW state over dp*cp; ddp: whole replicas, gradients all-reduced (DDP; fp32, tp=1): faster for small models on gloo
     reshard_after_forward: bool = True  # FSDP2: false keeps each gathered layer until backward (and across no-grad microbatches): half the all-gathers, the whole model's memory (ZeRO-2-like; on CPU, data_parallel=ddp is faster still)
     dtype: str = "auto"  # compute dtype: bf16 (FSDP2 mixed precision, fp32 master weights), fp32; auto = bf16 on CUDA (fsdp), else fp32
-    attention: str = "auto"  # masked (SDPA + document mask), varlen (flash-attn's varlen contract; a PyTorch stand-in without it); auto = varlen on CUDA with flash-attn
+    attention: str = "auto"  # masked (SDPA + document mask), varlen (on CUDA in bf16 flash-attn's varlen kernel, else torch's; a PyTorch stand-in elsewhere); auto = varlen on CUDA with flash-attn
     # task and rollout
     task: str = "toy_add"  # toy_add: "a+b=" (operands 0..4), reward 1 for the exact sum; gsm8k: math word problems
     prompts: str = ""  # gsm8k: JSONL file of {"question", "answer": "... #### N"} lines

@@ -105,11 +105,13 @@ def release_mesh(mesh):
 
 def resolve_auto(cfg, device_type):
     """Replace "auto" in cfg.dtype and cfg.attention by what runs on this device: the GPU recipe
-    (bf16, a varlen flash kernel) on CUDA, exact fp32 + masked SDPA elsewhere."""
+    (bf16, flash-attn's varlen kernel when installed) on CUDA, exact fp32 + masked SDPA elsewhere."""
     if cfg.dtype == "auto":
         cfg.dtype = "bf16" if device_type == "cuda" and cfg.data_parallel == "fsdp" else "fp32"
     if cfg.attention == "auto":
-        cfg.attention = "varlen" if cfg.dtype == "bf16" and device_type == "cuda" and gpu_varlen_kernel() else "masked"
+        # torch's own varlen kernel runs only when asked for (attention=varlen): in its one GPU run
+        # (packed, docs/gpus.md) the update was slower than masked SDPA's, not yet understood
+        cfg.attention = "varlen" if cfg.dtype == "bf16" and device_type == "cuda" and flash_attn_varlen_func else "masked"
 
 
 def _group(mesh, dim):
@@ -210,22 +212,21 @@ def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 
 def torch_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=True, window_size=(-1, -1)):
-    """GPU only: the same contract through torch's varlen_attn (its window (left, 0) is causal,
-    bottom-right aligned like flash-attn's: tests/test_cuda.py checks it against the stand-in)."""
+    """GPU only: the same contract through torch's varlen_attn. Its window (left, 0) is causal,
+    bottom-right aligned like flash-attn's (tests/test_cuda.py checks it against the stand-in);
+    it must be a tuple: torch reads is_causal as `window_size == (-1, 0)`."""
     window = (window_size[0], 0) if causal else tuple(window_size)
-    gqa = {}
-    if k.shape[1] != q.shape[1]:  # torch 2.13 serves each KV head to its query heads; 2.11 needs copies
-        if "enable_gqa" in VARLEN_ARGS:
-            gqa = dict(enable_gqa=True)
-        else:  # query head h reads KV head h // (Hq/Hkv), as HF's repeat_kv
-            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))  # (total_k, Hq, D)
+    # GQA: the kernel serves each KV head to its query heads; torch 2.13 asks to be told so, 2.11
+    # takes the fewer KV heads as they are (measured on an H100: identical to copying them)
+    gqa = dict(enable_gqa=True) if "enable_gqa" in VARLEN_ARGS and k.shape[1] != q.shape[1] else {}
     return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
                        window_size=window, **gqa)
 
 
 def gpu_varlen_kernel():
-    """flash-attn's kernel if installed, else torch's if this torch has one, else None."""
-    return flash_attn_varlen_func or (torch_varlen_attention if "window_size" in VARLEN_ARGS else None)
+    """flash-attn's kernel if installed, else torch's if this torch build has one, else None."""
+    torch_has_it = "window_size" in VARLEN_ARGS and torch.backends.cuda.is_flash_attention_available()
+    return flash_attn_varlen_func or (torch_varlen_attention if torch_has_it else None)
 
 
 def _masked_attention(query, key, value, scaling, sliding_window, layout):

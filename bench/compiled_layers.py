@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/compiled_layers.py              # ~2 min (the compile is most of it)
 
-bench/peer_trl.py's 2-process step spends ~70% of its update and ~77% of its no-grad passes in
+bench/peer_trl.py's 2-process step spends two thirds of its update and ~77% of its no-grad passes in
 `aten::mm` (docs/performance.md); the rest is mostly element-wise work (RMSNorm, RoPE, SiLU x up,
 residual adds) that inductor could fuse into fewer passes over memory. This script measures
 what fusing would buy, at the shapes one rank sees there: the 135M Llama's layers (hidden 576,

@@ -274,6 +274,7 @@ def test_a_collective_times_out_instead_of_hanging(monkeypatch):
         assert child.stdout.readline().strip() == "up"
         for key, value in dict(env, RANK="0").items():
             monkeypatch.setenv(key, value)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # gloo, as the child (also on a GPU machine)
         model_parallel.init_distributed(timeout_s=3)
         t0 = time.time()
         with pytest.raises(RuntimeError, match="[Tt]imed out"):

@@ -6,6 +6,7 @@ attention, no padding, no packing), and the same full gradients of a PPO-shaped 
     loss = sum over response tokens of (logprob * weight + value^2) / global response tokens.
 One spawn per world size runs many cases, so the suite stays within a few minutes on 2 cores.
 """
+import inspect
 import os
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+import config
 import model_parallel as mp
 from _dist import run_ranks
 from conftest import hf_reference, toy_batch, varlen_case
@@ -254,23 +256,42 @@ def test_varlen_reference_kernel_by_hand():
 
 def test_torch_varlen_wrapper_passes_window_and_gqa_as_each_torch_takes_them(monkeypatch):
     """torch_varlen_attention (the GPU kernel without flash-attn; run on a GPU by test_cuda.py)
-    with a CPU stand-in for torch's varlen_attn: torch 2.11's signature has no enable_gqa, so
-    the KV heads must be copied to the query heads in HF's order; 2.13's takes enable_gqa."""
+    with CPU stand-ins for torch's varlen_attn: 2.11's signature has no enable_gqa (its kernel
+    takes fewer KV heads as they are), 2.13's must be told enable_gqa=True when heads differ."""
     q, k, v, cu_q, cu_k = varlen_case()
 
-    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+    def torch_2_11(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
         assert isinstance(window_size, tuple) and window_size[1] == 0, window_size  # causal, as torch reads it
-        assert enable_gqa or k.shape[1] == q.shape[1], "unequal heads need enable_gqa"
         return mp.varlen_attention_reference(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale,
                                              window_size=window_size)
 
-    monkeypatch.setattr(mp, "varlen_attn", stand_in)
-    for args in (("window_size",), ("window_size", "enable_gqa")):  # torch 2.11, torch 2.13
-        monkeypatch.setattr(mp, "VARLEN_ARGS", args)
+    def torch_2_13(*args, enable_gqa=False, **kwargs):
+        assert enable_gqa == (args[1].shape[1] != args[0].shape[1]), "enable_gqa must say whether heads differ"
+        return torch_2_11(*args, **kwargs)
+
+    for stand_in in (torch_2_11, torch_2_13):
+        monkeypatch.setattr(mp, "varlen_attn", stand_in)
+        monkeypatch.setattr(mp, "VARLEN_ARGS", inspect.signature(stand_in).parameters)  # as read at import
         for window in (-1, 3):
             want = mp.varlen_attention_reference(q, k, v, cu_q, cu_k, 10, 10, softmax_scale=0.2, window_size=(window, 0))
             got = mp.torch_varlen_attention(q, k, v, cu_q, cu_k, 10, 10, softmax_scale=0.2, window_size=(window, 0))
             torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_attention_auto_picks_varlen_only_with_flash_attn_and_bf16_on_cuda(monkeypatch):
+    """resolve_auto, for each device and kernel (no GPU needed: it only reads the names)."""
+    def resolved(device_type, **fields):
+        cfg = config.Config(**fields)
+        mp.resolve_auto(cfg, device_type)
+        return cfg.dtype, cfg.attention
+
+    monkeypatch.setattr(mp, "flash_attn_varlen_func", lambda *args, **kwargs: None)
+    assert resolved("cuda") == ("bf16", "varlen")
+    assert resolved("cuda", data_parallel="ddp") == ("fp32", "masked")  # the flash kernels need bf16
+    assert resolved("cpu") == ("fp32", "masked")
+    assert resolved("cuda", attention="varlen", dtype="fp32") == ("fp32", "varlen")  # asked for: kept
+    monkeypatch.setattr(mp, "flash_attn_varlen_func", None)  # torch's own kernel is not picked by auto
+    assert resolved("cuda") == ("bf16", "masked")
 
 
 def test_grad_norm_is_exact_on_a_large_gradient():
