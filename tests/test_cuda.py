@@ -13,7 +13,6 @@ kernels (cuBLAS bf16 and fp32 matmuls, SDPA's CUDA kernels, NCCL, pinned copies)
 """
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ import torch.multiprocessing as torch_mp
 
 import config
 import model_parallel as mp
+from _dist import _free_port
 from conftest import hf_reference, read_metrics, run_cli, toy_batch, varlen_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -72,12 +72,14 @@ def _passes_on_gpu(rank, path, reference, case, port):
     mp.release_mesh(mesh)
 
 
-def test_gpu_varlen_kernels_match_the_reference_kernel():
+def test_gpu_varlen_kernels_match_the_reference_kernel(monkeypatch):
     """Each varlen kernel this GPU has (flash-attn's, torch's) against the CPU stand-in, forward
     and backward, on segments with q shorter than k (how a CP rank holds them: causal must align
     bottom-right), with and without a sliding window, GQA (4 query heads, 2 KV heads)."""
-    torch_has_one = "window_size" in mp.VARLEN_ARGS and torch.backends.cuda.is_flash_attention_available()
-    kernels = [mp.flash_attn_varlen_func, mp.torch_varlen_attention if torch_has_one else None]
+    kernels = [mp.flash_attn_varlen_func]
+    with monkeypatch.context() as m:  # and the kernel the trainer picks without flash-attn
+        m.setattr(mp, "flash_attn_varlen_func", None)
+        kernels.append(mp.gpu_varlen_kernel())
     assert any(kernels), "no varlen kernel on this GPU: install flash-attn, or torch >= 2.11"
     q, k, v, cu_q, cu_k = varlen_case()
     g = torch.Generator().manual_seed(1)
@@ -95,12 +97,6 @@ def test_gpu_varlen_kernels_match_the_reference_kernel():
             for name, a, b in zip("qkv", got_in, want_in):
                 err = (a.grad.float().cpu() - b.grad).abs().max() / b.grad.abs().max()
                 assert err < 3e-2, f"{label}: d{name} off by {err:.1e} (relative to its largest)"
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=["-".join(map(str, c)) for c in CASES])

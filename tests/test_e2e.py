@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from conftest import close, read_metrics, run_cli
+from conftest import close, cpu_env, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun (~1 min a launch on 2 cores)
 
@@ -32,9 +32,8 @@ CONSOLE_BUDGET = 10
 def generated(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("gen"))
     # launched from the user's environment as `make demo` is: torchrun sets OMP_NUM_THREADS=1 for
-    # its workers itself (and says so on the console, which the console check must see)
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU suite (on a GPU machine the trainer would pick the GPU)
+    # its workers itself (and says so on the console, which the console check must see); no GPU
+    env = {k: v for k, v in cpu_env().items() if k != "OMP_NUM_THREADS"}
     proc = run_cli(2, "--config", "configs/test_tiny.toml", "--steps=3", f"--out_dir={out}", env=env)
     return out, proc
 

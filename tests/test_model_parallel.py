@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-import config
 import model_parallel as mp
 from _dist import run_ranks
 from conftest import hf_reference, toy_batch, varlen_case
@@ -281,7 +280,7 @@ def test_torch_varlen_wrapper_passes_window_and_gqa_as_each_torch_takes_them(mon
 def test_attention_auto_picks_varlen_only_with_flash_attn_and_bf16_on_cuda(monkeypatch):
     """resolve_auto, for each device and kernel (no GPU needed: it only reads the names)."""
     def resolved(device_type, **fields):
-        cfg = config.Config(**fields)
+        cfg = Config(**fields)
         mp.resolve_auto(cfg, device_type)
         return cfg.dtype, cfg.attention
 
