@@ -46,7 +46,7 @@ class Config:
     packing: bool = False  # pack sequences into rows of max_tokens_per_microbatch (varlen attention)
     max_tokens_per_microbatch: int = 512  # per rank, with packing: token budget of one packed row
     micro_batch_size: int = 8  # per rank, without packing: sequences in one forward/backward
-    logprob_chunk_size: int = 0  # tokens per chunk in the logprob softmax (0 = no chunking)
+    logprob_chunk_size: int = 1024  # tokens per chunk of the fp32 logprob softmax (0 = one chunk: (tokens, vocab/tp) fp32 kept for backward)
     activation_checkpointing: bool = False  # recompute decoder layers in backward (GPU memory)
     cpu_offload: bool = False  # FSDP2 CPU offload of params/grads/optimizer state (GPU memory)
     data_parallel: str = "fsdp"  # fsdp: FSDP2 shards params/grads/AdamW state over dp*cp; ddp: whole replicas, gradients all-reduced (DDP; fp32, tp=1): faster for small models on gloo
@@ -76,20 +76,22 @@ class Config:
     sft_steps: int = 0  # optimizer steps of SFT on the task's reference answers (0 = none)
     sft_batch_size: int = 32  # global: sequences per SFT step
     sft_lr: float = 1e-3  # AdamW lr of the warm-up
-    # PPO
+    # PPO (defaults: verl's PPO defaults, ppo_trainer.yaml, made for pretrained models)
     advantage_estimator: str = "gae"  # gae: learned critic + GAE (PPO); grpo: group-normalized scores, no critic (DeepSeekMath)
-    lr: float = 1e-5  # policy AdamW learning rate
+    lr: float = 1e-6  # policy AdamW learning rate
     critic_lr: float = 1e-5  # critic AdamW learning rate
     warmup_steps: int = 0  # linear LR warm-up (in PPO steps) for policy and critic
     weight_decay: float = 0.0  # AdamW weight decay (both models)
     max_grad_norm: float = 1.0  # clip the global grad norm of each model to this (0 = no clipping)
-    kl_coef: float = 0.05  # beta: per-token reward penalty beta * KL(policy || reference)
+    kl_coef: float = 0.001  # beta: per-token reward penalty beta * KL(policy || reference)
     kl_estimator: str = "k1"  # k1 = log ratio (unbiased), k3 = (r - 1) - log r (low variance, >= 0)
     gamma: float = 1.0  # GAE discount
-    lam: float = 0.95  # GAE lambda
+    lam: float = 1.0  # GAE lambda
     clip_ratio: float = 0.2  # PPO policy ratio clip epsilon
-    value_clip: float = 0.2  # clip of the value update around the old values (0 = no clipping)
+    clip_ratio_c: float = 3.0  # dual clip: for A < 0 cap the loss at -A * c (> 1; 0 = off)
+    value_clip: float = 0.5  # clip of the value update around the old values (0 = no clipping)
     entropy_coef: float = 0.0  # entropy bonus weight in the policy loss
+    log_entropy: bool = True  # log the policy's entropy (computed in the old-policy pass)
     ppo_epochs: int = 1  # passes over each step's rollouts
     num_minibatches: int = 1  # optimizer steps per epoch; each is a global minibatch
     whiten_advantages: bool = True  # normalize advantages over the global batch
@@ -110,6 +112,19 @@ POSITIVE = ("steps", "tp_size", "cp_size", "max_tokens_per_microbatch", "micro_b
             "prompts_per_step", "samples_per_prompt", "max_new_tokens", "rollout_tp_size",
             "refit_bucket_mb", "max_model_len", "vllm_gpu_memory_utilization", "vllm_kv_cache_gb",
             "sft_batch_size", "ppo_epochs", "num_minibatches", "temperature", "collective_timeout_s")
+
+
+# attention=masked builds a (T/cp, T) mask per row, and SDPA a score tensor of that size per head:
+# past a 4096-token row that is O(T^2) memory and FLOPs spent across documents (varlen skips them).
+MASK_LIMIT = 4096 * 4096
+
+
+def masked_attention_error(row_tokens: int, cp_size: int):
+    """The refusal of a masked-attention row above MASK_LIMIT, or None."""
+    if row_tokens ** 2 // cp_size > MASK_LIMIT:
+        return (f"attention=masked would build a dense {row_tokens // cp_size}x{row_tokens} mask per row "
+                f"(limit 4096x4096): use attention=varlen")
+    return None
 
 
 def field_docs() -> dict:
@@ -181,22 +196,10 @@ def parse_args(argv: list) -> Config:
     return Config(**kwargs)
 
 
-def validate(cfg: Config, world_size: int) -> None:
-    """Refuse impossible combinations before anything is loaded. One line each."""
-    for key, allowed in CHOICES.items():
-        if getattr(cfg, key) not in allowed:
-            raise ConfigError(f"{key}={getattr(cfg, key)!r} is not supported: use one of {allowed}")
-    for key in POSITIVE:
-        if not getattr(cfg, key) > 0:
-            raise ConfigError(f"{key}={getattr(cfg, key)} must be > 0")
-    for key in ("kl_coef", "tis_cap", "eval_every", "format_reward", "clip_ratio", "value_clip", "entropy_coef", "max_grad_norm",
-                "lr", "critic_lr", "sft_lr", "weight_decay", "sft_steps", "warmup_steps",
-                "save_every", "plot_every", "logprob_chunk_size", "keep_checkpoints", "max_skipped_steps"):
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"{key}={getattr(cfg, key)} must be >= 0")
-    if not (0.0 <= cfg.gamma <= 1.0 and 0.0 <= cfg.lam <= 1.0):
-        raise ConfigError(f"gamma={cfg.gamma} and lam={cfg.lam} must lie in [0, 1]")
-    # The mesh: world = dp * cp * tp (torchtitan asserts the same product, naming each factor).
+def _validate_sizes(cfg: Config, world_size: int) -> None:
+    """The mesh: world = dp * cp * tp (torchtitan asserts the same product, naming each factor).
+    Batch arithmetic: every global minibatch splits evenly over dp ranks, and (without packing)
+    every rank's share splits into whole microbatches."""
     if world_size % (cfg.tp_size * cfg.cp_size):
         raise ConfigError(f"world size {world_size} is not divisible by tp_size*cp_size = {cfg.tp_size}*{cfg.cp_size}: "
                           f"choose tp_size and cp_size whose product divides the number of processes")
@@ -204,8 +207,6 @@ def validate(cfg: Config, world_size: int) -> None:
     if world_size % cfg.rollout_tp_size:
         raise ConfigError(f"rollout_tp_size={cfg.rollout_tp_size} does not divide world size "
                           f"{world_size}: vLLM tensor-parallel groups are made of whole ranks")
-    # Batch arithmetic: every global minibatch splits evenly over dp ranks, and (without
-    # packing) every rank's share splits into whole microbatches.
     if cfg.global_batch_size % cfg.num_minibatches:
         raise ConfigError(f"num_minibatches={cfg.num_minibatches} does not divide the global batch "
                           f"prompts_per_step*samples_per_prompt = {cfg.global_batch_size}")
@@ -218,6 +219,30 @@ def validate(cfg: Config, world_size: int) -> None:
                           f"minibatch of {minibatch // dp} sequences: pick a divisor of it")
     if cfg.sft_steps and cfg.sft_batch_size % dp:
         raise ConfigError(f"sft_batch_size={cfg.sft_batch_size} does not split over dp={dp} ranks")
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Refuse impossible combinations before anything is loaded. One line each."""
+    for key, allowed in CHOICES.items():
+        if getattr(cfg, key) not in allowed:
+            raise ConfigError(f"{key}={getattr(cfg, key)!r} is not supported: use one of {allowed}")
+    for key in POSITIVE:
+        if not getattr(cfg, key) > 0:
+            raise ConfigError(f"{key}={getattr(cfg, key)} must be > 0")
+    for key in ("kl_coef", "tis_cap", "clip_ratio_c", "eval_every", "format_reward", "clip_ratio", "value_clip",
+                "entropy_coef", "max_grad_norm", "lr", "critic_lr", "sft_lr", "weight_decay", "sft_steps",
+                "warmup_steps", "save_every", "plot_every", "logprob_chunk_size", "keep_checkpoints", "max_skipped_steps"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{key}={getattr(cfg, key)} must be >= 0")
+    if 0 < cfg.clip_ratio_c <= 1:
+        raise ConfigError(f"clip_ratio_c={cfg.clip_ratio_c} must be > 1 (a cap on the ratio of negative-advantage "
+                          f"tokens, verl's default 3.0) or 0 for no dual clip")
+    if cfg.advantage_estimator == "grpo" and cfg.samples_per_prompt < 2:
+        raise ConfigError(f"advantage_estimator=grpo needs samples_per_prompt >= 2 (got {cfg.samples_per_prompt}): "
+                          f"its advantage is a response's score against its prompt group's mean and std")
+    if not (0.0 <= cfg.gamma <= 1.0 and 0.0 <= cfg.lam <= 1.0):
+        raise ConfigError(f"gamma={cfg.gamma} and lam={cfg.lam} must lie in [0, 1]")
+    _validate_sizes(cfg, world_size)
     vllm_installed = importlib.util.find_spec("vllm") is not None
     if cfg.rollout_engine == "auto":  # resolved here, so config.json records what ran
         cfg.rollout_engine = "vllm" if vllm_installed else "hf"
@@ -231,6 +256,8 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("tis_cap corrects pi_old vs the engine; old_logprobs=engine makes them equal: set tis_cap=0")
     if cfg.data_parallel == "ddp" and (cfg.tp_size > 1 or cfg.dtype == "bf16" or cfg.cpu_offload):
         raise ConfigError("data_parallel=ddp (plain fp32 replicas) needs tp_size=1, dtype=fp32/auto, cpu_offload=false")
+    if cfg.attention == "masked" and cfg.packing and masked_attention_error(cfg.max_tokens_per_microbatch, cfg.cp_size):
+        raise ConfigError(masked_attention_error(cfg.max_tokens_per_microbatch, cfg.cp_size))
     if cfg.sequence_parallel and cfg.tp_size == 1:
         raise ConfigError("sequence_parallel=true needs tp_size > 1 (it shards activations over tp)")
     if cfg.resume and cfg.resume != "auto" and not os.path.isdir(cfg.resume):

@@ -45,6 +45,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
+from config import masked_attention_error
 from logprobs import cp_gather, shift_right, token_logprobs, unpack_packed, zigzag_positions
 
 try:  # GPU only: flash-attn's varlen kernel skips the masked-out blocks of a packed row
@@ -104,14 +105,22 @@ def release_mesh(mesh):
 
 
 def resolve_auto(cfg, device_type):
-    """Replace "auto" in cfg.dtype and cfg.attention by what runs on this device: the GPU recipe
-    (bf16, flash-attn's varlen kernel when installed) on CUDA, exact fp32 + masked SDPA elsewhere."""
+    """Replace "auto" in cfg.dtype and cfg.attention by what runs on this device; return the attention
+    kernel's name (the run's first line prints it). The GPU recipe is bf16 with a flash varlen kernel
+    (flash-attn's, else torch's); elsewhere exact fp32 with masked SDPA. A packed row never gets a
+    dense mask on a GPU (nor on CPU past config.MASK_LIMIT): its (T/cp, T) scores per head cost O(T^2)
+    memory (3.2 GB a layer at 8192 tokens and 1.5B) and ~15x the FLOPs, across documents for nothing;
+    without a flash kernel (fp32) the reference kernel attends document by document instead."""
     if cfg.dtype == "auto":
         cfg.dtype = "bf16" if device_type == "cuda" and cfg.data_parallel == "fsdp" else "fp32"
+    kernel = gpu_varlen_kernel() if device_type == "cuda" and cfg.dtype == "bf16" else None
     if cfg.attention == "auto":
-        # torch's own varlen kernel runs only when asked for (attention=varlen): in its one GPU run
-        # (packed, docs/gpus.md) the update was slower than masked SDPA's, not yet understood
-        cfg.attention = "varlen" if cfg.dtype == "bf16" and device_type == "cuda" and flash_attn_varlen_func else "masked"
+        dense_ok = device_type == "cpu" and not masked_attention_error(cfg.max_tokens_per_microbatch, cfg.cp_size)
+        cfg.attention = "varlen" if kernel or (cfg.packing and not dense_ok) else "masked"
+    if cfg.attention == "masked":
+        return "masked SDPA"
+    names = {None: "reference varlen (one SDPA per document)", torch_varlen_attention: "torch varlen_attn"}
+    return names.get(kernel, "flash-attn varlen")
 
 
 def _group(mesh, dim):
@@ -173,14 +182,14 @@ class _GatherSeq(torch.autograd.Function):
         ctx.group = group
         local = x.movedim(2, 0).contiguous()  # (S/cp, B, H, D): collectives concatenate on dim 0
         out = local.new_empty((local.shape[0] * dist.get_world_size(group), *local.shape[1:]))
-        dist.all_gather_single(out, local, group=group)  # (S, B, H, D), cp ranks in rank order
+        dist.all_gather_into_tensor(out, local, group=group)  # (S, B, H, D), cp ranks in rank order
         return out.movedim(0, 2)  # (B, H, S, D)
 
     @staticmethod
     def backward(ctx, grad):  # grad: (B, H, S, D)
         full = grad.movedim(2, 0).contiguous()  # (S, B, H, D)
         out = full.new_empty((full.shape[0] // dist.get_world_size(ctx.group), *full.shape[1:]))
-        dist.reduce_scatter_single(out, full, group=ctx.group)  # (S/cp, B, H, D) summed over cp
+        dist.reduce_scatter_tensor(out, full, group=ctx.group)  # (S/cp, B, H, D) summed over cp
         return out.movedim(0, 2), None  # (B, H, S/cp, D)
 
 
@@ -458,9 +467,9 @@ def sync_gradients(model, sync):
         model.set_requires_gradient_sync(sync)
 
 
-def _load_weights(model, path, extra):
-    """Rank 0 reads each tensor (from the checkpoint or `extra`), broadcasts it to every rank,
-    and each rank keeps its own shard; returns the model. Peak memory: one full tensor."""
+def _load_weights(model, path, extra, device):
+    """Rank 0 reads each tensor (from the checkpoint or `extra`), broadcasts it on `device` to every
+    rank, and each rank keeps its own shard; returns the model. Peak memory: one full tensor."""
     reader = None  # rank 0: tensor name -> lazy reader over the checkpoint's safetensors file(s)
     if dist.get_rank() == 0:
         from safetensors import safe_open
@@ -472,7 +481,7 @@ def _load_weights(model, path, extra):
         raise ValueError(f"{path} has no tensor named {missing[0]} ({len(missing)} missing): not an HF checkpoint "
                          f"of a supported CausalLM?")
     for name, param in model.named_parameters():  # tied weights appear once, as in the file
-        full = torch.empty(param.shape, dtype=param.dtype, device=param.device)  # global shape
+        full = torch.empty(param.shape, dtype=param.dtype, device=device)  # global shape (not the offloaded shard's CPU)
         if reader is not None:
             full.copy_(extra[name] if name in extra else reader[name].get_tensor(name))
         dist.broadcast(full, src=0)  # collective over the world group
@@ -485,7 +494,7 @@ def _load_weights(model, path, extra):
 
 def load_policy(path, mesh, cfg):
     """The HF checkpoint at `path` as a sharded module (TP plan if tp > 1, FSDP2 over dp*cp)."""
-    return _load_weights(_build(path, mesh, cfg, critic=False), path, extra={})
+    return _load_weights(_build(path, mesh, cfg, critic=False), path, {}, _device(mesh))
 
 
 def load_critic(path, mesh, cfg):
@@ -495,7 +504,7 @@ def load_critic(path, mesh, cfg):
     model = _build(path, mesh, cfg, critic=True)
     hidden, generator = model.config.hidden_size, torch.Generator().manual_seed(cfg.seed)
     weight = torch.randn(1, hidden, generator=generator) / math.sqrt(hidden + 1)
-    return _load_weights(model, path, extra={"lm_head.weight": weight, "lm_head.bias": torch.zeros(1)})
+    return _load_weights(model, path, {"lm_head.weight": weight, "lm_head.bias": torch.zeros(1)}, _device(mesh))
 
 
 # -----------------------------------------------------------------------------
@@ -591,6 +600,8 @@ def _layout(input_ids, seq_lens, mesh, cfg):
     if cfg.attention == "varlen":
         attention.update(_varlen_index(doc_lens, ids.shape[0], ids.shape[1], cp_size, cp_rank, kv_rows))
     else:  # "masked" ("auto" is resolved at start-up)
+        if masked_attention_error(ids.shape[1], cp_size):  # unpacked rows: their length is known only now
+            raise ValueError(masked_attention_error(ids.shape[1], cp_size))
         attention.update(q_rows=q_rows, kv_rows=kv_rows, q_docs=docs[:, q_rows], kv_docs=docs[:, kv_rows])
     model_kwargs = dict(input_ids=ids[:, q_rows], position_ids=positions[:, q_rows],  # (B, T/cp) each
                         ppo_layout=attention, use_cache=False)
@@ -701,9 +712,11 @@ def clip_grad_norm(params, max_norm):
     never over those it is replicated on (that would count the copies); a plain tensor is a full
     copy on every rank. Works for any mix of meshes (FSDP only, FSDP x TP, the value head)."""
     grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
     by_groups = {}  # process groups to sum over -> sum of squares of the local elements
     for grad in grads:
+        # per row, then summed: one pass, no squared copy; a single fp32 running sum over a whole
+        # 28M-element gradient would drift by ~3e-3 (bench/ddp_update.py)
+        sq = torch.linalg.vector_norm(_local(grad), dim=-1, dtype=torch.float32).square().sum()  # ()
         groups = ()
         if isinstance(grad, DTensor):
             if any(p.is_partial() for p in grad.placements):
@@ -711,18 +724,16 @@ def clip_grad_norm(params, max_norm):
             # Shard or FSDP-over-TP's _StridedShard: any split that is not a replica
             groups = tuple(grad.device_mesh.get_group(dim) for dim, p in enumerate(grad.placements)
                            if not p.is_replicate())
-        # per row, then summed: one pass, no squared copy; a single fp32 running sum over a whole
-        # 28M-element gradient would drift by ~3e-3 (bench/ddp_update.py)
-        sq = torch.linalg.vector_norm(_local(grad), dim=-1, dtype=torch.float32).square().sum()  # ()
+            sq = sq.to(_device(grad.device_mesh))  # the collective's device (offloaded grads are on CPU)
         by_groups[groups] = by_groups.get(groups, 0) + sq
     for groups, sq in by_groups.items():  # the same order on every rank: parameters come in order
         for group in groups:
             dist.all_reduce(sq, group=group)  # collective: sum over the ranks holding other shards
-    norm = sum(by_groups.values(), torch.zeros((), device=device)).sqrt()
+    norm = torch.stack(list(by_groups.values())).sum().sqrt() if grads else torch.zeros(())
     if max_norm > 0:  # 0 = no clipping, only the norm
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
         for grad in grads:
-            _local(grad).mul_(scale)
+            _local(grad).mul_(scale.to(grad.device))
     return float(norm)
 
 
@@ -736,7 +747,8 @@ def iter_full_params(model):
     _reshard(model)  # every rank sees the same sharded parameters, hence the same collectives
     for name, param in model.named_parameters():
         with torch.no_grad():
-            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()  # all-gather over its mesh
+            # all-gather over its mesh, on the mesh's device (an offloaded shard lives on CPU)
+            full = param.to(_device(param.device_mesh)).full_tensor() if isinstance(param, DTensor) else param.detach()
         yield name, full
 
 
@@ -827,17 +839,17 @@ def _sharded_state(parts):
     return state
 
 
-def save_checkpoint(root, step, parts, keep):
-    """Save parts, the number of steps done and every RNG state as root/step_N. Collective.
-    Written to step_N.tmp and renamed once every rank is done, so a dir named step_N is always
-    complete (resume ignores .tmp dirs); then only the newest `keep` remain (0 = all)."""
-    rank, path = dist.get_rank(), os.path.join(root, f"step_{step}")
+def save_checkpoint(root, parts, keep, progress):
+    """Save parts, the trainer's counters `progress` ({"step": steps done, ...}) and every RNG state
+    as root/step_N. Collective. Written to step_N.tmp and renamed once every rank is done, so a dir
+    named step_N is always complete (resume ignores .tmp dirs); then only the newest `keep` remain (0 = all)."""
+    rank, path = dist.get_rank(), os.path.join(root, f"step_{progress['step']}")
     if rank == 0:
         shutil.rmtree(path + ".tmp", ignore_errors=True)  # left by a run killed while saving
         os.makedirs(path + ".tmp")
     dist.barrier()
     dcp.save(_sharded_state(parts), checkpoint_id=path + ".tmp")  # collective; files fsynced
-    trainer_state = dict(step=step, rng=rng_states(), schedulers={n: p[2].state_dict() for n, p in parts.items()})
+    trainer_state = dict(progress=progress, rng=rng_states(), schedulers={n: p[2].state_dict() for n, p in parts.items()})
     torch.save(trainer_state, os.path.join(path + ".tmp", f"trainer_state_rank{rank}.pt"))
     time.sleep(float(os.environ.get("PPO_TEST_PAUSE_BEFORE_RENAME_S", "0")))  # tests kill the run here
     dist.barrier()  # every rank's files are written
@@ -854,8 +866,8 @@ def save_checkpoint(root, step, parts, keep):
 
 
 def load_checkpoint(path, parts):
-    """Load a save_checkpoint dir into parts (any mesh) and this rank's RNG states; return the
-    number of steps done. A rank the saving run did not have takes rank 0's RNG states."""
+    """Load a save_checkpoint dir into parts (any mesh) and this rank's RNG states; return the saved
+    `progress` dict. A rank the saving run did not have takes rank 0's RNG states."""
     state = _sharded_state(parts)
     dcp.load(state, checkpoint_id=path)  # collective: each rank reads the pieces its shards cover
     for name, (model, optimizer, _) in parts.items():
@@ -866,4 +878,4 @@ def load_checkpoint(path, parts):
     set_rng_states(trainer_state["rng"])
     for name, (_, _, scheduler) in parts.items():
         scheduler.load_state_dict(trainer_state["schedulers"][name])
-    return trainer_state["step"]
+    return trainer_state["progress"]

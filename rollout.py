@@ -38,12 +38,26 @@ def toy_tokenizer() -> tiktoken.Encoding:
                              mergeable_ranks={bytes([i]): i for i in range(256)}, special_tokens={EOS: 256, PAD: 257})
 
 
-def toy_prompts(seed: int, step, n: int) -> list:
-    """n (prompt text, answer text) pairs for `step`, identical on every rank: the RNG is
-    seeded from (seed, step) only, never from the rank."""
-    rng = random.Random(f"{seed}/prompts/{step}")
-    pairs = [(rng.randrange(TOY_OPERANDS), rng.randrange(TOY_OPERANDS)) for _ in range(n)]
-    return [(f"{a}+{b}=", str(a + b)) for a, b in pairs]
+def epoch_order(seed: int, size: int, start: int, n: int) -> list:
+    """Indices of items start .. start+n-1 of an endless stream of epochs over `size` items, each
+    epoch shuffled anew (seeded by (seed, epoch)): every item once per epoch, none drawn twice
+    before all were drawn. A function of the position alone, the same on every rank, so a run
+    resumed from its saved position draws what the straight run would have."""
+    orders, out = {}, []
+    for position in range(start, start + n):
+        epoch, offset = divmod(position, size)
+        if epoch not in orders:
+            orders[epoch] = random.Random(f"{seed}/epoch/{epoch}").sample(range(size), size)
+        out.append(orders[epoch][offset])
+    return out
+
+
+TOY_FACTS = [(f"{a}+{b}=", str(a + b)) for a in range(TOY_OPERANDS) for b in range(TOY_OPERANDS)]
+
+
+def toy_prompts(seed: int, start: int, n: int) -> list:
+    """(prompt text, answer text) pairs start .. start+n-1 of the shuffled epochs over the 25 facts."""
+    return [TOY_FACTS[i] for i in epoch_order(seed, len(TOY_FACTS), start, n)]
 
 
 def toy_reward(response_text: str, answer: str, finished: bool) -> float:
@@ -98,6 +112,26 @@ def math_reward(response_text: str, reference: str, format_weight: float = 0.0) 
     return format_weight if formatted else 0.0
 
 
+def stop_token_ids(model_dir: str, eos_id) -> list:
+    """Every token that ends a response: the task's EOS and each eos_token_id of the checkpoint's
+    generation_config.json (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama 3: three). vLLM
+    stops at all of these by itself, so the HF engine, `finished`, the reward and the dumps must
+    know them too. [] when eos_id is None: every response runs to max_new_tokens."""
+    if eos_id is None:
+        return []
+    ids, path = {eos_id}, os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    return sorted(ids)
+
+
+def finished(response_ids: list, stop_ids: list) -> bool:
+    """The response ended by itself (a stop token), rather than being cut off by max_new_tokens."""
+    return bool(response_ids) and response_ids[-1] in stop_ids
+
+
 def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
     """The seed of one sample depends on what it is, not on which rank draws it or with
     which batch, so that the same config samples the same tokens on any mesh."""
@@ -110,15 +144,16 @@ def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> i
 # implement the same Protocol, and so does a forker's own task (README, "How to fork").
 
 class Task(Protocol):
-    eos_id: Optional[int]  # generation stops after this token; None = always max_new_tokens
+    eos_id: Optional[int]  # ends a response (with generation_config's: stop_token_ids); None = never stop
     pad_id: int  # fills the right-padded (b, S) rows; never a loss token
     val: list  # held-out (prompt, answer) pairs for validation, or []
 
-    def prompts(self, step, n: int) -> list: ...  # n (prompt, answer) pairs, the same on every rank
+    # pairs start .. start+n-1 of the task's stream (shuffled epochs of a data set), the same on every rank
+    def prompts(self, start: int, n: int) -> list: ...
     def encode(self, prompt: str) -> list: ...  # prompt token ids (chat template applied, if any)
     def target(self, answer: str) -> list: ...  # answer ids + EOS: what the SFT warm-up imitates
     def decode(self, ids: list) -> str: ...
-    def reward(self, text: str, answer: str, finished: bool) -> float: ...  # finished: ended with EOS
+    def reward(self, text: str, answer: str, finished: bool) -> float: ...  # finished: ended by a stop token
 
 
 class TaskError(ValueError):
@@ -132,8 +167,8 @@ class ToyTask:
         self.seed, self.tok, self.val = seed, toy_tokenizer(), []
         self.eos_id, self.pad_id = self.tok.encode_single_token(EOS), self.tok.encode_single_token(PAD)
 
-    def prompts(self, step, n):
-        return toy_prompts(self.seed, step, n)
+    def prompts(self, start, n):
+        return toy_prompts(self.seed, start, n)
 
     def encode(self, prompt):
         return self.tok.encode(prompt)
@@ -199,9 +234,8 @@ class GSM8KTask:
         self.eos_id = self.tok.eos_token_id
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
 
-    def prompts(self, step, n):
-        rng = random.Random(f"{self.seed}/prompts/{step}")  # seeded by step, not by rank
-        return [self.train[rng.randrange(len(self.train))] for _ in range(n)]
+    def prompts(self, start, n):
+        return [self.train[i] for i in epoch_order(self.seed, len(self.train), start, n)]
 
     def encode(self, question):
         text = question + GSM8K_INSTRUCTION
@@ -226,17 +260,17 @@ def make_task(cfg, model_dir: str, model_vocab_size: int) -> Task:
     return ToyTask(cfg.seed) if cfg.task == "toy_add" else GSM8KTask(cfg, model_dir, model_vocab_size)
 
 
-def validation_accuracy(engine, task: Task, cfg) -> float:
-    """Greedy accuracy on the held-out prompts. They are split over the vLLM groups
-    (rollout_tp_size consecutive ranks pass identical requests), the count summed."""
+def validation_accuracy(engine, task: Task, cfg, device: torch.device) -> float:
+    """Greedy accuracy on the held-out prompts. Collective (every rank). They are split over the
+    vLLM groups (rollout_tp_size consecutive ranks pass identical requests), the count summed."""
     rank, groups = torch.distributed.get_rank(), torch.distributed.get_world_size() // cfg.rollout_tp_size
     mine = task.val[rank // cfg.rollout_tp_size::groups]
     correct = 0.0
     if mine:
-        outs = engine.generate([task.encode(q) for q, _ in mine], [0] * len(mine),
-                               cfg.max_new_tokens, 0.0, task.eos_id)  # temperature 0: greedy
-        correct = sum(task.reward(task.decode(r), a, r[-1] == task.eos_id) == 1.0 for (r, _), (_, a) in zip(outs, mine))
-    total = torch.tensor([float(correct)])
+        outs = engine.generate([task.encode(q) for q, _ in mine], [0] * len(mine), cfg.max_new_tokens, 0.0)  # greedy
+        correct = sum(task.reward(task.decode(r), a, finished(r, engine.stop_ids)) == 1.0
+                      for (r, _), (_, a) in zip(outs, mine))
+    total = torch.tensor([float(correct)], device=device)
     torch.distributed.all_reduce(total)  # every member of a vLLM group counted the same prompts
     return total.item() / cfg.rollout_tp_size / len(task.val)
 
@@ -248,11 +282,11 @@ def validation_accuracy(engine, task: Task, cfg) -> float:
 
 class Engine(Protocol):
     dtype: torch.dtype  # refit casts the trained weights to this
+    stop_ids: list  # a response ends at any of these (stop_token_ids): the trainer's `finished` too
 
     # One (response ids, engine logprob of each sampled token) per prompt. Sample k is drawn with
     # seeds[k] alone, so it does not depend on the batch; temperature 0 = greedy.
-    def generate(self, prompt_ids: list, seeds: list, max_new_tokens: int, temperature: float,
-                 eos_id: Optional[int]) -> list: ...
+    def generate(self, prompt_ids: list, seeds: list, max_new_tokens: int, temperature: float) -> list: ...
     def sleep(self) -> None: ...  # training runs now: free what can be freed (GPU memory)
     def wake_up(self, tags: list) -> None: ...  # memory of "weights" / "kv_cache" back
     def load_weights(self, named_tensors: list) -> None: ...  # one refit bucket of (HF name, full tensor)
@@ -265,13 +299,13 @@ class Engine(Protocol):
 # It is refit after every step by vLLM's code path (`refit` below): it samples the current policy.
 
 class HFEngine:
-    def __init__(self, model_dir: str, device: torch.device, dtype=torch.float32):
-        self.device, self.dtype = device, dtype  # refit casts to dtype
+    def __init__(self, model_dir: str, device: torch.device, stop_ids: list, dtype=torch.float32):
+        self.device, self.stop_ids, self.dtype = device, stop_ids, dtype  # refit casts to dtype
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         self.params = dict(self.model.named_parameters())  # HF checkpoint names -> tensors
 
     @torch.no_grad()
-    def generate(self, prompt_ids, seeds, max_new_tokens, temperature, eos_id):
+    def generate(self, prompt_ids, seeds, max_new_tokens, temperature):
         """Prompts are left-padded so that every row's next token sits in the last column."""
         B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
         ids = torch.zeros((B, P), dtype=torch.long, device=self.device)  # (B, P) left-padded prompts
@@ -299,7 +333,7 @@ class HFEngine:
                 if not done[b]:
                     responses[b].append(token[b, 0].item())
                     logprobs[b].append(logp[b, token[b, 0]].item())
-                    done[b] = token[b, 0].item() == eos_id  # never with eos_id None
+                    done[b] = token[b, 0].item() in self.stop_ids
             if all(done):
                 break
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=self.device)], 1)
@@ -347,10 +381,11 @@ def _trainer_state_kept():
 
 
 class VLLMEngine:
-    def __init__(self, model_dir: str, cfg):
+    def __init__(self, model_dir: str, cfg, stop_ids: list):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
         from vllm import LLM  # imported here: the HF engine works without vLLM
         self.on_gpu, self.asleep = torch.cuda.is_available(), set()  # asleep: memory tags freed by sleep()
+        self.stop_ids = stop_ids
         self.dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32  # refit casts to this
         kwargs = dict(
             model=model_dir, distributed_executor_backend="external_launcher",
@@ -374,13 +409,14 @@ class VLLMEngine:
         self.model = self.worker.model_runner.get_model()
         self.reloading = False
 
-    def generate(self, prompt_ids, seeds, max_new_tokens, temperature, eos_id):
+    def generate(self, prompt_ids, seeds, max_new_tokens, temperature):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        # one SamplingParams per sample: its seed gives the request its own generator.
-        # Without a tokenizer vLLM knows no EOS: stop_token_ids does (and keeps the token).
+        # one SamplingParams per sample: its seed gives the request its own generator. Without a
+        # tokenizer vLLM knows only generation_config's EOS ids: stop_token_ids names the whole set
+        # (and keeps the token in the output)
         params = [SamplingParams(seed=s, temperature=temperature, max_tokens=max_new_tokens, logprobs=0,
-                                 stop_token_ids=[] if eos_id is None else [eos_id], detokenize=False)
+                                 stop_token_ids=self.stop_ids, detokenize=False)
                   for s in seeds]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
         with _trainer_state_kept():
@@ -432,10 +468,10 @@ class VLLMEngine:
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def make_engine(cfg, model_dir: str, device: torch.device) -> Engine:
+def make_engine(cfg, model_dir: str, device: torch.device, stop_ids: list) -> Engine:
     if cfg.rollout_engine == "vllm":
-        return VLLMEngine(model_dir, cfg)
-    return HFEngine(model_dir, device, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
+        return VLLMEngine(model_dir, cfg, stop_ids)
+    return HFEngine(model_dir, device, stop_ids, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
 
 
 # -----------------------------------------------------------------------------

@@ -13,7 +13,8 @@
 The algorithm is PPO with a learned critic and GAE, as used for RLHF by InstructGPT
 (Ouyang et al., 2022) and documented in "The N+ implementation details of RLHF with PPO"
 (Huang et al., 2024). One step, in the order of main() below:
-  1. draw prompts (same RNG on every rank); each data-parallel (dp) rank keeps its slice
+  1. draw the next prompts (shuffled epochs, the same on every rank); each data-parallel (dp)
+     rank keeps its slice, which the slice's tp x cp ranks generate in equal shares
   2. rollout: the engine samples responses and returns its own logprob of each token
   3. reward: a rule-based score per sequence, placed on its last response token
   4. forward passes without grad: old policy logprobs (or the engine's), reference logprobs, values
@@ -92,12 +93,14 @@ def ratio_from_log(log_ratio):
 def kl_penalty(logprobs, ref_logprobs, kind="k1"):
     """Per-token estimate of KL(pi || pi_ref) from the sampled token (Schulman, "Approximating
     KL divergence", 2020). k1 = log(pi/pi_ref): unbiased, can be negative per token.
-    k3 = (r - 1) - log r with r = pi_ref/pi: unbiased, always >= 0, lower variance."""
+    k3 = (r - 1) - log r with r = pi_ref/pi: unbiased, always >= 0, lower variance; clamped to
+    <= 10 as verl's low_var_kl, since one collapsed token (log r = 88) would give e^88 = inf."""
     log_ratio = logprobs - ref_logprobs  # (B, S)
     if kind == "k1":
         return log_ratio
-    if kind == "k3":
-        return torch.expm1(-log_ratio) + log_ratio  # (B, S) = (r - 1) - log r
+    if kind == "k3":  # the input clamp keeps exp (and its gradient, 0 past the clamp) finite
+        log_ratio = log_ratio.clamp(-20.0, 20.0)  # (B, S)
+        return (torch.expm1(-log_ratio) + log_ratio).clamp(max=10.0)  # (B, S) = (r - 1) - log r
     raise ValueError(f"unknown KL estimator {kind!r}")
 
 
@@ -145,20 +148,27 @@ def masked_whiten(x, mask, group=None, eps=1e-8):
     return ((x - mean) * torch.rsqrt(var + eps)).to(x.dtype) * mask
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio, num_tokens=None, tis_weight=None):
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio, num_tokens=None, tis_weight=None,
+                clip_ratio_c=0.0):
     """Clipped surrogate (Schulman et al., 2017, eq. 7), as a loss to minimize:
         ratio = pi / pi_old,  loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1-eps, 1+eps))
-    `tis_weight` (B, S), optional: truncated importance weights for the engine/trainer mismatch.
-    Returns (loss, number of tokens whose ratio was clipped)."""
+    Dual clip (Ye et al., 2020, "Mastering complex control in MOBA games"; verl's clip_ratio_c),
+    if clip_ratio_c = c > 1: where A_t < 0 the loss is also capped at -A_t * c, so a token whose
+    ratio has exploded cannot dominate the update. `tis_weight` (B, S), optional: truncated
+    importance weights for the engine/trainer mismatch. Returns (loss, tokens clipped either way)."""
     num_tokens = mask.sum() if num_tokens is None else num_tokens
     ratio = ratio_from_log(logprobs - old_logprobs)  # (B, S)
     unclipped = -advantages * ratio  # (B, S)
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)  # (B, S)
     per_token = torch.maximum(unclipped, clipped)  # (B, S) the pessimistic bound
+    is_clipped = clipped > unclipped  # (B, S) no gradient through the ratio
+    if clip_ratio_c > 0:
+        dual = (advantages < 0) & (per_token > -advantages * clip_ratio_c)  # (B, S)
+        per_token = torch.where(dual, -advantages * clip_ratio_c, per_token)  # (B, S)
+        is_clipped |= dual
     if tis_weight is not None:
         per_token = per_token * tis_weight
-    n_clipped = masked_sum((clipped > unclipped).float(), mask).detach()
-    return masked_sum(per_token, mask) / num_tokens, n_clipped
+    return masked_sum(per_token, mask) / num_tokens, masked_sum(is_clipped.float(), mask).detach()
 
 
 def value_loss(values, old_values, returns, mask, value_clip, num_tokens=None):
@@ -245,8 +255,8 @@ class StepStats:
     """Named sums for one step's metrics. `add` takes this rank's share of a global sum
     (summed over dp once, at the end); `add_global` a number every rank already has."""
 
-    def __init__(self):
-        self.shares, self.globals = Counter(), Counter()  # Counter.update adds
+    def __init__(self, device):
+        self.shares, self.globals, self.device = Counter(), Counter(), device  # Counter.update adds
 
     def add(self, **shares):
         self.shares.update({name: float(value) for name, value in shares.items()})
@@ -255,9 +265,9 @@ class StepStats:
         self.globals.update({name: float(value) for name, value in values.items()})
 
     def totals(self, mesh):
-        """Every sum over the global batch: one all-reduce for all of them."""
-        names = sorted(self.shares)
-        summed = dp_sum(torch.tensor([self.shares[n] for n in names], dtype=torch.float64), mesh)
+        """Every sum over the global batch: one all-reduce for all of them (collective over dp)."""
+        names = sorted(self.shares)  # on the trainer's device, as every collective's tensor (NCCL)
+        summed = dp_sum(torch.tensor([self.shares[n] for n in names], dtype=torch.float64, device=self.device), mesh)
         return dict(zip(names, summed.tolist()), **self.globals)
 
 
@@ -313,7 +323,7 @@ def sft_warmup(model_dir, task, cfg, mesh):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft_lr, weight_decay=0.0, fused=True)
     per_rank = cfg.sft_batch_size // mesh["dp"].size()
     for it in range(cfg.sft_steps):
-        pairs = task.prompts(f"sft{it}", cfg.sft_batch_size)
+        pairs = task.prompts(it * cfg.sft_batch_size, cfg.sft_batch_size)  # the start of the prompt stream
         mine = pairs[mesh["dp"].get_local_rank() * per_rank:][:per_rank]
         batch = make_batch([task.encode(p) for p, _ in mine], [task.target(a) for _, a in mine], task.pad_id,
                            device=mesh.device_type)
@@ -326,7 +336,7 @@ def sft_warmup(model_dir, task, cfg, mesh):
         minibatch_update(policy, optimizer, nll, list(range(len(mine))), batch, cfg, mesh)
         if it % 10 == 0 or it == cfg.sft_steps - 1:
             print0(f"sft {it + 1}/{cfg.sft_steps}")
-    model_parallel.save_hf(policy, sft_dir)
+    model_parallel.save_hf(policy, sft_dir, copy_from=model_dir)  # + tokenizer, generation_config (stop ids)
     return sft_dir
 
 
@@ -351,46 +361,56 @@ def build_models(model_dir, cfg, mesh):
 # -----------------------------------------------------------------------------
 # Steps 1-3: prompts, rollout, reward.
 
-def generate(engine, task, cfg, step, mesh):
-    """Draw the step's prompts, sample this rank's responses and score them. The ranks of one vLLM
-    tensor-parallel group (rollout_tp_size consecutive ranks) must pass identical requests: the
-    group generates the samples of all its members' dp slices, and each keeps its own."""
-    rank, K, prompts = dist.get_rank(), cfg.samples_per_prompt, task.prompts(step, cfg.prompts_per_step)
+def generated_by(cfg, mesh, rank):
+    """Global indices of the samples `rank` contributes: an equal share of its dp slice for each of
+    the slice's tp x cp ranks, which all train on the whole slice (the all-gather in rollouts hands
+    it to them). With an engine per rank, generation is split instead of repeated on every rank."""
+    members = mesh.mesh[int((mesh.mesh == rank).nonzero()[0, 0])].flatten().tolist()  # its dp slice's ranks
+    slice_, mine, k = samples_of(cfg, mesh, rank), members.index(rank), len(members)
+    return slice_[mine * len(slice_) // k:(mine + 1) * len(slice_) // k]
+
+
+def generate(engine, task, cfg, step, start, mesh):
+    """Draw the step's prompts (from position `start` of the task's stream), sample this rank's
+    share of the responses and score them. The ranks of one vLLM tensor-parallel group
+    (rollout_tp_size consecutive ranks) must pass identical requests: the group generates the
+    shares of all its members, and each keeps its own. Returns (samples, number generated)."""
+    rank, K, prompts = dist.get_rank(), cfg.samples_per_prompt, task.prompts(start, cfg.prompts_per_step)
     group = range(rank - rank % cfg.rollout_tp_size, rank - rank % cfg.rollout_tp_size + cfg.rollout_tp_size)
-    wanted = sorted({j for member in group for j in samples_of(cfg, mesh, member)})
+    wanted = sorted({j for member in group for j in generated_by(cfg, mesh, member)})
     prompt_ids = [task.encode(p) for p, _ in prompts]  # (chat template applied)
     outs = engine.generate([prompt_ids[j // K] for j in wanted],
                            [rollout.sample_seed(cfg.seed, step, j // K, j % K) for j in wanted],
-                           cfg.max_new_tokens, cfg.temperature, task.eos_id)
+                           cfg.max_new_tokens, cfg.temperature)
     by_index = dict(zip(wanted, outs))
     samples = []
-    for j in samples_of(cfg, mesh):
+    for j in generated_by(cfg, mesh, rank):
         (response, lps), (prompt, answer) = by_index[j], prompts[j // K]
-        text, finished = task.decode(response), bool(response) and response[-1] == task.eos_id
+        text, finished = task.decode(response), rollout.finished(response, engine.stop_ids)
         samples.append(dict(index=j, prompt=prompt, response=text, answer=answer, prompt_ids=prompt_ids[j // K],
-                            response_ids=response, engine_logprobs=lps, reward=task.reward(text, answer, finished)))
-    return samples
+                            response_ids=response, engine_logprobs=lps, finished=finished,
+                            reward=task.reward(text, answer, finished)))
+    return samples, len(wanted)
 
 
-def rollouts(engine, task, cfg, step, mesh):
-    """This rank's samples, and every sample's reward by global index. The tp x cp ranks of a dp
-    slice must train on identical rows, but vLLM's sampling is not bit-identical across GPUs
-    (batching and KV-cache sizing differ): every rank takes its slice's first rank's copy,
-    from the all-gather that also serves the dump."""
+def rollouts(engine, task, cfg, step, start, mesh):
+    """This rank's dp slice of samples, every sample's reward by global index, and how many samples
+    this rank's engine generated. Each sample exists once, drawn by the rank it is generated_by
+    (vLLM's sampling is not bit-identical across GPUs, so tp x cp ranks must not mix copies);
+    one all-gather hands every rank its slice, and rank 0 the whole batch for the dump."""
     if cfg.replay_rollouts:
         dumped = rollout.load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
-        samples = [dumped[j] for j in samples_of(cfg, mesh)]
+        mine, generated = [dumped[j] for j in generated_by(cfg, mesh, dist.get_rank())], 0
     else:
-        samples = generate(engine, task, cfg, step, mesh)
+        mine, generated = generate(engine, task, cfg, step, start, mesh)
         engine.sleep()  # GPU: vLLM frees its memory for training
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, samples)  # collective: every rank's samples on every rank
-    firsts = [int(first) for first in mesh.mesh[:, 0, 0]]  # the first rank of each dp slice
-    samples = gathered[firsts[mesh["dp"].get_local_rank()]]  # (the copy that every rank trains on)
-    every = {s["index"]: s for first in firsts for s in gathered[first]}
+    dist.all_gather_object(gathered, mine)  # collective: every rank's share on every rank
+    every = {s["index"]: s for share in gathered for s in share}
     if dist.get_rank() == 0:
         rollout.dump_rollouts(os.path.join(cfg.out_dir, "rollouts", f"step_{step}.jsonl"), list(every.values()))
-    return samples, [every[j]["reward"] for j in range(cfg.global_batch_size)]
+    samples = [every[j] for j in samples_of(cfg, mesh)]
+    return samples, [every[j]["reward"] for j in range(cfg.global_batch_size)], generated
 
 
 # -----------------------------------------------------------------------------
@@ -419,7 +439,7 @@ def score(policy, reference, critic, batch, cfg, mesh):
     batch.old_lp, batch.entropy = batch.engine_lp, None  # old_logprobs=engine: one policy forward fewer
     if cfg.old_logprobs == "trainer":  # pi_old as the trainer computes it, whatever the engine computed
         batch.old_lp, batch.entropy = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
-                                                    temperature=cfg.temperature, with_entropy=True,
+                                                    temperature=cfg.temperature, with_entropy=cfg.log_entropy,
                                                     unscored=batch.unscored)
     with model_parallel.swapped_weights(policy, reference):
         batch.ref_lp, _ = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
@@ -468,7 +488,7 @@ def minibatch_update(model, optimizer, loss_fn, rows, batch, cfg, mesh):
         loss_share += weight * float(loss.detach())
         sums.update({name: weight * float(value) for name, value in parts.items()})
     norm = model_parallel.clip_grad_norm(list(model.parameters()), cfg.max_grad_norm)
-    finite = torch.tensor([float(math.isfinite(norm) and math.isfinite(loss_share))])
+    finite = torch.tensor([float(math.isfinite(norm) and math.isfinite(loss_share))], device=batch.ids.device)
     dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=mesh["dp"].get_group())
     if finite.item():
         optimizer.step()
@@ -484,13 +504,16 @@ def update_policy(policy, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
                                                     unscored=batch.unscored)
         mask = batch.mask[idx]
         pg_loss, n_clipped = policy_loss(lp, batch.old_lp[idx], batch.advantages[idx], mask, cfg.clip_ratio,
-                                         num_tokens, batch.tis[idx] if cfg.tis_cap else None)
+                                         num_tokens, batch.tis[idx] if cfg.tis_cap else None, cfg.clip_ratio_c)
         loss, parts = pg_loss, dict(policy_loss=pg_loss.detach(), clipped_tokens=n_clipped)
         if cfg.entropy_coef > 0:  # a bonus: maximize entropy
             bonus = cfg.entropy_coef * masked_sum(entropy, mask) / num_tokens
             loss, parts["entropy_bonus"] = loss - bonus, bonus.detach()
         if cfg.advantage_estimator == "grpo":
-            # DeepSeekMath eq. 3-4: beta * KL(pi || pi_ref) in the loss, k3 on the current policy
+            # DeepSeekMath eq. 3-4: beta * KL(pi || pi_ref) in the loss, k3 on the current policy. Like
+            # the surrogate, it is a token mean over the global minibatch (DAPO, Yu et al. 2025; Dr. GRPO,
+            # Liu et al. 2025), not eq. 3's mean over responses of per-response means, which weights
+            # a short response's tokens more than a long one's
             kl = cfg.kl_coef * masked_sum(kl_penalty(lp, batch.ref_lp[idx], "k3"), mask) / num_tokens
             loss, parts["kl_loss"] = loss + kl, kl.detach()
         return loss, parts
@@ -520,7 +543,7 @@ def batch_stats(batch, scores, cfg, stats):
     mask = batch.mask
     kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
     mismatch = (batch.old_lp - batch.engine_lp).abs()  # (b, S)
-    if batch.entropy is not None:  # none with old_logprobs=engine
+    if batch.entropy is not None:  # none with old_logprobs=engine or log_entropy=false
         stats.add(entropy=masked_sum(batch.entropy, mask))
     stats.add(tokens=mask.sum(), kl=masked_sum(kl, mask), mismatch=masked_sum(mismatch, mask),
               mult_prob_error=masked_sum(torch.exp(mismatch), mask), sequences=len(batch.lens),
@@ -583,17 +606,23 @@ def plot_curves(metrics_path, png_path):
     os.replace(png_path + ".tmp.png", png_path)
 
 
-def install_stop_handler():
-    """SIGTERM (preemption) or Ctrl-C: finish the step, save, exit 0. A second signal kills."""
-    stop = torch.zeros(1)
+def install_stop_handler(device):
+    """SIGTERM (preemption) or Ctrl-C: finish the step, save, exit 0. A second signal kills.
+    Returns stop_requested(): collective (every rank calls it); True once any rank got a signal."""
+    got = [0.0]
 
     def handler(signum, frame):
-        stop.fill_(1)
+        got[0] = 1.0
         signal.signal(signum, signal.SIG_DFL)
+
+    def stop_requested():
+        flag = torch.tensor(got, device=device)  # ranks may get the signal at different steps
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
-    return stop
+    return stop_requested
 
 
 def start_metrics_log(cfg, start_step):
@@ -610,35 +639,39 @@ def main(cfg, task=None):
     """Train with PPO. `task`: any rollout.Task (default: the config's toy_add or gsm8k)."""
     rollout.quiet_third_party_output()
     rank, world_size, device = model_parallel.init_distributed(cfg.collective_timeout_s)
-    model_parallel.resolve_auto(cfg, device.type)  # dtype, attention: "auto" -> what runs here
+    kernel = model_parallel.resolve_auto(cfg, device.type)  # dtype, attention: "auto" -> what runs here
     mesh = model_parallel.make_mesh(world_size, cfg.tp_size, cfg.cp_size, device.type)
     if rank == 0:
         os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
         config.save(cfg, os.path.join(cfg.out_dir, "config.json"))
     print0(f"mesh dp={mesh['dp'].size()} cp={cfg.cp_size} tp={cfg.tp_size} on {world_size} x {device.type}, "
-           f"{cfg.dtype}, {cfg.attention} attention, {cfg.advantage_estimator}, {cfg.rollout_engine} engine")
+           f"{cfg.dtype}, {'packed' if cfg.packing else 'padded'} rows, attention: {kernel}, "
+           f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine")
     model_dir, resume_dir, task = prepare_inputs(cfg, task)
     if cfg.sft_steps:
         model_dir = sft_warmup(model_dir, task, cfg, mesh)
     parts, reference = build_models(model_dir, cfg, mesh)
     policy, critic = parts["policy"][0], parts.get("critic", (None,))[0]
-    start_step = model_parallel.load_checkpoint(resume_dir, parts) if resume_dir else 0
+    progress = model_parallel.load_checkpoint(resume_dir, parts) if resume_dir else dict(step=0, prompts_drawn=0)
+    start_step = progress["step"]
     print0(f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir else "fresh start")
-    engine = None if cfg.replay_rollouts else rollout.make_engine(cfg, model_dir, device)
+    stop_ids = rollout.stop_token_ids(model_dir, task.eos_id)  # the engine's `finished` is the trainer's
+    engine = None if cfg.replay_rollouts else rollout.make_engine(cfg, model_dir, device, stop_ids)
     if engine is not None and start_step:  # the engine loaded model_dir: give it the resumed policy
         rollout.refit(engine, model_parallel.iter_full_params(policy), cfg.refit_bucket_mb)
     start_metrics_log(cfg, start_step)
-    stop, t_start, bad_steps = install_stop_handler(), time.time(), 0
+    stop_requested, t_start, bad_steps, stopped = install_stop_handler(device), time.time(), 0, False
     per_minibatch = cfg.global_batch_size // cfg.num_minibatches // mesh["dp"].size()  # rows per rank
     minibatches = [list(range(m * per_minibatch, (m + 1) * per_minibatch)) for m in range(cfg.num_minibatches)]
 
     for step in range(start_step, cfg.steps):
-        metrics, times, stats = {"step": step}, {}, StepStats()
+        metrics, times, stats = {"step": step}, {}, StepStats(device)
         with timed(times, "time_step_s"):
             if engine is not None and task.val and cfg.eval_every and step % cfg.eval_every == 0:
-                metrics["val_accuracy"] = rollout.validation_accuracy(engine, task, cfg)
+                metrics["val_accuracy"] = rollout.validation_accuracy(engine, task, cfg, device)
             with timed(times, "time_rollout_s"):  # 1-3. prompts, rollout, reward
-                samples, all_scores = rollouts(engine, task, cfg, step, mesh)
+                samples, all_scores, metrics["rollout_samples"] = rollouts(engine, task, cfg, step,
+                                                                           progress["prompts_drawn"], mesh)
                 batch = make_batch([s["prompt_ids"] for s in samples], [s["response_ids"] for s in samples],
                                    task.pad_id, [s["engine_logprobs"] for s in samples], device)
                 scores = torch.tensor([s["reward"] for s in samples], device=device)  # (b,)
@@ -668,15 +701,15 @@ def main(cfg, task=None):
             print0(f"stopping: {bad_steps} steps in a row skipped updates (NaN/inf loss or grad norm): "
                    "lower lr or check the rewards")
             sys.exit(1)
-        dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # ranks may get the signal at different steps
-        if stop.item() or (cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps)):
-            model_parallel.save_checkpoint(os.path.join(cfg.out_dir, "ckpt"), step + 1, parts, cfg.keep_checkpoints)
-        if stop.item():
+        progress.update(step=step + 1, prompts_drawn=progress["prompts_drawn"] + cfg.prompts_per_step)
+        if (stopped := stop_requested()) or (cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps)):
+            model_parallel.save_checkpoint(os.path.join(cfg.out_dir, "ckpt"), parts, cfg.keep_checkpoints, progress)
+        if stopped:
             print0(f"stopped by a signal after step {step + 1}: checkpoint saved; --resume=auto goes on")
             break
     dist.barrier()
-    if cfg.export_hf and not stop.item():  # tokenizer files from the original model dir, if it has them
-        model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"), copy_from=cfg.model)
+    if cfg.export_hf and not stopped:  # + the tokenizer files and generation_config of the dir we loaded
+        model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"), copy_from=model_dir)
     if engine is not None:
         engine.shutdown()  # vLLM destroys the process group itself, so this comes last
     elif dist.is_initialized():

@@ -197,8 +197,8 @@ class FixedPromptsTask:
     def __init__(self, pool):
         self.pool = pool
 
-    def prompts(self, step, n):
-        return [(" ".join(map(str, p)), "") for p in self.pool[step * n:(step + 1) * n]]
+    def prompts(self, start, n):
+        return [(" ".join(map(str, p)), "") for p in self.pool[start:start + n]]
 
     def encode(self, prompt):
         return [int(t) for t in prompt.split()]

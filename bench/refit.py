@@ -64,7 +64,7 @@ def measure(name, out_dir, repeats, bucket_mb):
         dist.barrier()
     mesh = model_parallel.make_mesh(world_size, 1, 1, device.type)
     policy = model_parallel.load_policy(path, mesh, cfg)
-    engine = rollout.VLLMEngine(path, cfg)
+    engine = rollout.VLLMEngine(path, cfg, stop_ids=[])
 
     # time spent inside the engine, out of each refit
     inside = {"load_weights": 0.0, "finish_refit": 0.0}

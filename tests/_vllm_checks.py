@@ -52,19 +52,19 @@ plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  
 measured = {"rank": rank}
 
 t0 = time.perf_counter()
-engine = rollout.make_engine(cfg, path, device)  # a collective: both ranks build it together
+tok = rollout.toy_tokenizer()
+stop_ids = [tok.encode_single_token(rollout.EOS)]
+engine = rollout.make_engine(cfg, path, device, stop_ids)  # a collective: both ranks build it together
 measured["init_s"] = time.perf_counter() - t0
 
 # Ranks of one vLLM TP group pass identical requests; different groups pass different ones.
 group_index = rank // cfg.rollout_tp_size
-tok = rollout.toy_tokenizer()
-eos_id = tok.encode_single_token(rollout.EOS)
-prompts = [tok.encode(p) for p, _ in rollout.toy_prompts(cfg.seed, f"vllm{group_index}", 6)]
+prompts = [tok.encode(p) for p, _ in rollout.toy_prompts(cfg.seed, 6 * group_index, 6)]
 seeds = [rollout.sample_seed(cfg.seed, group_index, i, 0) for i in range(len(prompts))]
 
 
 def generate(prompt_list, seed_list):
-    return engine.generate(prompt_list, seed_list, MAX_NEW_TOKENS, TEMPERATURE, eos_id)
+    return engine.generate(prompt_list, seed_list, MAX_NEW_TOKENS, TEMPERATURE)
 
 
 def rows(outs):
@@ -156,6 +156,14 @@ back = generate(prompts, seeds)
 measured["refit_back_same_samples"] = tokens(back) == tokens(first)
 measured["refit_back_max_logprob_diff"] = max(abs(a - b) for (_, la), (_, lb) in zip(back, first)
                                               for a, b in zip(la, lb))
+
+# ---- 6. a second stop token (Qwen2.5's <|endoftext|> beside <|im_end|>) ends a response too: the
+# greedy response with EOS alone, then with its first new token past position 0 added to the set
+free = tokens(engine.generate(prompts[:1], [0], MAX_NEW_TOKENS, 0.0))[0]
+k = next((i for i in range(1, len(free)) if free[i] not in free[:i] + stop_ids), 0)
+engine.stop_ids = stop_ids + [free[k]]
+measured["second_stop"] = dict(free=free, k=k, stopped=tokens(engine.generate(prompts[:1], [0], MAX_NEW_TOKENS, 0.0))[0])
+engine.stop_ids = stop_ids
 
 # ---- gather to rank 0, then shut the engine down: last, it destroys the process group --------
 gathered = [None] * world_size

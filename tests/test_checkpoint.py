@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import config
 import model_parallel
+import rollout
 from _dist import _free_port
 from conftest import (ROOT, close, cpu_env, kill_torchrun, plain_logprobs, read_metrics, run_cli,
                       torchrun_cmd)
@@ -99,6 +100,21 @@ def test_resume_same_mesh_is_identical(straight, resumed):
     assert any(r["reward_mean"] > 0 for r in full), "a run with no reward compares too little"
     for a, b in zip(full, rows):
         assert training_numbers(a) == training_numbers(b), a["step"]
+
+
+def test_resume_draws_the_prompts_the_straight_run_drew(straight, resumed):
+    """Prompts come as shuffled epochs over the task's 25 facts, each fact once an epoch; the
+    checkpoint saves the position in that stream, and the resumed runs go on from it."""
+    state = torch.load(os.path.join(resumed["out"], "ckpt", "step_2", "trainer_state_rank0.pt"), weights_only=False)
+    assert state["progress"] == {"step": 2, "prompts_drawn": 8}  # test_tiny: 4 prompts a step
+    want = [prompt for prompt, _ in rollout.toy_prompts(1, 0, 16)]  # 4 steps of 4, within the first epoch
+    assert len(set(want)) == 16
+    for out in (straight[0], resumed["out"]):
+        drawn = []
+        for step in range(4):
+            with open(os.path.join(out, "rollouts", f"step_{step}.jsonl")) as f:
+                drawn += [s["prompt"] for s in map(json.loads, f)][::2]  # 2 samples a prompt
+        assert drawn == want, out
 
 
 def test_killed_save_is_ignored_and_resume_on_another_mesh_matches(straight, resumed):
@@ -183,7 +199,7 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(straig
         policy = model_parallel.load_policy(os.path.join(out, "sft"), mesh, config.Config())
         opt = torch.optim.AdamW(policy.parameters())
         parts = {"policy": (policy, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0))}
-        assert model_parallel.load_checkpoint(os.path.join(out, "ckpt", "step_4"), parts) == 4
+        assert model_parallel.load_checkpoint(os.path.join(out, "ckpt", "step_4"), parts)["step"] == 4
         with torch.no_grad():
             trainer, _ = model_parallel.forward_policy(policy, ids, lens, mesh, config.Config())  # (b, S)
     finally:

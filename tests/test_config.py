@@ -44,21 +44,25 @@ def test_every_field_has_a_doc_and_sizes_say_per_rank_or_global():
     (["--data_parallel=ddp", "--dtype=bf16"], 2, "data_parallel=ddp"),  # bf16 is FSDP2's mixed precision
     (["--data_parallel=ddp", "--cpu_offload=true"], 2, "data_parallel=ddp"),  # offload is FSDP2's
     (["--data_parallel=zero3"], 1, "data_parallel"),
+    (["--advantage_estimator=grpo", "--samples_per_prompt=1"], 1, "samples_per_prompt >= 2"),  # NaN advantages
+    (["--clip_ratio_c=0.5"], 1, "clip_ratio_c"),            # a dual clip below 1 would cap every ratio
+    (["--attention=masked", "--packing=true", "--max_tokens_per_microbatch=8192"], 1, "attention=varlen"),
 ])
 def test_bad_config_names_the_key(argv, world, key, tmp_path):
     with pytest.raises(config.ConfigError, match=key):
         config.validate(config.parse_args(argv + [f"--out_dir={tmp_path}"]), world)
 
 
-def test_cli_bad_config_exits_nonzero_fast_with_one_line(tmp_path):
+@pytest.mark.parametrize("argv, key", [(["--micro_batch_size=5"], "micro_batch_size"),
+                                       (["--advantage_estimator=grpo", "--samples_per_prompt=1"], "samples_per_prompt")])
+def test_cli_bad_config_exits_nonzero_fast_with_one_line(argv, key, tmp_path):
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "train_ppo.py", "--micro_batch_size=5",
-                           f"--out_dir={tmp_path}"], cwd=ROOT, env={**os.environ, "WORLD_SIZE": "2"},
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "train_ppo.py", *argv, f"--out_dir={tmp_path}"], cwd=ROOT,
+                          env={**os.environ, "WORLD_SIZE": "2"}, capture_output=True, text=True, timeout=60)
     elapsed = time.time() - t0
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "micro_batch_size" in lines[0], proc.stderr
+    assert len(lines) == 1 and key in lines[0], proc.stderr
     assert elapsed < 10, f"took {elapsed:.1f}s"
     assert not os.path.exists(tmp_path / "metrics.jsonl")
 

@@ -84,16 +84,16 @@ def test_max_grad_norm_zero_means_no_clipping():
 
 class RecordingEngine(rollout.HFEngine):
     """The HF engine noting every call the trainer makes. On rank 1 it samples with other seeds,
-    as a second GPU's engine may (vLLM's batching differs per GPU): the rows differ per rank."""
+    as a second GPU's engine may (vLLM's batching differs per GPU): whose copy a row is shows."""
 
-    def __init__(self, model_dir, device):
-        super().__init__(model_dir, device)
+    def __init__(self, model_dir, device, stop_ids):
+        super().__init__(model_dir, device, stop_ids)
         self.calls, self.generated = [], []
 
-    def generate(self, prompt_ids, seeds, max_new_tokens, temperature, eos_id):
+    def generate(self, prompt_ids, seeds, max_new_tokens, temperature):
         self.calls.append("generate")
         seeds = [s + 1000 * dist.get_rank() for s in seeds]
-        self.generated.append(super().generate(prompt_ids, seeds, max_new_tokens, temperature, eos_id))
+        self.generated.append(super().generate(prompt_ids, seeds, max_new_tokens, temperature))
         return self.generated[-1]
 
     def sleep(self):
@@ -120,8 +120,8 @@ def _recording_body(rank, world_size, out_dir):
     config.validate(cfg, world_size)
     engines, trained, make_batch = [], [], train_ppo.make_batch
 
-    def make_engine(cfg, model_dir, device):
-        engines.append(RecordingEngine(model_dir, device))
+    def make_engine(cfg, model_dir, device, stop_ids):
+        engines.append(RecordingEngine(model_dir, device, stop_ids))
         return engines[-1]
 
     def recording_make_batch(*args):  # the rows this rank trains on
@@ -138,16 +138,18 @@ def _recording_body(rank, world_size, out_dir):
     per_step += ["finish_refit", "wake_up kv_cache"]
     assert engine.calls == per_step * 2 + ["shutdown"], engine.calls
 
-    # both tp ranks trained on the same rows although their engines sampled differently
+    # each tp rank's engine drew half of the dp slice (8 samples), and both ranks trained on the
+    # same rows: the first half is rank 0's copy, the second rank 1's, as the rollout dump holds them
     everyone = [None] * world_size
     dist.all_gather_object(everyone, ([b.ids.tolist() for b in trained], engine.generated))
     (rows0, generated0), (rows1, generated1) = everyone
-    assert generated0 != generated1, "the stand-in engines should disagree, or the test proves nothing"
+    assert [len(g) for g in generated0 + generated1] == [4] * 4  # 2 steps x 2 ranks
     assert rows0 == rows1
-    # ... and those rows are rank 0's samples, which the rollout dump holds too
     with open(os.path.join(out_dir, "rollouts", "step_0.jsonl")) as f:
         dumped = [json.loads(line) for line in f]
-    assert [s["response_ids"] for s in dumped] == [ids for ids, _ in generated0[0]]
+    assert [s["response_ids"] for s in dumped] == [ids for ids, _ in generated0[0] + generated1[0]]
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        assert [json.loads(line)["rollout_samples"] for line in f] == [4, 4]
 
     # the entropy bonus is logged apart from the surrogate: at step 0 (one epoch, one minibatch,
     # ratio 1) the surrogate is -mean(whitened advantages) = 0, the bonus 0.1 * mean entropy

@@ -277,20 +277,50 @@ def test_torch_varlen_wrapper_passes_window_and_gqa_as_each_torch_takes_them(mon
             torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
-def test_attention_auto_picks_varlen_only_with_flash_attn_and_bf16_on_cuda(monkeypatch):
-    """resolve_auto, for each device and kernel (no GPU needed: it only reads the names)."""
+def test_attention_auto_never_puts_a_dense_mask_on_a_packed_gpu_row(monkeypatch):
+    """resolve_auto's decision table, per device, kernel and packing (no GPU needed: it only reads
+    which kernels exist): a flash kernel whenever bf16 on CUDA has one (flash-attn's first, then
+    torch's); on CUDA a packed row gets varlen even without one (the reference kernel, per document);
+    masked SDPA only for padded rows, or on CPU for packed rows up to the mask limit."""
     def resolved(device_type, **fields):
         cfg = Config(**fields)
-        mp.resolve_auto(cfg, device_type)
-        return cfg.dtype, cfg.attention
+        kernel = mp.resolve_auto(cfg, device_type)
+        return cfg.dtype, cfg.attention, kernel
 
+    flash, torch_kernel = "flash-attn varlen", "torch varlen_attn"
+    reference = "reference varlen (one SDPA per document)"
     monkeypatch.setattr(mp, "flash_attn_varlen_func", lambda *args, **kwargs: None)
-    assert resolved("cuda") == ("bf16", "varlen")
-    assert resolved("cuda", data_parallel="ddp") == ("fp32", "masked")  # the flash kernels need bf16
-    assert resolved("cpu") == ("fp32", "masked")
-    assert resolved("cuda", attention="varlen", dtype="fp32") == ("fp32", "varlen")  # asked for: kept
-    monkeypatch.setattr(mp, "flash_attn_varlen_func", None)  # torch's own kernel is not picked by auto
-    assert resolved("cuda") == ("bf16", "masked")
+    for packing in (False, True):
+        assert resolved("cuda", packing=packing) == ("bf16", "varlen", flash)
+    assert resolved("cuda", data_parallel="ddp") == ("fp32", "masked", "masked SDPA")  # flash kernels need bf16
+    assert resolved("cuda", data_parallel="ddp", packing=True) == ("fp32", "varlen", reference)
+    assert resolved("cuda", attention="masked") == ("bf16", "masked", "masked SDPA")  # asked for: kept
+    assert resolved("cpu") == resolved("cpu", packing=True) == ("fp32", "masked", "masked SDPA")
+    assert resolved("cpu", packing=True, max_tokens_per_microbatch=8192) == ("fp32", "varlen", reference)
+    assert resolved("cpu", packing=True, max_tokens_per_microbatch=8192, cp_size=4)[1] == "masked"  # 2048 x 8192
+    monkeypatch.setattr(mp, "flash_attn_varlen_func", None)  # no flash-attn: torch's kernel, where it has one
+    monkeypatch.setattr(mp, "VARLEN_ARGS", {"window_size": None})
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    for packing in (False, True):
+        assert resolved("cuda", packing=packing) == ("bf16", "varlen", torch_kernel)
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)  # no kernel at all
+    assert resolved("cuda") == ("bf16", "masked", "masked SDPA")
+    assert resolved("cuda", packing=True) == ("bf16", "varlen", reference)
+
+
+def _masked_refusal_body(rank, world_size):
+    """Unpacked rows longer than the limit (4097 tokens, padded to 4098: a multiple of 2cp*tp) are
+    refused in the forward, before any mask is built."""
+    mesh = mp.make_mesh(world_size, 1, 1, "cpu")
+    cfg = _cfg()
+    ids = torch.zeros(1, 4097, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"attention=masked would build a dense 4098x4098 mask .* use attention=varlen"):
+        mp._layout(ids, [4097], mesh, cfg)
+    mp._layout(ids[:, :4096], [4096], mesh, cfg)  # at the limit: built
+
+
+def test_masked_attention_refuses_a_row_above_the_limit():
+    run_ranks(_masked_refusal_body, 1)
 
 
 def test_grad_norm_is_exact_on_a_large_gradient():

@@ -40,6 +40,34 @@ def test_kl_estimators_by_hand():
     assert kl_penalty(ref, logp, "k1").item() < 0 < kl_penalty(ref, logp, "k3").item()
 
 
+def test_k3_is_clamped_as_verls_low_var_kl():
+    """A collapsed token (log-ratio far from 0) must not give inf or NaN, in value or gradient:
+    k3 is clamped to [0, 10]; inside the clamp it is unchanged."""
+    log_ratio = torch.tensor([-100.0, -50.0, -3.0, 1.0, 50.0, 100.0], requires_grad=True)
+    k3 = kl_penalty(log_ratio, torch.zeros(6), "k3")
+    k3.sum().backward()
+    assert torch.isfinite(k3).all() and torch.isfinite(log_ratio.grad).all()
+    assert k3[:3].tolist() == [10.0, 10.0, 10.0]  # -3: e^3 - 1 - 3 = 16.1, past the clamp
+    assert k3[3].item() == pytest.approx(math.exp(-1))  # (r - 1) - log r at r = e^-1: e^-1 - 1 + 1
+    assert (k3[4:] >= 0).all() and (k3[4:] <= 10).all()  # 50: e^-50 - 1 + 50 = 49, clamped
+    assert log_ratio.grad[[0, 1, 2, 4, 5]].tolist() == [0.0] * 5  # no gradient past the clamp
+
+
+def test_dual_clip_by_hand():
+    # (A, ratio) = (-1, 5) (-1, 2) (+1, 5) (-2, 4), eps = 0.2, c = 3:
+    #   max(-A r, -A clip(r)):  5    2   -1.2   8
+    #   cap -A c where A < 0:   3    3    -     6    ->  3, 2, -1.2, 6: tokens 0 and 3 dual-clipped
+    # token 2 is clipped as usual; only token 1 keeps a gradient, d(-A r)/d logp = -A r = 2
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -2.0]])
+    logp = torch.log(torch.tensor([[5.0, 2.0, 5.0, 4.0]])).requires_grad_()
+    loss, n_clipped = policy_loss(logp, torch.zeros(1, 4), adv, torch.ones(1, 4), 0.2, clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx((3 + 2 - 1.2 + 6) / 4) and n_clipped.item() == 3
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 2.0, 0.0, 0.0]]) / 4)
+    plain, n_plain = policy_loss(logp, torch.zeros(1, 4), adv, torch.ones(1, 4), 0.2)  # clip_ratio_c=0: off
+    assert plain.item() == pytest.approx((5 + 2 - 1.2 + 8) / 4) and n_plain.item() == 1
+
+
 def test_whiten_uses_only_masked_tokens():
     x = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])

@@ -26,7 +26,7 @@ def _refit_body(rank, world_size, tmp):
     mesh = model_parallel.make_mesh(world_size, 1, 1, "cpu")
     path = model_parallel.materialize_tiny_model("tiny-llama", tmp, seed=3)
     policy = model_parallel.load_policy(path, mesh, cfg)
-    engine = RecordingEngine(path, torch.device("cpu"))
+    engine = RecordingEngine(path, torch.device("cpu"), stop_ids=[256])
     engine.buckets = []
     ids = torch.tensor(IDS)
     # one optimizer step on a loss, so that the trained weights differ from the engine's

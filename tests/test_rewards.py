@@ -46,9 +46,11 @@ def test_math_reward_exact_match_and_format():
 
 
 def test_toy_task():
-    pairs = toy_prompts(seed=1, step=0, n=50)
-    assert pairs == toy_prompts(seed=1, step=0, n=50)        # same on every rank
-    assert pairs != toy_prompts(seed=1, step=1, n=50)        # new prompts each step
+    pairs = toy_prompts(seed=1, start=0, n=50)  # two epochs of the 25 facts
+    assert pairs == toy_prompts(seed=1, start=0, n=50)        # same on every rank
+    assert sorted(pairs[:25]) == sorted(pairs[25:]) and len(set(pairs[:25])) == 25  # each fact once an epoch
+    assert pairs[:25] != pairs[25:]                            # each epoch shuffled anew
+    assert toy_prompts(seed=1, start=20, n=10) == pairs[20:30]  # a resumed position draws the same
     for prompt, answer in pairs:
         a, b = prompt.rstrip("=").split("+")
         assert int(answer) == int(a) + int(b)

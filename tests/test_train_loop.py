@@ -139,7 +139,7 @@ def test_readme_recipe_for_your_own_task_runs_as_written(tmp_path):
         assert s["prompt"].endswith(">") and len(word) == 3 and set(word) <= set("abcd")
         assert s["answer"] == word[::-1]
         finished = s["response_ids"][-1] == rollout.ToyTask(0).eos_id
-        assert s["reward"] == float(finished and s["response"] == s["answer"])
+        assert s["finished"] == finished and s["reward"] == float(finished and s["response"] == s["answer"])
 
 
 def test_gpu_step_bench_counts_matmul_weights_once():
