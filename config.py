@@ -52,7 +52,7 @@ class Config:
     data_parallel: str = "fsdp"  # fsdp: FSDP2 shards params/grads/AdamW state over dp*cp; ddp: whole replicas, gradients all-reduced (DDP; fp32, tp=1): faster for small models on gloo
     reshard_after_forward: bool = True  # FSDP2: false keeps each gathered layer until backward (and across no-grad microbatches): half the all-gathers, the whole model's memory (ZeRO-2-like; on CPU, data_parallel=ddp is faster still)
     dtype: str = "auto"  # compute dtype: bf16 (FSDP2 mixed precision, fp32 master weights), fp32; auto = bf16 on CUDA (fsdp), else fp32
-    attention: str = "auto"  # masked (SDPA + document mask), varlen (on CUDA in bf16 flash-attn's varlen kernel, else torch's; a PyTorch stand-in elsewhere); auto = varlen on CUDA with flash-attn
+    attention: str = "auto"  # masked (SDPA + document mask), varlen (on CUDA in bf16 flash-attn's varlen kernel, else torch's; a PyTorch stand-in elsewhere); auto = varlen with a flash kernel, or where a dense mask would be large (packed rows on CUDA)
     # task and rollout
     task: str = "toy_add"  # toy_add: "a+b=" (operands 0..4), reward 1 for the exact sum; gsm8k: math word problems
     prompts: str = ""  # gsm8k: JSONL file of {"question", "answer": "... #### N"} lines
@@ -256,8 +256,9 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("tis_cap corrects pi_old vs the engine; old_logprobs=engine makes them equal: set tis_cap=0")
     if cfg.data_parallel == "ddp" and (cfg.tp_size > 1 or cfg.dtype == "bf16" or cfg.cpu_offload):
         raise ConfigError("data_parallel=ddp (plain fp32 replicas) needs tp_size=1, dtype=fp32/auto, cpu_offload=false")
-    if cfg.attention == "masked" and cfg.packing and masked_attention_error(cfg.max_tokens_per_microbatch, cfg.cp_size):
-        raise ConfigError(masked_attention_error(cfg.max_tokens_per_microbatch, cfg.cp_size))
+    if cfg.attention == "masked" and cfg.packing and (error := masked_attention_error(cfg.max_tokens_per_microbatch,
+                                                                                        cfg.cp_size)):
+        raise ConfigError(error)
     if cfg.sequence_parallel and cfg.tp_size == 1:
         raise ConfigError("sequence_parallel=true needs tp_size > 1 (it shards activations over tp)")
     if cfg.resume and cfg.resume != "auto" and not os.path.isdir(cfg.resume):

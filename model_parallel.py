@@ -115,8 +115,9 @@ def resolve_auto(cfg, device_type):
         cfg.dtype = "bf16" if device_type == "cuda" and cfg.data_parallel == "fsdp" else "fp32"
     kernel = gpu_varlen_kernel() if device_type == "cuda" and cfg.dtype == "bf16" else None
     if cfg.attention == "auto":
-        dense_ok = device_type == "cpu" and not masked_attention_error(cfg.max_tokens_per_microbatch, cfg.cp_size)
-        cfg.attention = "varlen" if kernel or (cfg.packing and not dense_ok) else "masked"
+        longest = cfg.max_tokens_per_microbatch if cfg.packing else cfg.max_model_len  # a row's length at most
+        dense_ok = not (cfg.packing and device_type == "cuda") and not masked_attention_error(longest, cfg.cp_size)
+        cfg.attention = "varlen" if kernel or not dense_ok else "masked"
     if cfg.attention == "masked":
         return "masked SDPA"
     names = {None: "reference varlen (one SDPA per document)", torch_varlen_attention: "torch varlen_attn"}
@@ -600,8 +601,8 @@ def _layout(input_ids, seq_lens, mesh, cfg):
     if cfg.attention == "varlen":
         attention.update(_varlen_index(doc_lens, ids.shape[0], ids.shape[1], cp_size, cp_rank, kv_rows))
     else:  # "masked" ("auto" is resolved at start-up)
-        if masked_attention_error(ids.shape[1], cp_size):  # unpacked rows: their length is known only now
-            raise ValueError(masked_attention_error(ids.shape[1], cp_size))
+        if error := masked_attention_error(ids.shape[1], cp_size):  # unpacked rows: their length is known only now
+            raise ValueError(error)
         attention.update(q_rows=q_rows, kv_rows=kv_rows, q_docs=docs[:, q_rows], kv_docs=docs[:, kv_rows])
     model_kwargs = dict(input_ids=ids[:, q_rows], position_ids=positions[:, q_rows],  # (B, T/cp) each
                         ppo_layout=attention, use_cache=False)
@@ -732,8 +733,9 @@ def clip_grad_norm(params, max_norm):
     norm = torch.stack(list(by_groups.values())).sum().sqrt() if grads else torch.zeros(())
     if max_norm > 0:  # 0 = no clipping, only the norm
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        scales = {_local(g).device: scale.to(_local(g).device) for g in grads}  # one copy per device
         for grad in grads:
-            _local(grad).mul_(scale.to(grad.device))
+            _local(grad).mul_(scales[_local(grad).device])
     return float(norm)
 
 
@@ -878,4 +880,4 @@ def load_checkpoint(path, parts):
     set_rng_states(trainer_state["rng"])
     for name, (_, _, scheduler) in parts.items():
         scheduler.load_state_dict(trainer_state["schedulers"][name])
-    return trainer_state["progress"]
+    return trainer_state.get("progress", {"step": trainer_state.get("step")})  # (older checkpoints: the step)

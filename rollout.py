@@ -414,9 +414,9 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
         # one SamplingParams per sample: its seed gives the request its own generator. Without a
         # tokenizer vLLM knows only generation_config's EOS ids: stop_token_ids names the whole set
-        # (and keeps the token in the output)
+        # (and keeps the token in the output); an empty set must ignore generation_config's too
         params = [SamplingParams(seed=s, temperature=temperature, max_tokens=max_new_tokens, logprobs=0,
-                                 stop_token_ids=self.stop_ids, detokenize=False)
+                                 stop_token_ids=self.stop_ids, ignore_eos=not self.stop_ids, detokenize=False)
                   for s in seeds]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
         with _trainer_state_kept():

@@ -379,9 +379,9 @@ def generate(engine, task, cfg, step, start, mesh):
     group = range(rank - rank % cfg.rollout_tp_size, rank - rank % cfg.rollout_tp_size + cfg.rollout_tp_size)
     wanted = sorted({j for member in group for j in generated_by(cfg, mesh, member)})
     prompt_ids = [task.encode(p) for p, _ in prompts]  # (chat template applied)
-    outs = engine.generate([prompt_ids[j // K] for j in wanted],
-                           [rollout.sample_seed(cfg.seed, step, j // K, j % K) for j in wanted],
-                           cfg.max_new_tokens, cfg.temperature)
+    outs = engine.generate([prompt_ids[j // K] for j in wanted], [rollout.sample_seed(cfg.seed, step, j // K, j % K)
+                                                                  for j in wanted],
+                           cfg.max_new_tokens, cfg.temperature) if wanted else []  # (fewer samples than ranks)
     by_index = dict(zip(wanted, outs))
     samples = []
     for j in generated_by(cfg, mesh, rank):
@@ -652,7 +652,9 @@ def main(cfg, task=None):
         model_dir = sft_warmup(model_dir, task, cfg, mesh)
     parts, reference = build_models(model_dir, cfg, mesh)
     policy, critic = parts["policy"][0], parts.get("critic", (None,))[0]
-    progress = model_parallel.load_checkpoint(resume_dir, parts) if resume_dir else dict(step=0, prompts_drawn=0)
+    # the prompt stream: the SFT warm-up drew its first sft_steps * sft_batch_size prompts, PPO goes on from there
+    progress = model_parallel.load_checkpoint(resume_dir, parts) if resume_dir else {"step": 0}
+    progress.setdefault("prompts_drawn", cfg.sft_steps * cfg.sft_batch_size + progress["step"] * cfg.prompts_per_step)
     start_step = progress["step"]
     print0(f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir else "fresh start")
     stop_ids = rollout.stop_token_ids(model_dir, task.eos_id)  # the engine's `finished` is the trainer's

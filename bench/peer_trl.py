@@ -270,7 +270,7 @@ def profile_last_step(train_ppo, last_step, dump_prefix, top=14):
 
         def wrapped(*a, **k):
             if name == "rollouts":
-                on[0] = a[3] == last_step  # rollouts(engine, task, cfg, step, mesh) opens a step
+                on[0] = a[3] == last_step  # rollouts(engine, task, cfg, step, start, mesh) opens a step
             if not on[0]:
                 return fn(*a, **k)
             rec = phases.setdefault(phase, dict(wall=0.0, cprofile=cProfile.Profile(), ops={}))

@@ -103,12 +103,13 @@ def test_resume_same_mesh_is_identical(straight, resumed):
 
 
 def test_resume_draws_the_prompts_the_straight_run_drew(straight, resumed):
-    """Prompts come as shuffled epochs over the task's 25 facts, each fact once an epoch; the
-    checkpoint saves the position in that stream, and the resumed runs go on from it."""
+    """Prompts come as shuffled epochs over the task's 25 facts, each fact once an epoch: the warm-up
+    draws the first 30 x 8 = 240, PPO 4 a step from there (the stream crosses into epoch 10 at 250,
+    during step 2). The checkpoint saves the position, and the resumed runs go on from it."""
     state = torch.load(os.path.join(resumed["out"], "ckpt", "step_2", "trainer_state_rank0.pt"), weights_only=False)
-    assert state["progress"] == {"step": 2, "prompts_drawn": 8}  # test_tiny: 4 prompts a step
-    want = [prompt for prompt, _ in rollout.toy_prompts(1, 0, 16)]  # 4 steps of 4, within the first epoch
-    assert len(set(want)) == 16
+    assert state["progress"] == {"step": 2, "prompts_drawn": 248}
+    want = [prompt for prompt, _ in rollout.toy_prompts(1, 240, 16)]
+    assert len(set(want[:10])) == 10 and want[:10] != want[10:]  # the rest of epoch 9, then a new order
     for out in (straight[0], resumed["out"]):
         drawn = []
         for step in range(4):

@@ -116,7 +116,7 @@ def test_ppo_cli_on_gpu_trains_resumes_and_exports(tmp_path):
     with open(os.path.join(out, "config.json")) as f:
         resolved = json.load(f)
     assert resolved["dtype"] == "bf16", "dtype=auto on CUDA must pick the bf16 recipe"
-    assert resolved["attention"] == ("varlen" if mp.flash_attn_varlen_func else "masked")
+    assert resolved["attention"] == ("varlen" if mp.gpu_varlen_kernel() else "masked")
     proc = run_cli(1, *args, "--steps=3", "--resume=auto", env=env)
     assert "resumed from" in proc.stdout, "no checkpoint was resumed (a fresh start also writes steps 0-2)"
     rows = read_metrics(out)

@@ -111,15 +111,14 @@ def test_layers_kept_gathered_change_no_number(generated, tmp_path):
 
 # The GPU recipe through the CLI, on the generating run's rollouts: bf16 (FSDP2 mixed
 # precision) against an fp32 replay, and the varlen attention path against fp32 exactly.
-# Both replays train at the project's default lr (1e-5; test_tiny's 1e-4 is 10x that for a fast
-# toy): AdamW's first updates are ~lr * sign(grad), so bf16 rounding that flips the sign of a
-# near-zero gradient moves that weight a full step, and at 1e-4 the value loss drifts more with
-# each step. Measured (value loss, policy and critic grad norms; relative to fp32, worst of 3
+# Both replays train at lr 1e-5 (test_tiny's 1e-4 is 10x that for a fast toy): AdamW's first
+# updates are ~lr * sign(grad), so bf16 rounding that flips the sign of a near-zero gradient
+# moves that weight a full step, and at 1e-4 the value loss drifts more with each step. Measured (value loss, policy and critic grad norms; relative to fp32, worst of 3
 # steps): at lr 1e-4, dp2 5.7%, 1.2%, 3.3%; tp2 1.6%, 0.5%, 1.0%; cp2+packed 4.5%, 0.4%, 2.7%;
 # at lr 1e-5, see the printed figures (pytest -s).
 VALUE_LOSS_TOL, GRAD_NORM_TOL = 0.05, 0.20
 BF16_MESHES = [(2, 1, 1, False), (1, 1, 2, False), (1, 2, 1, True)]  # (dp, cp, tp, packing)
-DEFAULT_LR = ("--lr=1e-5", "--critic_lr=1e-5")
+LR_1E5 = ("--lr=1e-5", "--critic_lr=1e-5")
 
 
 def relative(a, b):
@@ -128,9 +127,9 @@ def relative(a, b):
 
 @pytest.fixture(scope="module")
 def fp32_replay(generated, tmp_path_factory):
-    """The fp32 run the bf16 runs compare with: the generating run's rollouts at the default lr."""
+    """The fp32 run the bf16 runs compare with: the generating run's rollouts at lr 1e-5."""
     out, target = generated[0], str(tmp_path_factory.mktemp("fp32_replay"))
-    run_cli(2, "--config", "configs/test_tiny.toml", "--steps=3", "--sft_steps=0", *DEFAULT_LR,
+    run_cli(2, "--config", "configs/test_tiny.toml", "--steps=3", "--sft_steps=0", *LR_1E5,
             f"--model={out}/sft", f"--replay_rollouts={out}/rollouts", f"--out_dir={target}")
     return read_metrics(target)
 
@@ -142,7 +141,7 @@ def test_bf16_replay_stays_close_to_fp32(generated, fp32_replay, dp, cp, tp, pac
     above of the fp32 run, every step (bf16 rounding, nothing else, differs)."""
     out, _ = generated
     run_cli(dp * cp * tp, "--config", "configs/test_tiny.toml", "--steps=3", "--sft_steps=0", "--dtype=bf16",
-            *DEFAULT_LR, f"--tp_size={tp}", f"--cp_size={cp}", f"--packing={str(packing).lower()}",
+            *LR_1E5, f"--tp_size={tp}", f"--cp_size={cp}", f"--packing={str(packing).lower()}",
             f"--model={out}/sft", f"--replay_rollouts={out}/rollouts", f"--out_dir={tmp_path}")
     for a, b in zip(fp32_replay, read_metrics(tmp_path)):
         assert b["value_loss"] != a["value_loss"], "no bf16 rounding seen: is dtype=bf16 in effect?"

@@ -176,7 +176,7 @@ def write_rollouts(path, steps, nan_steps, prompts_per_step=4, samples_per_promp
     for step in range(steps):
         samples = []
         for j in range(prompts_per_step * samples_per_prompt):
-            prompt, answer = rollout.toy_prompts(1, step, prompts_per_step)[j // samples_per_prompt]
+            prompt, answer = rollout.toy_prompts(1, step * prompts_per_step, prompts_per_step)[j // samples_per_prompt]
             response = tok.encode(answer if j % 3 else "9") + [256]  # some right, some wrong
             reward = float("nan") if step in nan_steps and j == 0 else float(j % 3 != 0)
             samples.append(dict(index=j, prompt=prompt, answer=answer, response=answer, reward=reward,

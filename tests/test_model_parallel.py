@@ -293,11 +293,13 @@ def test_attention_auto_never_puts_a_dense_mask_on_a_packed_gpu_row(monkeypatch)
     for packing in (False, True):
         assert resolved("cuda", packing=packing) == ("bf16", "varlen", flash)
     assert resolved("cuda", data_parallel="ddp") == ("fp32", "masked", "masked SDPA")  # flash kernels need bf16
+    assert resolved("cuda", data_parallel="ddp", max_model_len=8192)[1] == "varlen"  # long unpacked rows
     assert resolved("cuda", data_parallel="ddp", packing=True) == ("fp32", "varlen", reference)
     assert resolved("cuda", attention="masked") == ("bf16", "masked", "masked SDPA")  # asked for: kept
     assert resolved("cpu") == resolved("cpu", packing=True) == ("fp32", "masked", "masked SDPA")
     assert resolved("cpu", packing=True, max_tokens_per_microbatch=8192) == ("fp32", "varlen", reference)
     assert resolved("cpu", packing=True, max_tokens_per_microbatch=8192, cp_size=4)[1] == "masked"  # 2048 x 8192
+    assert resolved("cpu", max_model_len=8192) == ("fp32", "varlen", reference)  # unpacked rows of up to 8192
     monkeypatch.setattr(mp, "flash_attn_varlen_func", None)  # no flash-attn: torch's kernel, where it has one
     monkeypatch.setattr(mp, "VARLEN_ARGS", {"window_size": None})
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)

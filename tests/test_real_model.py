@@ -71,7 +71,9 @@ def test_task_applies_chat_template_and_checks_inputs(real_model):
     assert text.startswith("<|im_start|>user\nTom has 3 apples") and text.endswith("<|im_start|>assistant\n")
     assert task.eos_id == tok.convert_tokens_to_ids("<|im_end|>")
     assert task.reward("3 + 4 = 7 #### 7", PROBLEMS[0][1], True) == 1.0
-    assert task.prompts(5, 4) == task.prompts(5, 4)
+    stream = task.prompts(0, 2 * len(task.train))  # two epochs, each a permutation of the prompts file
+    assert sorted(stream[:len(task.train)]) == sorted(stream[len(task.train):]) == sorted(task.train)
+    assert task.prompts(3, 4) == stream[3:7]  # a resumed position draws what the straight run drew
     # (malformed and empty lines of the prompts file: test_failures.py, beside the other bad inputs)
     with pytest.raises(rollout.TaskError, match="tokenizer"):  # tokenizer larger than the model
         rollout.make_task(cfg, path, model_vocab_size=100)

@@ -4,8 +4,9 @@ generation split inside a tp x cp group, and the one set of stop tokens.
 - Collectives. On a GPU every collective must get a tensor on the trainer's device (NCCL takes no
   CPU tensor). On CPU every tensor is on that device, so the check also fails on any tensor that a
   factory call (torch.tensor, torch.zeros, ...) made without device=: on a GPU that is the tensor
-  that would sit on the CPU. The whole trainer (SFT, rollouts, the update, metrics, the stop flag,
-  a checkpoint, the export) runs under the check on the 6 meshes.
+  that would sit on the CPU. The whole trainer (SFT, validation, rollouts, the update, metrics, the
+  stop flag, a checkpoint, the export) runs under the check on the 6 meshes. Not seen by it: the
+  functional collectives inside DTensor (full_tensor), and CPU-offloaded shards (GPU only).
 - Generation split. Those runs generate their own rollouts with the HF engine from one seed: each
   engine of a tp x cp group draws its share of the dp slice (`rollout_samples`), and every mesh
   trains on the same samples and gets the numbers of the single-process run.
@@ -78,10 +79,13 @@ def _meshes_body(rank, world_size, model, root):
             for dp, cp, tp in MESHES[world_size]:
                 cfg = config.Config(out_dir=os.path.join(root, f"dp{dp}cp{cp}tp{tp}"), model=model, tp_size=tp,
                                     cp_size=cp, packing=cp > 1, steps=2, prompts_per_step=4, samples_per_prompt=2,
-                                    max_new_tokens=4, micro_batch_size=2, sft_steps=15, sft_batch_size=8, lr=1e-4,
-                                    critic_lr=1e-4, ppo_epochs=2, save_every=2, rollout_engine="hf", plot_every=0)
+                                    max_new_tokens=4, micro_batch_size=2, sft_steps=20, sft_batch_size=8, lr=1e-4,
+                                    critic_lr=1e-4, ppo_epochs=2, save_every=2, rollout_engine="hf", plot_every=0,
+                                    eval_every=2)
                 config.validate(cfg, world_size)
-                train_ppo.main(cfg)
+                task = rollout.ToyTask(cfg.seed)
+                task.val = rollout.TOY_FACTS[:6]  # greedy validation at step 0: its count is summed over ranks
+                train_ppo.main(cfg, task)
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
@@ -92,7 +96,7 @@ def _meshes_body(rank, world_size, model, root):
     assert expected <= set(seen), seen
 
 
-@pytest.mark.slow  # 6 trainer runs (2 steps each, after a 15-step SFT) on 1, 2 and 4 ranks
+@pytest.mark.slow  # 6 trainer runs (2 steps each, after a 20-step SFT) on 1, 2 and 4 ranks
 def test_every_mesh_hands_collectives_device_tensors_and_splits_generation(tmp_path):
     model = mp.materialize_tiny_model("tiny-llama", str(tmp_path), seed=1)
     for world_size in MESHES:
@@ -108,6 +112,7 @@ def test_every_mesh_hands_collectives_device_tensors_and_splits_generation(tmp_p
         assert [r["rollout_samples"] for r in rows] == [8 // (dp * cp * tp)] * 2, (dp, cp, tp)
         with open(out / "rollouts" / "step_1.jsonl") as f:
             assert [json.loads(line)["response_ids"] for line in f] == samples, (dp, cp, tp)
+        assert rows[0]["val_accuracy"] == single[0]["val_accuracy"]
         for a, b in zip(single, rows):
             assert a["reward_mean"] == b["reward_mean"]
             for k in ("policy_loss", "value_loss", "kl", "grad_norm", "critic_grad_norm"):
