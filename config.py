@@ -34,6 +34,7 @@ class Config:
     keep_checkpoints: int = 2  # keep the newest N checkpoints, delete older ones (0 = keep all)
     resume: str = ""  # "" = fresh run; "auto" = newest complete checkpoint in out_dir/ckpt (fresh if none); or a step_N dir
     export_hf: bool = True  # at the end, write the policy as an HF checkpoint dir out_dir/hf (+ the model's tokenizer files)
+    export_dtype: str = "auto"  # dtype of that export: auto = the compute dtype (bf16 on GPU, fp32 on CPU), bf16, fp32
     max_skipped_steps: int = 3  # stop when this many steps in a row skipped an update for a NaN/inf loss or grad norm (0 = never)
     collective_timeout_s: int = 1800  # a collective waiting longer raises (a dead or stuck rank) instead of hanging
     replay_rollouts: str = ""  # a previous run's out_dir/rollouts: train on those instead of generating
@@ -49,6 +50,7 @@ class Config:
     logprob_chunk_size: int = 1024  # tokens per chunk of the fp32 logprob softmax (0 = one chunk: (tokens, vocab/tp) fp32 kept for backward)
     activation_checkpointing: bool = False  # recompute decoder layers in backward (GPU memory)
     cpu_offload: bool = False  # FSDP2 CPU offload of params/grads/optimizer state (GPU memory)
+    offload_optimizer: bool = False  # AdamW's state to pinned host memory while the engine generates, back for the update (GPU memory)
     data_parallel: str = "fsdp"  # fsdp: FSDP2 shards params/grads/AdamW state over dp*cp; ddp: whole replicas, gradients all-reduced (DDP; fp32, tp=1): faster for small models on gloo
     reshard_after_forward: bool = True  # FSDP2: false keeps each gathered layer until backward (and across no-grad microbatches): half the all-gathers, the whole model's memory (ZeRO-2-like; on CPU, data_parallel=ddp is faster still)
     dtype: str = "auto"  # compute dtype: bf16 (FSDP2 mixed precision, fp32 master weights), fp32; auto = bf16 on CUDA (fsdp), else fp32
@@ -106,7 +108,7 @@ class Config:
 CHOICES = {"rollout_engine": ("auto", "vllm", "hf"), "kl_estimator": ("k1", "k3"), "task": ("toy_add", "gsm8k"),
            "dtype": ("auto", "bf16", "fp32"), "attention": ("auto", "masked", "varlen"),
            "advantage_estimator": ("gae", "grpo"), "old_logprobs": ("trainer", "engine"),
-           "data_parallel": ("fsdp", "ddp")}
+           "data_parallel": ("fsdp", "ddp"), "export_dtype": ("auto", "bf16", "fp32")}
 # Fields that must be >= 1 (integers) and > 0 (floats).
 POSITIVE = ("steps", "tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size",
             "prompts_per_step", "samples_per_prompt", "max_new_tokens", "rollout_tp_size",

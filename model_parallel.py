@@ -20,13 +20,17 @@ Where the ideas come from (code and prose are our own):
 5. Mesh-agnostic checkpoints through torch.distributed.checkpoint's get/set_state_dict, written
    to a temp dir and renamed: torchtitan's checkpointing (components/checkpoint.py).
 """
+import contextlib
+import copy
 import datetime
 import inspect
+import json
 import math
 import os
 import random
 import re
 import shutil
+import struct
 import time
 from contextlib import contextmanager
 
@@ -341,7 +345,7 @@ def _tp_plan(family, sequence_parallel, critic):
 
 # -----------------------------------------------------------------------------
 # Loading: every rank builds the model on the meta device (no memory), shards it (TP, then
-# FSDP2), allocates only its shards, and receives the weights from rank 0 one tensor at a time.
+# FSDP2), allocates only its shards, and reads only those from the checkpoint's files.
 
 class CheckpointError(ValueError):
     """A model dir or training checkpoint that cannot be used: one line, exit 2."""
@@ -468,24 +472,21 @@ def sync_gradients(model, sync):
         model.set_requires_gradient_sync(sync)
 
 
-def _load_weights(model, path, extra, device):
-    """Rank 0 reads each tensor (from the checkpoint or `extra`), broadcasts it on `device` to every
-    rank, and each rank keeps its own shard; returns the model. Peak memory: one full tensor."""
-    reader = None  # rank 0: tensor name -> lazy reader over the checkpoint's safetensors file(s)
-    if dist.get_rank() == 0:
-        from safetensors import safe_open
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        handles = [safe_open(os.path.join(path, f), framework="pt") for f in files]
-        reader = {name: h for h in handles for name in h.keys()}
-    missing = [n for n, _ in model.named_parameters() if reader is not None and n not in reader and n not in extra]
-    if missing:  # rank 0 stops here; torchrun then ends the ranks waiting in the broadcast
+def _load_weights(model, path, extra):
+    """Collective (every rank). Each rank reads only the slices its shards cover from the checkpoint's
+    safetensors files (torch.distributed.checkpoint's HF reader: byte ranges of mmap'd files, cast to
+    the parameters' dtype), as torchtitan loads HF weights; no rank holds a full model. `extra`: full
+    tensors for what the files lack (the value head). Returns the model."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens, like in the file
+    in_files = HuggingFaceStorageReader(path).read_metadata().state_dict_metadata  # names and shapes: headers only
+    missing = [n for n in params if n not in in_files and n not in extra]
+    if missing:
         raise ValueError(f"{path} has no tensor named {missing[0]} ({len(missing)} missing): not an HF checkpoint "
                          f"of a supported CausalLM?")
-    for name, param in model.named_parameters():  # tied weights appear once, as in the file
-        full = torch.empty(param.shape, dtype=param.dtype, device=device)  # global shape (not the offloaded shard's CPU)
-        if reader is not None:
-            full.copy_(extra[name] if name in extra else reader[name].get_tensor(name))
-        dist.broadcast(full, src=0)  # collective over the world group
+    dcp.load({n: p for n, p in params.items() if n not in extra}, storage_reader=HuggingFaceStorageReader(path))
+    for name, full in extra.items():
+        param = params[name]
         if isinstance(param, DTensor):  # our shard of the full tensor, cut locally as its placements say
             full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
         with torch.no_grad():
@@ -495,7 +496,7 @@ def _load_weights(model, path, extra, device):
 
 def load_policy(path, mesh, cfg):
     """The HF checkpoint at `path` as a sharded module (TP plan if tp > 1, FSDP2 over dp*cp)."""
-    return _load_weights(_build(path, mesh, cfg, critic=False), path, {}, _device(mesh))
+    return _load_weights(_build(path, mesh, cfg, critic=False), path, extra={})
 
 
 def load_critic(path, mesh, cfg):
@@ -505,7 +506,7 @@ def load_critic(path, mesh, cfg):
     model = _build(path, mesh, cfg, critic=True)
     hidden, generator = model.config.hidden_size, torch.Generator().manual_seed(cfg.seed)
     weight = torch.randn(1, hidden, generator=generator) / math.sqrt(hidden + 1)
-    return _load_weights(model, path, {"lm_head.weight": weight, "lm_head.bias": torch.zeros(1)}, _device(mesh))
+    return _load_weights(model, path, extra={"lm_head.weight": weight, "lm_head.bias": torch.zeros(1)})
 
 
 # -----------------------------------------------------------------------------
@@ -651,8 +652,9 @@ def forward_critic(critic, input_ids, seq_lens, mesh, cfg):
 
 
 # -----------------------------------------------------------------------------
-# Reference policy: the initial policy's shards on CPU, swapped into the live module for the
-# reference forward (one model in memory, no second FSDP module to shard and keep in sync).
+# Reference policy: the initial policy's shards in host memory, swapped into the live module for
+# the reference forward (one model in memory, no second FSDP module to shard and keep in sync);
+# and the optimizer's state, moved to host memory while the engine generates.
 
 def _local(param):
     return param.to_local() if isinstance(param, DTensor) else param  # this rank's shard
@@ -666,11 +668,19 @@ def _reshard(model):
             module.reshard()
 
 
-def snapshot_weights(model):
-    """This rank's shard of every parameter, copied to CPU (pinned on GPU: faster copies back)."""
+def _host_copy(tensor, dtype=None):
+    """A copy in host memory, pinned on a GPU machine (copies to and from the GPU go faster and async)."""
+    out = torch.empty(tensor.shape, dtype=dtype or tensor.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+    return out.copy_(tensor, non_blocking=True)
+
+
+def snapshot_weights(model, dtype=None):
+    """The reference policy: this rank's shard of every parameter, copied once to host memory, in
+    `dtype` (default: the parameters'). The bf16 recipe keeps bf16: half the bytes of fp32, and the
+    forward casts the weights to bf16 anyway, so the reference computes exactly the same."""
     _reshard(model)
-    copies = {name: _local(p).detach().to("cpu", copy=True) for name, p in model.named_parameters()}
-    return {name: c.pin_memory() for name, c in copies.items()} if torch.cuda.is_available() else copies
+    return {"weights": {name: _host_copy(_local(p).detach(), dtype) for name, p in model.named_parameters()},
+            "parked": {}}  # filled by swapped_weights
 
 
 def _copy_into(model, weights):
@@ -683,25 +693,45 @@ def _copy_into(model, weights):
 @contextmanager
 def swapped_weights(model, snapshot):
     """Within the block, `model` computes with the snapshot's weights; afterwards the live
-    weights are back exactly. Plain tensors on the snapshot's device (DDP or one rank, on CPU)
-    trade storage with the snapshot, no copy; shards (FSDP2) and GPU weights are copied, the
-    live ones waiting on CPU meanwhile."""
+    weights are back exactly. Plain tensors like the snapshot's (DDP or one rank, on CPU) trade
+    storage with it, no copy; shards (FSDP2) and GPU weights are copied, the live ones parked
+    meanwhile in host memory allocated at the first swap and reused (no allocation per step)."""
     _reshard(model)  # a gathered FSDP2 module shows plain full tensors, not its shards
-    params = dict(model.named_parameters())
+    params, weights, parked = dict(model.named_parameters()), snapshot["weights"], snapshot["parked"]
     same = lambda p, s: (p.device, p.shape, p.dtype) == (s.device, s.shape, s.dtype)  # noqa: E731
-    if all(not isinstance(p, DTensor) and same(p, snapshot[n]) for n, p in params.items()):
-        def trade():  # each tensor's storage goes to the other side; the Parameter objects stay
+    if all(not isinstance(p, DTensor) and same(p, weights[n]) for n, p in params.items()):
+        def enter():  # each tensor's storage goes to the other side; the Parameter objects stay
             for name, param in params.items():
-                param.data, snapshot[name] = snapshot[name], param.data
-        enter = leave = trade
+                param.data, weights[name] = weights[name], param.data
+        leave = enter
     else:
-        live = snapshot_weights(model)
-        enter, leave = lambda: _copy_into(model, snapshot), lambda: _copy_into(model, live)
+        def enter():
+            for name, param in params.items():
+                if name in parked:
+                    parked[name].copy_(_local(param), non_blocking=True)
+                else:
+                    parked[name] = _host_copy(_local(param).detach())
+            _copy_into(model, weights)
+        leave = lambda: _copy_into(model, parked)  # noqa: E731
     enter()
     try:
         yield model
     finally:
         leave()
+
+
+def move_optimizer_state(optimizer, device):
+    """AdamW's two moments (8 bytes a parameter: twice the fp32 weights) to `device`: "cpu" (pinned
+    host memory) while vLLM generates, the GPU again before the update, as NeMo-RL's
+    offload_before_refit / offload_after_refit. Sharded (DTensor) states keep their sharding."""
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                old = state[key]
+                new = _host_copy(_local(old)) if torch.device(device).type == "cpu" else \
+                    _local(old).to(device, non_blocking=True)
+                state[key] = DTensor.from_local(new, old.device_mesh, old.placements, run_check=False, shape=old.shape,
+                                                stride=old.stride()) if isinstance(old, DTensor) else new
 
 
 # -----------------------------------------------------------------------------
@@ -760,19 +790,62 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 
 
-def save_hf(model, path, extra_files=None, copy_from=None):
-    """Write an HF checkpoint dir (config.json + model.safetensors, fp32) loadable by
-    from_pretrained and vLLM; extra_files: {file name: text} written beside; copy_from: a model
-    dir whose TOKENIZER_FILES are copied in. Collective; rank 0 writes to a temp dir and renames
-    it, so `path` is never half-written."""
-    from safetensors.torch import save_file
-    master = dist.get_rank() == 0
-    state = {name: full.to("cpu", torch.float32).contiguous() for name, full in iter_full_params(model) if master}
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _safetensors_header(tensors, dtype):
+    """The safetensors layout: an 8-byte little-endian size, then a JSON header of each tensor's dtype,
+    shape and byte range in the data that follows (padded to 8 bytes). Shapes suffice to write it."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in tensors:
+        nbytes = shape.numel() * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob
+
+
+def save_hf(model, path, dtype=torch.float32, copy_from=None, extra_files=None, shard_gb=5.0):
+    """Collective (every rank). Write an HF checkpoint dir loadable by from_pretrained and vLLM: config.json
+    and the weights in `dtype`, in safetensors files of at most shard_gb (several: the hub's
+    model-0000k-of-0000n.safetensors + model.safetensors.index.json). Streamed: rank 0 writes each
+    file's header first, then appends every parameter as it is gathered, so no rank holds more than
+    one full tensor beyond its shards. copy_from: a model dir whose TOKENIZER_FILES are copied in;
+    extra_files: {file name: text}. Written to a temp dir and renamed: `path` is never half-written."""
+    master, tmp = dist.get_rank() == 0, path.rstrip("/") + ".tmp"
+    _reshard(model)
+    files, size = [[]], 0  # [(name, shape)] per file, in parameter order
+    for name, param in model.named_parameters():
+        nbytes = param.numel() * dtype.itemsize
+        if files[-1] and size + nbytes > shard_gb * 2**30:
+            files.append([])
+            size = 0
+        files[-1].append((name, param.shape))
+        size += nbytes
+    names = ["model.safetensors"] if len(files) == 1 else [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
+                                                            for k in range(len(files))]
     if master:
-        tmp = path.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        model.config.save_pretrained(tmp)
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        os.makedirs(tmp)
+    full_params = iter_full_params(model)  # one all-gather per parameter, on every rank
+    for file_name, tensors in zip(names, files):
+        with open(os.path.join(tmp, file_name), "wb") if master else contextlib.nullcontext() as f:
+            if master:
+                f.write(_safetensors_header(tensors, dtype))
+            for _ in tensors:
+                full = next(full_params)[1]
+                if master:
+                    f.write(full.to(dtype).contiguous().view(torch.uint8).cpu().numpy())  # its raw bytes
+    if master:
+        if len(files) > 1:
+            weight_map = {name: file_name for file_name, tensors in zip(names, files) for name, _ in tensors}
+            total = sum(shape.numel() * dtype.itemsize for tensors in files for _, shape in tensors)
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+        config = copy.deepcopy(model.config)
+        config.dtype = dtype  # vLLM and from_pretrained(dtype="auto") load it as written
+        config.save_pretrained(tmp)
         for file_name, text in (extra_files or {}).items():
             with open(os.path.join(tmp, file_name), "w") as f:
                 f.write(text)

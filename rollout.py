@@ -486,6 +486,8 @@ def make_engine(cfg, model_dir: str, device: torch.device, stop_ids: list) -> En
 # verl's): the gathered tensors never coexist with the KV cache.
 
 def refit(engine: Engine, named_full_tensors, bucket_mb: float) -> dict:
+    if torch.cuda.is_available():  # GPU: what training freed goes back to the driver before vLLM takes it
+        torch.cuda.empty_cache()
     engine.wake_up(["weights"])
     limit, dtype = bucket_mb * 2**20, engine.dtype
     bucket, size, largest, total = [], 0, 0, 0

@@ -344,7 +344,7 @@ def build_models(model_dir, cfg, mesh):
     """{name: (model, AdamW, LR schedule)} for the policy and (gae only) the critic, the
     content of a checkpoint; and the reference policy: a copy of the policy's initial shards."""
     policy = model_parallel.load_policy(model_dir, mesh, cfg)
-    reference = model_parallel.snapshot_weights(policy)
+    reference = model_parallel.snapshot_weights(policy, torch.bfloat16 if cfg.dtype == "bf16" else None)
     models = {"policy": (policy, cfg.lr)}
     if cfg.advantage_estimator == "gae":  # GRPO has no critic: none is loaded, trained or saved
         models["critic"] = (model_parallel.load_critic(cfg.critic_model or model_dir, mesh, cfg), cfg.critic_lr)
@@ -606,6 +606,12 @@ def plot_curves(metrics_path, png_path):
     os.replace(png_path + ".tmp.png", png_path)
 
 
+def optimizer_state_to(device, parts, cfg):
+    """With offload_optimizer: both AdamW states to `device` (host memory between updates)."""
+    for _, optimizer, _ in parts.values() if cfg.offload_optimizer else ():
+        model_parallel.move_optimizer_state(optimizer, device)
+
+
 def install_stop_handler(device):
     """SIGTERM (preemption) or Ctrl-C: finish the step, save, exit 0. A second signal kills.
     Returns stop_requested(): collective (every rank calls it); True once any rank got a signal."""
@@ -681,6 +687,7 @@ def main(cfg, task=None):
                 score(policy, reference, critic, batch, cfg, mesh)
                 compute_advantages(batch, scores, all_scores, cfg, mesh)
             with timed(times, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches
+                optimizer_state_to(device, parts, cfg)  # (back from host memory, with offload_optimizer)
                 for epoch in range(cfg.ppo_epochs):
                     for rows in minibatches:
                         num_tokens = dp_sum(batch.mask[rows].sum(), mesh)  # global response tokens
@@ -690,6 +697,7 @@ def main(cfg, task=None):
                 for _, _, schedule in parts.values():
                     schedule.step()
                 metrics["mem_used_gb"] = memory_used_gb()  # (training's peak is about here)
+                optimizer_state_to("cpu", parts, cfg)  # (with offload_optimizer: the engine gets the room)
             with timed(times, "time_refit_s"):  # 9. push the policy into the engine (a collective)
                 if engine is not None:  # also after skipped updates: on GPU the engine dropped its weights
                     metrics.update(rollout.refit(engine, model_parallel.iter_full_params(policy), cfg.refit_bucket_mb))
@@ -711,7 +719,9 @@ def main(cfg, task=None):
             break
     dist.barrier()
     if cfg.export_hf and not stopped:  # + the tokenizer files and generation_config of the dir we loaded
-        model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"), copy_from=model_dir)
+        bf16 = cfg.export_dtype == "bf16" or (cfg.export_dtype == "auto" and cfg.dtype == "bf16")
+        model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"), torch.bfloat16 if bf16 else torch.float32,
+                               copy_from=model_dir)
     if engine is not None:
         engine.shutdown()  # vLLM destroys the process group itself, so this comes last
     elif dist.is_initialized():

@@ -95,8 +95,8 @@ def worker():
         params, snapshot = list(holder.parameters()), mp.snapshot_weights(holder)
 
         def swap_copy():  # the copy path (FSDP2, GPU), which was the only one before
-            live = mp.snapshot_weights(holder)
-            mp._copy_into(holder, snapshot)
+            live = mp.snapshot_weights(holder)["weights"]
+            mp._copy_into(holder, snapshot["weights"])
             mp._copy_into(holder, live)
 
         def swap_trade():  # what swapped_weights does now for plain tensors

@@ -203,26 +203,31 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(straig
         assert model_parallel.load_checkpoint(os.path.join(out, "ckpt", "step_4"), parts)["step"] == 4
         with torch.no_grad():
             trainer, _ = model_parallel.forward_policy(policy, ids, lens, mesh, config.Config())  # (b, S)
+        sharded = os.path.join(out, "hf-sharded")  # the same weights in 1 MB files, as a large model's 5 GB ones
+        model_parallel.save_hf(policy, sharded, shard_gb=1 / 1024)
     finally:
         dist.destroy_process_group()
+    assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
 
     hf = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf(input_ids=ids).logits  # (b, S, V)
     plain = plain_logprobs(logits, ids)  # (b, S), 0 at position 0 as the trainer's
 
-    proc = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, export, json.dumps(seqs)], capture_output=True,
-                          text=True, timeout=300, env=cpu_env())
-    line = [x for x in proc.stdout.splitlines() if x.startswith("LOGPROBS ")]
-    assert proc.returncode == 0 and line, proc.stderr[-3000:]
-    vllm = json.loads(line[0][len("LOGPROBS "):])
+    def vllm_logprobs(path):
+        proc = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, path, json.dumps(seqs)], capture_output=True,
+                              text=True, timeout=300, env=cpu_env())
+        line = [x for x in proc.stdout.splitlines() if x.startswith("LOGPROBS ")]
+        assert proc.returncode == 0 and line, proc.stderr[-3000:]
+        return json.loads(line[0][len("LOGPROBS "):])
 
     worst_hf = worst_vllm = 0.0
-    for b, n in enumerate(lens):
-        assert trainer[b, n - 1] != 0  # the checkpointed policy was actually run
-        worst_hf = max(worst_hf, (trainer[b, 1:n] - plain[b, 1:n]).abs().max().item())
-        worst_vllm = max(worst_vllm, (trainer[b, :n] - torch.tensor(vllm[b])).abs().max().item())
-    print(f"max |trainer - transformers| {worst_hf:.2e}, max |trainer - vLLM| {worst_vllm:.2e}")
+    for vllm in (vllm_logprobs(export), vllm_logprobs(sharded)):
+        for b, n in enumerate(lens):
+            assert trainer[b, n - 1] != 0  # the checkpointed policy was actually run
+            worst_hf = max(worst_hf, (trainer[b, 1:n] - plain[b, 1:n]).abs().max().item())
+            worst_vllm = max(worst_vllm, (trainer[b, :n] - torch.tensor(vllm[b])).abs().max().item())
+    print(f"max |trainer - transformers| {worst_hf:.2e}, max |trainer - vLLM| {worst_vllm:.2e} (both exports)")
     assert worst_hf <= 1e-4 and worst_vllm <= 1e-4, (worst_hf, worst_vllm)
 
     # the model dir's tokenizer files came along and load

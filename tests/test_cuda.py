@@ -125,3 +125,37 @@ def test_ppo_cli_on_gpu_trains_resumes_and_exports(tmp_path):
     from transformers import AutoModelForCausalLM
     exported = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"), dtype=torch.float32)
     assert torch.isfinite(exported(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def _offload_on_gpu(rank, path, port):
+    """One GPU: after an AdamW step, move_optimizer_state(opt, "cpu") frees the two moments' GPU
+    bytes (8 a parameter) into pinned host memory; moved back they are the same numbers."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    _, _, device = mp.init_distributed()
+    mesh = mp.make_mesh(1, 1, 1, "cuda")
+    policy = mp.load_policy(path, mesh, config.Config(dtype="bf16"))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3, fused=True)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    mp.forward_policy(policy, ids, [5], mesh, config.Config(dtype="bf16"))[0].sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    saved = {id(s): {k: mp._local(s[k]).clone() for k in ("exp_avg", "exp_avg_sq")} for s in optimizer.state.values()}
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    mp.move_optimizer_state(optimizer, "cpu")
+    torch.cuda.synchronize()
+    moments = 8 * sum(mp._local(p).numel() for p in policy.parameters())
+    assert before - torch.cuda.memory_allocated() >= 0.99 * moments, (before, torch.cuda.memory_allocated(), moments)
+    assert all(mp._local(s[k]).is_pinned() for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    mp.move_optimizer_state(optimizer, device)
+    for s in optimizer.state.values():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert mp._local(s[k]).is_cuda and torch.equal(mp._local(s[k]), saved[id(s)][k])
+    optimizer.step()  # fused AdamW takes the states back
+    dist.destroy_process_group()
+    mp.release_mesh(mesh)
+
+
+def test_optimizer_state_offload_frees_its_gpu_memory(tmp_path):
+    path = mp.materialize_tiny_model("tiny-llama", str(tmp_path), SEED)
+    torch_mp.spawn(_offload_on_gpu, args=(path, _free_port()), nprocs=1)

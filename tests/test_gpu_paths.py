@@ -72,6 +72,34 @@ def test_bf16_trainer_matches_the_fp32_model_within_bf16_tolerance(tmp_path):
     run_ranks(_bf16_body, 2, path, torch.load(os.path.join(tmp_path, "reference.pt")))
 
 
+def _bf16_reference_body(rank, world_size, path):
+    """dp=2, dtype=bf16: FSDP2 casts the fp32 shards to bf16 for every forward, so a reference kept in
+    bf16 (half the host memory) computes exactly what an fp32 copy of the initial weights computes."""
+    mesh = mp.make_mesh(world_size, 1, 1, "cpu")
+    cfg = config.Config(dtype="bf16", seed=SEED)
+    policy = mp.load_policy(path, mesh, cfg)
+    fp32, bf16 = mp.snapshot_weights(policy), mp.snapshot_weights(policy, torch.bfloat16)
+    assert all(w.dtype == torch.bfloat16 for w in bf16["weights"].values())
+    ids, _, _ = toy_batch(LENS, PROMPT_LEN)
+    mine = [2 * rank, 2 * rank + 1]
+    forward = lambda: mp.forward_policy(policy, ids[mine], [LENS[i] for i in mine], mesh, cfg)[0]  # noqa: E731
+    with torch.no_grad():
+        initial = forward()
+        mp._reshard(policy)  # (the forward left the root gathered: write to the shards)
+        for p in policy.parameters():  # the live weights move away from the reference
+            mp._local(p).add_(0.01)
+        moved = forward()
+        assert (moved - initial).abs().max() > 1e-3
+        for snapshot in (fp32, bf16):
+            with mp.swapped_weights(policy, snapshot):
+                assert torch.equal(forward(), initial)
+            assert torch.equal(forward(), moved)  # and the fp32 live weights come back exactly
+
+
+def test_a_bf16_reference_computes_what_an_fp32_one_does(tmp_path):
+    run_ranks(_bf16_reference_body, 2, mp.materialize_tiny_model("tiny-llama", str(tmp_path), SEED))
+
+
 def test_max_grad_norm_zero_means_no_clipping():
     """max_grad_norm=0 used to scale every gradient by 0; now it only measures the norm."""
     param = torch.nn.Parameter(torch.zeros(3))
