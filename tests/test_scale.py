@@ -89,9 +89,9 @@ def _meshes_body(rank, world_size, model, root):
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
-    # what ran under the check: the loading broadcast, the dp sums; FSDP2's gathers and reductions and
-    # the CP all-gathers (K/V, logprobs and values) once there are several ranks
-    expected = {"broadcast", "all_reduce"} | ({"all_gather_into_tensor", "reduce_scatter_tensor", "all_gather"}
+    # what ran under the check: the dp sums; FSDP2's gathers and reductions and the CP all-gathers
+    # (K/V, logprobs and values) once there are several ranks (loading reads files: no collective)
+    expected = {"all_reduce"} | ({"all_gather_into_tensor", "reduce_scatter_tensor", "all_gather"}
                                               if world_size > 1 else set())
     assert expected <= set(seen), seen
 
