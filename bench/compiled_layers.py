@@ -1,6 +1,8 @@
 """Would torch.compile make our CPU step faster? Eager against compiled decoder layers, one thread.
 
     .venv/bin/python bench/compiled_layers.py              # ~2 min (the compile is most of it)
+    .venv/bin/python bench/compiled_layers.py --smoke      # one 64-wide layer, 2 x 16 tokens, 1 repeat: the same
+                                                           # compile path (~25 s cold, ~8 s with inductor's cache warm)
 
 bench/peer_trl.py's 2-process step spends two thirds of its update and ~77% of its no-grad passes in
 `aten::mm` (docs/performance.md); the rest is mostly element-wise work (RMSNorm, RoPE, SiLU x up,
@@ -36,13 +38,20 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--smoke", action="store_true", help="a tiny layer, 1 repeat (a fast test runs this)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers,
-                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
-                         tie_word_embeddings=True, attn_implementation="sdpa")
+    if args.smoke:  # the same code at the smallest shapes: inductor's compile is most of its time
+        args.layers, args.repeats, rows, tokens = 1, 1, 2, 16
+        shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                     vocab_size=256)
+    else:
+        rows, tokens = 8, 130  # one rank's microbatch
+        shape = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                     vocab_size=49152)
+    config = LlamaConfig(**shape, num_hidden_layers=args.layers, tie_word_embeddings=True, attn_implementation="sdpa")
     torch.manual_seed(0)
-    ids = torch.randint(0, config.vocab_size, (8, 130))  # (rows, tokens) of one rank's microbatch
+    ids = torch.randint(0, config.vocab_size, (rows, tokens))
     figures = {}
     for mode in ("eager", "compiled"):
         model = AutoModelForCausalLM.from_config(config).model  # the decoder, no LM head

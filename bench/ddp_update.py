@@ -2,6 +2,7 @@
 measured in the same run (2 processes over gloo, 1 thread each, as bench/peer_trl.py's ours_2p).
 
     .venv/bin/python bench/ddp_update.py            # ~3 min on a quiet 2-core machine
+    .venv/bin/python bench/ddp_update.py --smoke    # a 2-layer 64-wide model, one timed call each: seconds
 
 1. DDP's gradient buckets. By default DDP copies every gradient into its 25 MB buckets before the
    all-reduce and the result back out; with gradient_as_bucket_view=True the .grad tensors then
@@ -26,6 +27,7 @@ Last line: RESULT ddp_step_copy_s=... ddp_step_view_s=... swap_copy_s=... swap_t
 norm_pow_sum_s=... norm_rows_s=... (rank 0's clock; seconds per call) norm_rows_rel_err=...
 norm_whole_rel_err=... (relative error of the sum of squares). Figures: docs/performance.md.
 """
+import argparse
 import os
 import statistics
 import subprocess
@@ -34,9 +36,21 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-# the 135M model's parameter shapes (hidden 576, 30 layers, MLP 1536, 3 KV heads of 64, vocab 49,152)
-SHAPES = ([(49152, 576)] + [(576, 576)] * 60 + [(192, 576)] * 60 + [(1536, 576)] * 60 + [(576, 1536)] * 30
-          + [(576,)] * 61)
+# the Llama of the DDP step (part 1) and the model whose parameter shapes parts 2 and 3 use:
+# the 135M model (hidden 576, 30 layers, MLP 1536, 9 heads / 3 KV heads of 64, vocab 49,152, tied)
+FULL = dict(hidden=576, mlp=1536, heads=9, kv_heads=3, vocab=49152, ddp_layers=10, shape_layers=30, rows=4,
+            tokens=130, steps=8, reps=5)
+SMOKE = dict(hidden=64, mlp=128, heads=2, kv_heads=1, vocab=512, ddp_layers=2, shape_layers=2, rows=2,
+             tokens=16, steps=2, reps=1)
+
+
+def llama_shapes(s):
+    """Every parameter shape of a tied Llama: embedding, then per layer q, o, k, v, gate, up, down, 2 norms."""
+    head_dim, layers = s["hidden"] // s["heads"], s["shape_layers"]
+    kv = s["kv_heads"] * head_dim
+    return ([(s["vocab"], s["hidden"])] + [(s["hidden"], s["hidden"])] * 2 * layers + [(kv, s["hidden"])] * 2 * layers
+            + [(s["mlp"], s["hidden"])] * 2 * layers + [(s["hidden"], s["mlp"])] * layers
+            + [(s["hidden"],)] * (2 * layers + 1))
 
 
 def median_time(fn, reps):
@@ -49,7 +63,7 @@ def median_time(fn, reps):
     return statistics.median(times)
 
 
-def worker():
+def worker(s):
     import torch
     import torch.distributed as dist
     from torch.distributed._composable.replicate import replicate
@@ -59,9 +73,10 @@ def worker():
     dist.init_process_group("gloo")
     torch.manual_seed(0)
 
-    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
-    ids = torch.randint(0, config.vocab_size, (4, 130))
+    config = LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["mlp"], num_hidden_layers=s["ddp_layers"],
+                         num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], vocab_size=s["vocab"],
+                         tie_word_embeddings=True)
+    ids = torch.randint(0, config.vocab_size, (s["rows"], s["tokens"]))
     steps = {}
     for view in (False, True):
         model = AutoModelForCausalLM.from_config(config)
@@ -78,7 +93,7 @@ def worker():
             dist.barrier()
         steps[view] = step
     times = {False: [], True: []}
-    for it in range(8):  # alternate the variants: load on a shared machine hits both alike
+    for it in range(s["steps"]):  # alternate the variants: load on a shared machine hits both alike
         for view in ((False, True) if it % 2 else (True, False)):
             dist.barrier()
             start = time.perf_counter()
@@ -89,7 +104,7 @@ def worker():
     if dist.get_rank() == 0:  # the single-process parts, on rank 0 while rank 1 waits
         # "after": the trainer's own functions on a module of plain CPU parameters (as under ddp)
         holder = torch.nn.Module()
-        for i, shape in enumerate(SHAPES):
+        for i, shape in enumerate(llama_shapes(s)):
             holder.register_parameter(f"p{i}", torch.nn.Parameter(torch.randn(shape)))
             holder.get_parameter(f"p{i}").grad = torch.randn(shape) * 1e-3
         params, snapshot = list(holder.parameters()), mp.snapshot_weights(holder)
@@ -102,19 +117,22 @@ def worker():
         def swap_trade():  # what swapped_weights does now for plain tensors
             with mp.swapped_weights(holder, snapshot):
                 pass
-        figures.update(swap_copy_s=median_time(swap_copy, 5), swap_trade_s=median_time(swap_trade, 5))
-        figures.update(norm_pow_sum_s=median_time(lambda: sum(p.grad.float().pow(2).sum() for p in params), 5),
-                       norm_rows_s=median_time(lambda: mp.clip_grad_norm(params, max_norm=0), 5))
-        emb = params[0]  # the 28M-element embedding
+        reps = s["reps"]
+        figures.update(swap_copy_s=median_time(swap_copy, reps), swap_trade_s=median_time(swap_trade, reps))
+        figures.update(norm_pow_sum_s=median_time(lambda: sum(p.grad.float().pow(2).sum() for p in params), reps),
+                       norm_rows_s=median_time(lambda: mp.clip_grad_norm(params, max_norm=0), reps))
+        emb = params[0]  # the largest tensor: the embedding (28M elements at 135M)
+        n_model, n_emb = sum(p.numel() for p in params) / 1e6, emb.numel() / 1e6
         exact = emb.grad.double().pow(2).sum().item()
         whole = torch.linalg.vector_norm(emb.grad, dtype=torch.float32).square().item()
         figures.update(norm_rows_rel_err=abs(mp.clip_grad_norm([emb], max_norm=0) ** 2 / exact - 1),
                        norm_whole_rel_err=abs(whole / exact - 1))
-        print(f"DDP step (10-layer 135M-shaped Llama, 4 x 130 tokens per rank): bucket copies "
+        print(f"DDP step ({s['ddp_layers']}-layer Llama, {s['rows']} x {s['tokens']} tokens per rank): bucket copies "
               f"{figures['ddp_step_copy_s']:.2f} s, bucket views {figures['ddp_step_view_s']:.2f} s")
-        print(f"reference swap, 134.5M fp32: copies {figures['swap_copy_s']:.3f} s, trade {figures['swap_trade_s']:.4f} s")
-        print(f"grad-norm squares, 134.5M fp32: pow(2).sum() {figures['norm_pow_sum_s']:.3f} s, "
-              f"per-row norms {figures['norm_rows_s']:.3f} s; error vs fp64 on 28M elements: per row "
+        print(f"reference swap, {n_model:.1f}M fp32: copies {figures['swap_copy_s']:.3f} s, "
+              f"trade {figures['swap_trade_s']:.4f} s")
+        print(f"grad-norm squares, {n_model:.1f}M fp32: pow(2).sum() {figures['norm_pow_sum_s']:.3f} s, "
+              f"per-row norms {figures['norm_rows_s']:.3f} s; error vs fp64 on {n_emb:.1f}M elements: per row "
               f"{figures['norm_rows_rel_err']:.1e}, one vector_norm {figures['norm_whole_rel_err']:.1e}")
         print("RESULT " + " ".join(f"{k}={v:.1e}" if k.endswith("_err") else f"{k}={v:.4f}" for k, v in figures.items()))
     dist.barrier()
@@ -122,11 +140,16 @@ def worker():
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one timed call each (a fast test runs this)")
+    args = parser.parse_args()
+    if os.environ.get("PPO_DDP_BENCH_WORKER"):  # a rank, started by torchrun below
+        return worker(SMOKE if args.smoke else FULL)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = dict(os.environ, PPO_DDP_BENCH_WORKER="1")
     cmd = [torchrun, "--standalone", "--nproc_per_node=2", os.path.abspath(__file__)]  # a free port
-    sys.exit(subprocess.run(cmd, env=env).returncode)
+    sys.exit(subprocess.run(cmd + (["--smoke"] if args.smoke else []), env=env).returncode)
 
 
 if __name__ == "__main__":
-    worker() if os.environ.get("PPO_DDP_BENCH_WORKER") else main()
+    main()

@@ -1,6 +1,7 @@
 """What one collective costs on gloo (CPU), for the choice between FSDP2 and DDP on small models.
 
     .venv/bin/python bench/gloo_collectives.py            # 2 processes on this machine (~20 s)
+    .venv/bin/python bench/gloo_collectives.py --smoke    # 14 kB and 112 kB, 2 calls: the same code, seconds
 
 FSDP2 all-gathers each layer's parameters before its forward (and, with reshard_after_forward,
 again before its backward) and reduce-scatters its gradients after the backward; DDP keeps whole
@@ -15,6 +16,7 @@ Last line: RESULT all_reduce_14mb_ms=... reduce_scatter_14mb_ms=... all_gather_1
 the same tensor: both above ~1 mean FSDP2's two calls cost gloo more than DDP's one).
 Measured figures: docs/performance.md.
 """
+import argparse
 import os
 import subprocess
 import sys
@@ -22,15 +24,17 @@ import time
 
 SIZES = {"14mb": 3_500_000, "112mb": 28_000_000}  # fp32 elements
 CALLS = 10
+SMOKE_SIZES, SMOKE_CALLS = {"14kb": 3_500, "112kb": 28_000}, 2
 
 
-def worker():
+def worker(smoke):
     import torch
     import torch.distributed as dist
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    sizes, calls_per_size = (SMOKE_SIZES, SMOKE_CALLS) if smoke else (SIZES, CALLS)
     figures = {}
-    for label, numel in SIZES.items():
+    for label, numel in sizes.items():
         full = torch.randn(numel)  # an unsharded gradient / gathered parameter
         shard = torch.empty(numel // world)  # this rank's shard
         gathered = torch.empty(numel)
@@ -41,14 +45,14 @@ def worker():
             call()  # warm-up: gloo sets up its buffers on the first call of a size
             dist.barrier()
             start = time.perf_counter()
-            for _ in range(CALLS):
+            for _ in range(calls_per_size):
                 call()
-            figures[f"{name}_{label}_ms"] = (time.perf_counter() - start) / CALLS * 1000
+            figures[f"{name}_{label}_ms"] = (time.perf_counter() - start) / calls_per_size * 1000
     if rank == 0:
-        for label in SIZES:
+        for label in sizes:
             print(f"{label}: " + ", ".join(f"{n} {figures[f'{n}_{label}_ms']:.1f} ms"
                                           for n in ("all_reduce", "reduce_scatter", "all_gather")))
-        for label in SIZES:
+        for label in sizes:
             ar = figures[f"all_reduce_{label}_ms"]
             figures[f"rs_over_ar_{label}"] = figures[f"reduce_scatter_{label}_ms"] / ar
             figures[f"ag_over_ar_{label}"] = figures[f"all_gather_{label}_ms"] / ar
@@ -57,11 +61,16 @@ def worker():
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny tensors, 2 calls (a fast test runs this)")
+    args = parser.parse_args()
+    if os.environ.get("PPO_GLOO_BENCH_WORKER"):  # a rank, started by torchrun below
+        return worker(args.smoke)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = dict(os.environ, PPO_GLOO_BENCH_WORKER="1")
     cmd = [torchrun, "--standalone", "--nproc_per_node=2", os.path.abspath(__file__)]  # a free port
-    sys.exit(subprocess.run(cmd, env=env).returncode)
+    sys.exit(subprocess.run(cmd + (["--smoke"] if args.smoke else []), env=env).returncode)
 
 
 if __name__ == "__main__":
-    worker() if os.environ.get("PPO_GLOO_BENCH_WORKER") else main()
+    main()

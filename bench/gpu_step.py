@@ -2,6 +2,7 @@
 
     python bench/gpu_step.py --config configs/gsm8k_qwen2.5_0.5b_1gpu.toml --nproc 1
     python bench/gpu_step.py --config configs/gsm8k_qwen2.5_1.5b_8gpu.toml --nproc 8
+    python bench/gpu_step.py --smoke    # no GPU needed: this code on CPU, tiny-llama, HF engine (seconds)
 
 Runs the real trainer (torchrun train_ppo.py) for --steps steps, skips the first (vLLM and
 CUDA warm-up), and reports the median over the rest of, from metrics.jsonl:
@@ -20,6 +21,8 @@ CUDA warm-up), and reports the median over the rest of, from metrics.jsonl:
                (torch.cuda.mem_get_info), sampled after the update
 The attention path and dtype that ran are read back from the run's config.json.
 --peak_tflops per GPU defaults to 989 (H100/H200 dense bf16). Last line: RESULT key=value ...
+--smoke runs the same trainer and arithmetic on CPU (configs/test_tiny.toml, 2 steps, no SFT,
+one process): its figures mean nothing, it only keeps this script from rotting between GPU runs.
 """
 import argparse
 import json
@@ -57,21 +60,34 @@ def main():
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--peak_tflops", type=float, default=989.0)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, HF engine (a fast test runs this)")
     args, extra = p.parse_known_args()  # anything else goes to the trainer (--key=value)
-    import torch
-    if not torch.cuda.is_available():
-        sys.exit("bench/gpu_step.py needs CUDA GPUs (none found); on CPU use bench/peer_trl.py, "
-                 "bench/refit.py, bench/logprob_memory.py or bench/packing.py")
-    out = tempfile.mkdtemp(prefix="gpu_step_")
+    env = dict(os.environ)
+    if args.smoke:  # the step code at the smallest size, on CPU even where a GPU is present
+        args.config, args.nproc, args.steps = "configs/test_tiny.toml", 1, 2
+        extra = ["--sft_steps=0", "--rollout_engine=hf", "--plot_every=0", *extra]
+        env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")  # 1 thread: spare OpenMP threads only spin
+    else:
+        import torch
+        if not torch.cuda.is_available():
+            sys.exit("bench/gpu_step.py needs CUDA GPUs (none found); on CPU use --smoke, or bench/peer_trl.py, "
+                     "bench/refit.py, bench/logprob_memory.py or bench/packing.py")
+    scratch = tempfile.TemporaryDirectory(prefix="gpu_step_smoke_") if args.smoke else None  # removed at exit
+    out = scratch.name if scratch else tempfile.mkdtemp(prefix="gpu_step_")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     subprocess.run([torchrun, "--standalone", f"--nproc_per_node={args.nproc}", "train_ppo.py",
                     "--config", args.config, f"--steps={args.steps}", f"--out_dir={out}",
-                    "--save_every=0", "--export_hf=false", *extra], cwd=ROOT, check=True)
+                    "--save_every=0", "--export_hf=false", *extra], cwd=ROOT, check=True, env=env)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
     from transformers import AutoConfig
-    model_config = AutoConfig.from_pretrained(os.path.join(out, "sft") if cfg["sft_steps"] else cfg["model"])
+    sys.path.insert(0, ROOT)
+    from model_parallel import TINY_PRESETS
+    model_dir = os.path.join(out, "sft") if cfg["sft_steps"] else cfg["model"]
+    if cfg["model"] in TINY_PRESETS and not cfg["sft_steps"]:
+        model_dir = os.path.join(out, cfg["model"])  # the trainer writes a preset into its out_dir
+    model_config = AutoConfig.from_pretrained(model_dir)
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     mfu = [update_flops(model_config, r["tokens"], cfg["ppo_epochs"], cfg["advantage_estimator"] == "gae")
            / (r["time_update_s"] * args.nproc * args.peak_tflops * 1e12) for r in rows]

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/logprob_memory.py                                  # B=4 S=1024 V=32768
     .venv/bin/python bench/logprob_memory.py --batch 1 --seq 256 --vocab 4096 # quick look
+    .venv/bin/python bench/logprob_memory.py --smoke  # B=1 S=128 V=65536 (32 MiB), 1 round: seconds
 
 Variants (one process, tp = cp = 1, on CPU; loss = sum(logprobs * fixed random weights)):
   plain         fp32 logits: log_softmax(logits)[:, :-1].gather(ids[:, 1:]) through autograd
@@ -102,7 +103,11 @@ def main():
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (median reported)")
     parser.add_argument("--variant", choices=VARIANTS, help="internal: one variant's memory")
     parser.add_argument("--time", action="store_true", help="internal: time all variants")
+    parser.add_argument("--smoke", action="store_true", help="B=1 S=128 V=65536, chunk 32, 1 round (a fast test "
+                        "runs this); the buffers stay >= 32 MiB, so the peaks still follow them (see above)")
     args = parser.parse_args()
+    if args.smoke:
+        args.batch, args.seq, args.vocab, args.chunk_size, args.rounds = 1, 128, 65536, 32, 1
     if args.variant:
         return child_memory(args)
     if args.time:

@@ -1,6 +1,7 @@
 """How many of the tokens the trainer pushes through the model are padding, padded vs packed.
 
-    python bench/packing.py
+    python bench/packing.py            # 256 sequences per mix (seconds)
+    python bench/packing.py --smoke    # 32 sequences per mix: the same code, faster
 
 Padded: the trainer's (b, S) layout, S = the longest sequence of the batch, micro_batch_size
 rows per forward. Packed: model_parallel.microbatches() bins the same sequences first-fit
@@ -11,16 +12,18 @@ model_parallel builds, so they are what the model computes on. Two length mixes:
   long-tail  chat-like: prompts 20-300 tokens, log-normal responses up to 2000 tokens
 Last line: RESULT for the toy mix.
 """
+import argparse
+import dataclasses
 import os
 import random
 import sys
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import model_parallel as mp  # noqa: E402  (after the path fix above)
+import config  # noqa: E402  (after the path fix above)
+import model_parallel as mp  # noqa: E402
 
 
 def toy_lengths(rng, n):
@@ -42,7 +45,7 @@ def pad_fractions(lens, cfg, mesh):
     real = sum(lens)
     padded = packed = rows = 0
     for layout_packing, counter in ((False, "padded"), (True, "packed")):
-        run_cfg = SimpleNamespace(**dict(vars(cfg), packing=layout_packing))
+        run_cfg = dataclasses.replace(cfg, packing=layout_packing)
         for micro in mp.microbatches(lens, run_cfg, mesh):
             computed = mp._layout(ids[micro], [lens[i] for i in micro], mesh, run_cfg)["ids"].numel()
             if counter == "padded":
@@ -53,6 +56,9 @@ def pad_fractions(lens, cfg, mesh):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="32 sequences per mix (a fast test runs this)")
+    n = 32 if parser.parse_args().smoke else 256
     # a world of one without a TCP port: microbatches() runs its dp all-reduce on it
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     mesh = mp.make_mesh(1, 1, 1, "cpu")
@@ -60,8 +66,10 @@ def main():
     results = {}
     print(f"{'mix':<10} {'seqs':>5} {'tokens':>7} {'padded pad_frac':>16} {'packed rows':>12} {'packed pad_frac':>16}")
     for name, lengths, cfg in (
-        ("toy", toy_lengths(rng, 256), SimpleNamespace(micro_batch_size=8, max_tokens_per_microbatch=512)),
-        ("long-tail", long_tail_lengths(rng, 256), SimpleNamespace(micro_batch_size=4, max_tokens_per_microbatch=4096)),
+        # real Configs (what the trainer passes), masked attention: "auto" is resolved only at start-up
+        ("toy", toy_lengths(rng, n), config.Config(micro_batch_size=8, max_tokens_per_microbatch=512, attention="masked")),
+        ("long-tail", long_tail_lengths(rng, n),
+         config.Config(micro_batch_size=4, max_tokens_per_microbatch=4096, attention="masked")),
     ):
         padded_frac, packed_frac, rows = pad_fractions(lengths, cfg, mesh)
         results[name] = (padded_frac, packed_frac)
