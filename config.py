@@ -30,6 +30,7 @@ class Config:
     seed: int = 1  # one seed for prompts, sampling, init of the value head: the whole run
     steps: int = 20  # number of PPO steps (one rollout + one update each)
     plot_every: int = 5  # redraw out_dir/curves.png every N steps (and at the end); 0 = never
+    tensorboard: bool = False  # also write every metric to out_dir/tensorboard (needs the tensorboard package)
     save_every: int = 0  # checkpoint out_dir/ckpt/step_N every N steps and at the end (0 = only on SIGTERM/SIGINT)
     keep_checkpoints: int = 2  # keep the newest N checkpoints, delete older ones (0 = keep all)
     resume: str = ""  # "" = fresh run; "auto" = newest complete checkpoint in out_dir/ckpt (fresh if none); or a step_N dir
@@ -245,6 +246,8 @@ def validate(cfg: Config, world_size: int) -> None:
     if not (0.0 <= cfg.gamma <= 1.0 and 0.0 <= cfg.lam <= 1.0):
         raise ConfigError(f"gamma={cfg.gamma} and lam={cfg.lam} must lie in [0, 1]")
     _validate_sizes(cfg, world_size)
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("tensorboard=true needs the tensorboard package: pip install tensorboard")
     vllm_installed = importlib.util.find_spec("vllm") is not None
     if cfg.rollout_engine == "auto":  # resolved here, so config.json records what ran
         cfg.rollout_engine = "vllm" if vllm_installed else "hf"

@@ -10,7 +10,8 @@ from the logits at i-1, and out[:, 0] = 0 (also at every packed sequence start).
     lp, ent = token_logprobs(logits, input_ids, tp_group=tp, cp_group=cp, with_entropy=True)
 
 Logits arrive in the compute dtype (bf16 on GPU) and are upcast to fp32 and divided by the sampling
-temperature one chunk at a time: a full fp32 copy would cost more than the logits themselves.
+temperature one chunk of chunk_size tokens at a time (chunk_size 0: all tokens as one chunk, one
+full fp32 copy, kept for the backward: more than the bf16 logits themselves).
 
 Where the ideas come from (the code and prose are our own):
 1. Vocab-parallel log-softmax: the max and the sum of exponentials are all-reduced over tp and the
@@ -107,7 +108,7 @@ class _CPGather(torch.autograd.Function):
 
 
 def cp_gather(x_local, cp_group, dim=1):
-    """Full tensor in natural order along dim from each cp rank's zigzag part (identity if cp=1)."""
+    """Collective over cp. Full tensor in natural order along dim from each cp rank's zigzag part (cp=1: x)."""
     return x_local if _size(cp_group) == 1 else _CPGather.apply(x_local, cp_group, dim)
 
 
@@ -129,7 +130,7 @@ def shift_right(per_position, cu_seqlens):
 # vocab-parallel log-softmax with a hand-written backward (Megatron-LM, Shoeybi et al. 2019)
 
 def _vocab_range(logits, tp_group):
-    """(first vocab id of this rank's shard, model vocab size) from every rank's actual shard size.
+    """Collective over tp. (first vocab id of this rank's shard, model vocab size) from real shard sizes.
     DTensor shards like torch.chunk (510 over 4 ranks is 128/128/128/126), and the model's vocab may
     exceed the tokenizer's, so offsets are never derived from V // tp: we gather the real sizes."""
     local_vocab = logits.shape[-1]
@@ -144,7 +145,7 @@ def _vocab_range(logits, tp_group):
 
 
 def _logprob_chunk(x, local_target, owned, tp_group, temperature, with_entropy=False):
-    """log p(target) for n tokens whose vocab is split over tp, p = softmax(x / temperature).
+    """Collective over tp. log p(target) for n tokens whose vocab is split over tp, p = softmax(x / T).
     x: (n, V/tp) logits in their own dtype (bf16 or fp32); local_target: (n,) target id within this
     shard (clamped into range); owned: (n,) whether this rank's shard holds the target.
     Returns, in the math dtype: logprob (n,), logsumexp (n,) = log sum_v exp(x_v / T), exps
@@ -173,7 +174,7 @@ def _logprob_chunk(x, local_target, owned, tp_group, temperature, with_entropy=F
 
 
 def _logprob_forward(logits, local_target, owned, tp_group, chunk_size, keep_probs, temperature, with_entropy=False):
-    """Loop _logprob_chunk over blocks of chunk_size tokens (one block if chunk_size is 0).
+    """Collective over tp. Loop _logprob_chunk over blocks of chunk_size tokens (one if chunk_size is 0).
     Every tp rank holds the same tokens, so all ranks cut the same blocks and their collectives
     pair up. keep_probs (unchunked training only) returns the full softmax for the backward;
     with_entropy also returns each token's entropy (else None)."""
@@ -261,7 +262,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
 
 def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlens=None, chunk_size=0,
                    temperature=1.0, with_entropy=False):
-    """log pi(x_i | x_<i) at every position i of input_ids, from this rank's shard of the logits,
+    """Collective over tp and cp. log pi(x_i | x_<i) at every position i of input_ids, from this rank's logits,
     for the distribution softmax(logits / temperature).
     logits: (B, S/cp, V/tp), this rank's vocab shard at its zigzag positions (B=1 when packed).
     input_ids: (B, S) the full token ids, held by every tp and cp rank.

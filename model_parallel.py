@@ -1,25 +1,17 @@
-"""Everything about where tensors live: the (dp, cp, tp) mesh, loading an HF checkpoint into
-sharded modules (FSDP2 + tensor parallel), context-parallel and packed attention, the critic,
-the reference-weight swap, the global grad norm, training checkpoints and HF export.
-train_ppo.py asks for "logprobs of these rows" and never sees a shard.
+"""Everything about where tensors live: the (dp, cp, tp) mesh, loading an HF checkpoint into sharded modules
+(FSDP2 + tensor parallel), context-parallel and packed attention, the critic, the reference-weight swap, the
+global grad norm and HF export. train_ppo.py asks for "logprobs of these rows" and never sees a shard.
 
     torchrun --nproc_per_node=4 train_ppo.py --tp_size=2 --cp_size=1   # dp = 4 / (2*1) = 2
 
-One forward, in order: rows -> (packed) layout -> this rank's zigzag share of the tokens ->
-HF model with our attention function -> this rank's vocab shard of the logits -> logprobs.py.
+One forward, in order: rows -> (packed) layout -> this rank's zigzag share of the tokens -> HF model with our
+attention function -> this rank's vocab shard of the logits -> logprobs.py.
 
 Where the ideas come from (code and prose are our own):
-1. FSDP2 per decoder layer then the root, TP plans as one dict per family, the degree check
-   naming every factor: torchtitan (older models/llama3/parallelize_llama.py).
-2. Column/row-parallel linears with one all-reduce per block: Megatron-LM (Shoeybi et al. 2019);
-   sequence parallel norms: Korthikanti et al. 2022, "Reducing activation recomputation".
-3. Zigzag (load-balanced) context parallelism with all-gathered K/V: Megatron-LM/TransformerEngine
-   CP and the zigzag ring attention of zhuzilin/ring-flash-attention (Liu et al. 2023).
-4. First-fit-decreasing packing with block-diagonal attention: Krell et al. 2021,
-   "Efficient sequence packing without cross-contamination"; verl / NeMo-RL sequence packing.
-5. Mesh-agnostic checkpoints through torch.distributed.checkpoint's get/set_state_dict, written
-   to a temp dir and renamed: torchtitan's checkpointing (components/checkpoint.py).
-"""
+1. FSDP2 per decoder layer then the root, one TP plan dict per family, the degree check: torchtitan (parallelize_llama).
+2. Column/row-parallel linears: Megatron-LM (Shoeybi et al. 2019); sequence-parallel norms: Korthikanti et al. 2022.
+3. Zigzag (load-balanced) CP, all-gathered K/V: Megatron-LM/TransformerEngine, ring-flash-attention (Liu et al. 2023).
+4. First-fit-decreasing packing, block-diagonal attention: Krell et al. 2021; verl / NeMo-RL sequence packing."""
 import contextlib
 import copy
 import datetime
@@ -27,21 +19,16 @@ import inspect
 import json
 import math
 import os
-import random
-import re
 import shutil
 import struct
-import time
-from contextlib import contextmanager
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed._composable.replicate import DDP, replicate
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -67,56 +54,48 @@ except ImportError:
 # Distributed set-up: one code path for `python train_ppo.py` (a world of one) and torchrun.
 
 def init_distributed(timeout_s=1800):
-    """(rank, world_size, device); initializes the default process group once. A collective
-    that waits more than timeout_s raises instead of blocking forever (a dead or stuck rank);
-    when a rank dies, torchrun also stops the others (SIGTERM, then SIGKILL after 30 s)."""
+    """(rank, world_size, device), initializing the process group once; a collective stuck past timeout_s raises."""
     device = torch.device("cpu")
-    if torch.cuda.is_available():  # GPU only: pick this rank's GPU *before* NCCL starts, so its
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # communicators
-        torch.cuda.set_device(device)  # and buffers are not all created on GPU 0
+    if torch.cuda.is_available():  # GPU only: pick this rank's GPU *before* NCCL starts, so its communicators
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # and buffers are not all on GPU 0
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
         for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                            ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
             os.environ.setdefault(key, value)  # what torchrun would set for one process
-        # gloo also on GPU machines for the few CPU-side collectives
-        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s),
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",  # gloo: CPU collectives
+                                timeout=datetime.timedelta(seconds=timeout_s),  # a dead rank: torchrun stops the rest
                                 device_id=device if device.type == "cuda" else None)
     return dist.get_rank(), dist.get_world_size(), device
 
 
 def make_mesh(world_size, tp_size, cp_size, device_type):
-    """The ("dp", "cp", "tp") mesh, tp innermost (neighbouring ranks share the fastest link),
-    plus `mesh.dp_cp`, the dp x cp ranks flattened into one dim for FSDP to shard over: cp ranks
-    hold different tokens of the same rows, so their gradients are summed like dp's."""
+    """Collective (every rank): the ("dp", "cp", "tp") mesh, tp innermost (neighbours share the fastest link), and
+    `mesh.dp_cp`, dp x cp flattened for FSDP (cp ranks hold other tokens of the same rows: gradients summed too)."""
     dp_size = world_size // (tp_size * cp_size)
     if dp_size * cp_size * tp_size != world_size:
         raise ValueError(f"dp*cp*tp must equal the world size {world_size}: tp_size={tp_size} * "
                          f"cp_size={cp_size} does not divide it (dp would be {world_size / (tp_size * cp_size):g})")
     mesh = init_device_mesh(device_type, (dp_size, cp_size, tp_size), mesh_dim_names=("dp", "cp", "tp"))
-    # kept on the mesh object (torch deprecates slicing a flattened dim back out of the root mesh);
-    # _flatten is private in torch 2.13, the way torchtitan builds its FSDP mesh
+    # kept on the mesh: torch deprecates slicing a flattened dim back out of the root; _flatten: private, as torchtitan
     mesh.dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
     return mesh
 
 
 def release_mesh(mesh):
-    """Last call of a run, after dist.destroy_process_group(), which leaves the groups held by the
-    mesh (itself held by DTensor's cache): their threads would outlive Python's shutdown and could
-    abort a finished run ("terminate called without an active exception"). Dropping them joins the
-    threads now. (_pg_registry: private in torch 2.13; sliced meshes share the root's.)"""
-    mesh._pg_registry.clear()
+    """Last call, after dist.destroy_process_group(): the mesh (in DTensor's cache) keeps its groups, whose threads
+    would outlive Python and abort a finished run ("terminate called without an active exception"): join them now."""
+    mesh._pg_registry.clear()  # private in torch 2.13; sliced meshes share the root's
 
 
 def resolve_auto(cfg, device_type):
-    """Replace "auto" in cfg.dtype and cfg.attention by what runs on this device; return the attention
-    kernel's name (the run's first line prints it). The GPU recipe is bf16 with a flash varlen kernel
-    (flash-attn's, else torch's); elsewhere exact fp32 with masked SDPA. A packed row never gets a
-    dense mask on a GPU (nor on CPU past config.MASK_LIMIT): its (T/cp, T) scores per head cost O(T^2)
-    memory (3.2 GB a layer at 8192 tokens and 1.5B) and ~15x the FLOPs, across documents for nothing;
-    without a flash kernel (fp32) the reference kernel attends document by document instead."""
+    """Replace "auto" in cfg.dtype and cfg.attention by what runs here; return the attention kernel's name. GPU: bf16,
+    a flash varlen kernel (flash-attn's, else torch's); else exact fp32, masked SDPA. No dense mask for a packed GPU
+    row (nor on CPU past config.MASK_LIMIT): (T/cp, T) scores a head, mostly across documents, cost O(T^2) memory
+    (3.2 GB a layer at 8192 tokens, 1.5B), ~15x the FLOPs; without a flash kernel the reference goes doc by doc."""
     if cfg.dtype == "auto":
         cfg.dtype = "bf16" if device_type == "cuda" and cfg.data_parallel == "fsdp" else "fp32"
+    cfg.export_dtype = cfg.dtype if cfg.export_dtype == "auto" else cfg.export_dtype
     kernel = gpu_varlen_kernel() if device_type == "cuda" and cfg.dtype == "bf16" else None
     if cfg.attention == "auto":
         longest = cfg.max_tokens_per_microbatch if cfg.packing else cfg.max_model_len  # a row's length at most
@@ -137,50 +116,11 @@ def _device(mesh):
 
 
 # -----------------------------------------------------------------------------
-# Tiny presets: random-init models written as real HF checkpoint dirs (nothing is downloaded).
-# head_dim 64 because vLLM's CPU attention refuses 16; vocab 262 > the toy tokenizer's 258
-# ids and not a multiple of 4, like real checkpoints whose embedding rows are padded.
-
-_TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, vocab_size=262, max_position_embeddings=512,
-             tie_word_embeddings=False, bos_token_id=256, eos_token_id=256, pad_token_id=257)
-TINY_PRESETS = {
-    "tiny-llama": dict(_TINY, model_type="llama"),
-    "tiny-qwen2": dict(_TINY, model_type="qwen2"),  # q/k/v biases
-    "tiny-qwen3": dict(_TINY, model_type="qwen3"),  # q/k RMSNorm per head
-    # Gemma3 text: sliding-window layers, (1 + w) norms, scaled embedding; tp = 1 only
-    "tiny-gemma3": dict(_TINY, model_type="gemma3_text", query_pre_attn_scalar=64, sliding_window=128),
-}
-
-
-def materialize_tiny_model(name, dir, seed, **overrides):
-    """Write preset `name` (+ overrides, e.g. tie_word_embeddings=True) to dir/name; return that
-    path. Rank 0 writes to a temp dir then renames it, so a dir with config.json is complete and
-    a second call only waits at the barrier."""
-    path = os.path.join(dir, name)
-    rank = dist.get_rank() if dist.is_initialized() else 0  # also usable before init (scripts, tests)
-    if rank == 0 and not os.path.isfile(os.path.join(path, "config.json")):
-        fields = dict(TINY_PRESETS[name], **overrides)
-        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-        with torch.random.fork_rng():  # seeded init without disturbing the caller's RNG
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.save_pretrained(path + ".tmp")
-        os.replace(path + ".tmp", path)
-    if dist.is_initialized():
-        dist.barrier()  # the others wait until rank 0's checkpoint is complete
-    return path
-
-
-# -----------------------------------------------------------------------------
-# Attention: one function for every layout, registered with transformers' AttentionInterface
-# and selected by name at load time. "ppo" is not in transformers' mask registry, so the model
-# builds no mask of its own (it would not know our packing or zigzag order); the layout reaches
-# us as forward kwargs, which transformers 5.x hands down to this function untouched.
+# Attention: one function for every layout, registered in AttentionInterface as "ppo", a name in no mask registry:
+# the model builds no mask (it cannot know our packing or zigzag order); the layout comes in forward kwargs, untouched.
 
 class _GatherSeq(torch.autograd.Function):
-    """All-gather K or V over cp along the sequence dim (2). Backward reduce-scatters: every cp
-    rank's queries attended to every rank's keys, so a key's gradient is the sum over ranks."""
+    """All-gather K or V over cp on dim 2 (sequence); backward reduce-scatters: a key's gradient sums every rank's."""
 
     @staticmethod
     def forward(ctx, x, group):  # x: (B, H, S/cp, D)
@@ -200,13 +140,10 @@ class _GatherSeq(torch.autograd.Function):
 
 def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale=None, causal=True, window_size=(-1, -1)):
-    """flash-attn's `flash_attn_varlen_func` contract in plain PyTorch: the CPU stand-in for the GPU kernel.
-    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), Hkv dividing Hq (grouped-query attention).
-    Segment i is q[cu_seqlens_q[i]:cu_seqlens_q[i+1]] attending to k/v[cu_seqlens_k[i]:cu_seqlens_k[i+1]].
-    Causal is bottom-right aligned (flash-attn >= 2.1): a segment with Lq queries and Lk >= Lq keys
-    holds the *last* Lq queries, so query j sits at key position j + Lk - Lq. window_size=(left,
-    right): keys at most `left` positions back, -1 = unlimited. max_seqlen_*: the kernel sizes its
-    grid with them; unused here. Returns (total_q, Hq, D)."""
+    """flash-attn's `flash_attn_varlen_func` contract in plain PyTorch, the CPU stand-in. q: (total_q, Hq, D); k, v:
+    (total_k, Hkv, D), Hkv dividing Hq (GQA); segment i: q[cu_seqlens_q[i]:...[i+1]] to k/v[cu_seqlens_k[i]:...[i+1]].
+    Causal is bottom-right aligned (flash-attn >= 2.1): Lq queries over Lk >= Lq keys are the *last* Lq, query j at key
+    position j + Lk - Lq. window_size=(left, right): keys at most `left` back, -1 = unlimited. max_seqlen_*: unused."""
     outs = []
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # (on a GPU: a sync per call)
     for q0, q1, k0, k1 in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:]):
@@ -226,12 +163,10 @@ def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 
 def torch_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=True, window_size=(-1, -1)):
-    """GPU only: the same contract through torch's varlen_attn. Its window (left, 0) is causal,
-    bottom-right aligned like flash-attn's (tests/test_cuda.py checks it against the stand-in);
-    it must be a tuple: torch reads is_causal as `window_size == (-1, 0)`."""
+    """GPU only: the same contract through torch's varlen_attn. Its window (left, 0) is causal, bottom-right aligned
+    like flash-attn's (tests/test_cuda.py checks); a tuple, as torch reads is_causal as `window_size == (-1, 0)`."""
     window = (window_size[0], 0) if causal else tuple(window_size)
-    # GQA: the kernel serves each KV head to its query heads; torch 2.13 asks to be told so, 2.11
-    # takes the fewer KV heads as they are (measured on an H100: identical to copying them)
+    # GQA: torch 2.13 must be told (enable_gqa), 2.11 takes the fewer KV heads as is (H100: same as copying them)
     gqa = dict(enable_gqa=True) if "enable_gqa" in VARLEN_ARGS and k.shape[1] != q.shape[1] else {}
     return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
                        window_size=window, **gqa)
@@ -243,48 +178,68 @@ def gpu_varlen_kernel():
     return flash_attn_varlen_func or (torch_varlen_attention if torch_has_it else None)
 
 
+@dataclass
+class Layout:
+    """Where each token of this rank's rows sits, built once per forward (_layout) for every layer's attention and
+    for _unlayout: B rows (one if packed) of T tokens, padded to a multiple of 2*cp*tp; this rank's queries: q_rows."""
+    ids: torch.Tensor  # (B, T) every token of the rows
+    positions: torch.Tensor  # (B, T) position ids (restarting at 0 in each packed sequence)
+    seq_lens: torch.Tensor  # (b,) real tokens of each sequence
+    cu_seqlens: torch.Tensor | None  # (documents + 1,) packed: sequence (and padding tail) boundaries; else None
+    varlen: bool  # which kernel: varlen (the fields after docs) or masked SDPA (the four before)
+    cp_group: dist.ProcessGroup | None  # K and V are all-gathered over it (None: cp = 1)
+    q_rows: torch.Tensor  # (T/cp,) row positions of this rank's queries: its zigzag share
+    kv_rows: torch.Tensor  # (T,) row positions of the keys: every cp share, in rank order (all-gathered)
+    q_docs: torch.Tensor  # (B, T/cp) document of each query (0 throughout an unpacked row)
+    kv_docs: torch.Tensor  # (B, T) document of each key
+    cu_seqlens_q: torch.Tensor  # (segments + 1,) int32 boundaries of the query segments ...
+    cu_seqlens_k: torch.Tensor  # (segments + 1,) ... and of their keys: flash-attn's varlen contract
+    max_seqlen_q: int
+    max_seqlen_k: int
+    kv_index: torch.Tensor | None  # (total_k,) CP: where each segment's keys sit among the gathered keys
+
+    def model_inputs(self):  # what HF's forward gets: this rank's tokens, and the layout for our attention
+        return dict(input_ids=self.ids[:, self.q_rows], position_ids=self.positions[:, self.q_rows],
+                    ppo_layout=self, use_cache=False)  # (B, T/cp) each
+
+
 def _masked_attention(query, key, value, scaling, sliding_window, layout):
-    """SDPA with an explicit (B, T/cp, T) mask: a key is visible if it is in the query's document
-    and not in its future, counted in row positions (zigzag order is irrelevant once every token
-    carries its index). O(T^2) memory per row; exact in fp32."""
-    q_rows, kv_rows, q_docs, kv_docs = layout["q_rows"], layout["kv_rows"], layout["q_docs"], layout["kv_docs"]
+    """SDPA with an explicit (B, T/cp, T) mask: a key is visible if in the query's document and not in its future, in
+    row positions (zigzag order is irrelevant once every token carries its index). O(T^2) memory; exact in fp32."""
+    q_rows, kv_rows, q_docs, kv_docs = layout.q_rows, layout.kv_rows, layout.q_docs, layout.kv_docs
     mask = (q_docs[:, :, None] == kv_docs[:, None, :]) & (kv_rows[None, None, :] <= q_rows[None, :, None])  # (B, T/cp, T)
     if sliding_window:  # Gemma3 local layers: only the last `sliding_window` keys (HF's convention)
         mask &= kv_rows[None, None, :] > q_rows[None, :, None] - sliding_window  # (B, T/cp, T)
-    # enable_gqa: each KV head serves Hq/Hkv query heads without being copied
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], scale=scaling,
-                                         enable_gqa=True)  # (B, Hq/tp, T/cp, D)
+                                         enable_gqa=True)  # (B, Hq/tp, T/cp, D); GQA: KV heads not copied
     return out.transpose(1, 2)  # (B, T/cp, Hq/tp, D)
 
 
 def _varlen_attention(query, key, value, scaling, sliding_window, layout):
-    """The same attention through the varlen contract: tokens flattened to (tokens, heads, dim),
-    one causal segment per (row, zigzag chunk, document). On CUDA in bf16 a flash kernel (it never
-    looks at the masked-out blocks): flash-attn's if installed, else torch's; else the reference."""
+    """The same attention through the varlen contract: (tokens, heads, dim), a causal segment per (row, zigzag chunk,
+    document). CUDA bf16: a flash kernel, skipping masked blocks (flash-attn's or torch's); else the reference."""
     batch, heads, local_len, dim = query.shape  # query: (B, Hq/tp, T/cp, D)
     q = query.transpose(1, 2).reshape(batch * local_len, heads, dim)  # (B*T/cp, Hq/tp, D)
     k = key.transpose(1, 2).flatten(0, 1)  # (B*T, Hkv/tp, D)  (gathered order under CP)
     v = value.transpose(1, 2).flatten(0, 1)  # (B*T, Hkv/tp, D)
-    if layout["kv_index"] is not None:  # CP: each segment's keys, from its document's start on
-        k, v = k[layout["kv_index"]], v[layout["kv_index"]]  # (total_k, Hkv/tp, D)
+    if layout.kv_index is not None:  # CP: each segment's keys, from its document's start on
+        k, v = k[layout.kv_index], v[layout.kv_index]  # (total_k, Hkv/tp, D)
     gpu_kernel = gpu_varlen_kernel() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
     kernel = gpu_kernel or varlen_attention_reference
-    out = kernel(q, k, v, layout["cu_seqlens_q"], layout["cu_seqlens_k"], layout["max_seqlen_q"],
-                 layout["max_seqlen_k"], softmax_scale=scaling, causal=True,
+    out = kernel(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_k, layout.max_seqlen_q,
+                 layout.max_seqlen_k, softmax_scale=scaling, causal=True,
                  window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1))  # (B*T/cp, Hq/tp, D)
     return out.view(batch, local_len, heads, dim)  # (B, T/cp, Hq/tp, D)
 
 
 def ppo_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                  *, ppo_layout, **unused):
-    """Causal attention within each packed document, over this rank's zigzag share of queries
-    and every key. `ppo_layout` (built once per forward by _layout) says which kernel and holds
-    its index tensors. Dropout is not supported (PPO runs without)."""
-    # query: (B, Hq/tp, T/cp, D), key/value: (B, Hkv/tp, T/cp, D)
-    if ppo_layout["cp_group"] is not None:  # all-gather CP (Llama 3's choice): K/V are small under GQA
-        key = _GatherSeq.apply(key, ppo_layout["cp_group"])  # (B, Hkv/tp, T, D)  collective over cp
-        value = _GatherSeq.apply(value, ppo_layout["cp_group"])  # (B, Hkv/tp, T, D)
-    attend = _varlen_attention if ppo_layout["kind"] == "varlen" else _masked_attention
+                  *, ppo_layout, **unused):  # query: (B, Hq/tp, T/cp, D), key/value: (B, Hkv/tp, T/cp, D)
+    """Collective over cp (every cp rank, each layer): causal attention within each packed document, this rank's
+    zigzag share of queries to every key; `ppo_layout` (a Layout) picks the kernel. No dropout (PPO runs without)."""
+    if ppo_layout.cp_group is not None:  # all-gather CP (Llama 3's choice): K/V are small under GQA
+        key = _GatherSeq.apply(key, ppo_layout.cp_group)  # (B, Hkv/tp, T, D)
+        value = _GatherSeq.apply(value, ppo_layout.cp_group)  # (B, Hkv/tp, T, D)
+    attend = _varlen_attention if ppo_layout.varlen else _masked_attention
     return attend(query, key, value, scaling, sliding_window, ppo_layout), None  # no attention weights
 
 
@@ -292,19 +247,15 @@ AttentionInterface.register("ppo", ppo_attention)
 
 
 # -----------------------------------------------------------------------------
-# Tensor-parallel plans (Megatron-LM via torchtitan). Colwise = split a Linear's output features
-# (weight dim 0), so each rank computes some heads / some MLP channels with no communication;
-# rowwise = split input features (weight dim 1), each rank's partial output is summed (one
-# all-reduce per block, or a reduce-scatter onto the sequence dim with SP). Llama, Qwen2 and
-# Qwen3 share module names, so one plan serves the three; Gemma3 is refused for tp > 1.
+# Tensor-parallel plans (Megatron-LM via torchtitan). Colwise = split a Linear's output features: each rank computes
+# some heads / MLP channels, no communication; rowwise = split its inputs, partial outputs summed (one all-reduce a
+# block, or SP's reduce-scatter onto the sequence). Llama, Qwen2, Qwen3 share module names: one plan (Gemma3: tp=1).
 
 def _tp_plan(family, sequence_parallel, critic):
-    # layout of the residual stream between blocks: the full sequence on every tp rank, or
-    # (SP) each tp rank holds S/tp of the tokens, so norms and residual adds are not repeated
+    # the residual stream between blocks: all tokens on every tp rank, or (SP) S/tp each: norms, adds not repeated
     stream = Shard(1) if sequence_parallel else Replicate()
     plan = {
-        # rows of the vocab split over tp: a rank looks up the ids it owns (zero elsewhere) and
-        # the partial embeddings are summed (all-reduce, or reduce-scatter over the sequence)
+        # vocab rows split over tp: a rank embeds its own ids (0 elsewhere); partials summed (all-reduce/reduce-scatter)
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
         "model.layers.*.self_attn.q_proj": ColwiseParallel(),
         "model.layers.*.self_attn.k_proj": ColwiseParallel(),
@@ -315,20 +266,16 @@ def _tp_plan(family, sequence_parallel, critic):
         "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=stream),
     }
     if family == "qwen3":
-        plan.update({
-            # per-head q/k norms see only this rank's heads (dim 2 of (B, S, H/tp, D)); marking that
-            # split (SP's style on the head dim) makes the replicated weight's gradient a sum over tp
+        plan.update({  # q/k norms see only this rank's heads (dim 2): marking that split sums their grads over tp
             "model.layers.*.self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
             "model.layers.*.self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         })
     if sequence_parallel:
-        plan.update({
-            # norms run on S/tp tokens; their replicated weights get gradients summed over tp
+        plan.update({  # norms run on S/tp tokens; their replicated weights get gradients summed over tp
             "model.layers.*.input_layernorm": SequenceParallel(),
             "model.layers.*.post_attention_layernorm": SequenceParallel(),
             "model.norm": SequenceParallel(use_local_output=True),
-            # attention and MLP need every token: one all-gather over tp at each block's entry
-            "model.layers.*.self_attn": PrepareModuleInput(
+            "model.layers.*.self_attn": PrepareModuleInput(  # attention, MLP need every token: tp all-gather
                 input_kwarg_layouts={"hidden_states": Shard(1)},
                 desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=True),
             "model.layers.*.mlp": PrepareModuleInput(
@@ -337,15 +284,13 @@ def _tp_plan(family, sequence_parallel, critic):
     if critic:  # the value head is tiny and replicated over tp: it just needs every token
         plan["lm_head"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
                                              use_local_output=True)
-    else:  # vocab split over tp; forward_policy hands each rank's (B, S, V/tp) shard to logprobs.py
-        # (left a DTensor here: to_local() is a view, and FSDP2 cannot hook a module output that is one)
+    else:  # vocab split: a (B, S, V/tp) shard to logprobs.py, a DTensor here (FSDP2 can't hook a to_local() view)
         plan["lm_head"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
     return plan
 
 
 # -----------------------------------------------------------------------------
-# Loading: every rank builds the model on the meta device (no memory), shards it (TP, then
-# FSDP2), allocates only its shards, and reads only those from the checkpoint's files.
+# Loading: every rank builds on the meta device, shards (TP, then FSDP2), allocates and reads only its shards.
 
 class CheckpointError(ValueError):
     """A model dir or training checkpoint that cannot be used: one line, exit 2."""
@@ -364,12 +309,11 @@ def _check_supported(config, tp_size):
 
 
 def check_hf_dir(path, tp_size):
-    """Refuse (CheckpointError, one line) a model dir that loading would fail on later: no dir,
-    no or unreadable config.json, an unsupported family or tp split, missing or corrupt weights.
-    Reads only config.json and the safetensors headers: fast, on every rank."""
+    """Refuse (CheckpointError, one line) a model dir that loading would fail on: no or unreadable config.json, an
+    unsupported family or tp split, missing or corrupt weights. Fast (config.json, safetensors headers), every rank."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(f"model={path!r} is not an HF checkpoint dir (no config.json): give a dir "
-                              f"written by save_pretrained, or a preset: {', '.join(TINY_PRESETS)}")
+                              f"written by save_pretrained, or a tiny preset (see --help)")
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:
@@ -388,8 +332,7 @@ def check_hf_dir(path, tp_size):
 
 
 class ValueHead(nn.Linear):
-    """The critic's Linear(hidden, 1), computed as x @ w.T + b in two ops: F.linear's fused addmm
-    on 3-D input returns a view, and FSDP2 warns about (and cannot hook in-place ops on) views."""
+    """The critic's Linear(hidden, 1) as x @ w.T + b: F.linear's 3-D fused addmm gives a view FSDP2 can't hook."""
 
     def forward(self, hidden):  # (B, T/cp, hidden) -> (B, T/cp, 1)
         return F.linear(hidden, self.weight) + self.bias
@@ -412,44 +355,35 @@ def _build(path, mesh, cfg, critic):
             model.lm_head.weight = model.model.embed_tokens.weight
     if cfg.activation_checkpointing:  # recompute each decoder layer in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
     device = _device(mesh)
-    offload = device.type == "cuda" and cfg.cpu_offload
-    if cfg.data_parallel == "fsdp":
-        # FSDP2 over dp*cp: per decoder layer (one all-gather in flight at a time), then the root
-        # (embeddings, final norm, head). dtype=bf16 (the GPU recipe, on any device): parameters are
-        # all-gathered and computed in bf16, gradients reduced in fp32 into fp32 master weights, which
-        # AdamW updates. CPU offload keeps the shards (and the optimizer's state) in host memory (GPU only).
+    offload = device.type == "cuda" and cfg.cpu_offload  # GPU only: shards and AdamW's state in host memory
+    if cfg.data_parallel == "fsdp":  # FSDP2 over dp*cp, per decoder layer (one all-gather in flight), then the root
+        # (embeddings, norm, head); bf16: computed in bf16, gradients reduced in fp32 into AdamW's fp32 master weights
         compute = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.dtype == "bf16"
                    else MixedPrecisionPolicy())
-        # reshard_after_forward=False: a gathered layer stays gathered until its backward (or, in
-        # no-grad passes, until the next explicit reshard: every microbatch of a pass reuses it)
+        # reshard_after_forward=False: layers stay gathered till backward or reshard() (no-grad microbatches reuse them)
         fsdp = dict(mesh=mesh.dp_cp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
                     reshard_after_forward=cfg.reshard_after_forward)
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=compute, **fsdp)
-        if critic:  # the value head is its own unit with an fp32 param_dtype: FSDP2 casts its bf16
-            # input up to fp32 (without the cast, bf16 hidden states meet fp32 weights and matmul fails)
+        if critic:  # own unit in fp32: FSDP2 casts its bf16 input up (else bf16 meets fp32 weights: matmul fails)
             fully_shard(model.lm_head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32), **fsdp)
         fully_shard(model, mp_policy=compute, **fsdp)
         for module in model.modules():
-            if isinstance(module, FSDPModule):
-                # each rank's loss is already a sum over its tokens / the global token count, so
-                # gradients are summed over dp*cp, not averaged (force SUM: gloo has no PREMUL_SUM)
+            if isinstance(module, FSDPModule):  # each rank's loss is already its tokens' sum / the global token
+                # count: gradients are summed over dp*cp, not averaged (force SUM: gloo has no PREMUL_SUM)
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
     elif mesh.dp_cp.size() > 1:  # ddp (on one rank: a plain module)
-        # DDP in torch's composable form (names unchanged; as torchtitan's apply_ddp): whole replicas,
-        # 25 MB buckets of gradients (.grad then views them: no copy back out) all-reduced
-        # while earlier layers compute. On gloo FSDP2's all-gather + reduce-scatter cost 2-3x one
-        # all-reduce (bench/gloo_collectives.py). Built at the first forward, after loading below.
+        # composable DDP (names unchanged; torchtitan's apply_ddp), built at the first forward: whole replicas, 25 MB
+        # buckets of gradients (.grad views them) all-reduced during backward; on gloo 2-3x cheaper than FSDP2's
+        # all-gather + reduce-scatter (bench/gloo_collectives.py)
         replicate(model, process_group=mesh.dp_cp.get_group(), forward_sync_buffers=False, gradient_as_bucket_view=True)
         model.register_comm_hook(mesh.dp_cp.get_group(), _sum_hook)  # summed, as FSDP2's above
     model.to_empty(device="cpu" if offload else device)  # only now is memory allocated: our shards
-    # buffers computed at construction (RoPE frequencies, Gemma's embedding scale) are not in the
-    # checkpoint: transformers' own initializer recomputes them; parameters are marked done
+    # buffers made at construction (RoPE, Gemma's embedding scale), not in the checkpoint: HF's initializer redoes them
     for param in model.parameters():
-        param._is_hf_initialized = True
+        param._is_hf_initialized = True  # (and leaves the parameters alone)
     for module in model.modules():
         if module._non_persistent_buffers_set:
             model._init_weights(module)
@@ -466,25 +400,21 @@ def _sum_hook(group, bucket):  # a DDP comm hook: SUM over the group (DDP's defa
 
 
 def sync_gradients(model, sync):
-    """DDP: all-reduce in the next backward only if `sync` (a minibatch's last microbatch): each
-    all-reduce sums all gradients accumulated so far. (FSDP2 reduces each backward's own.)"""
+    """DDP: all-reduce (everything accumulated) in the next backward only if `sync`: a minibatch's last microbatch."""
     if isinstance(model, DDP):
         model.set_requires_gradient_sync(sync)
 
 
 def _load_weights(model, path, extra):
-    """Collective (every rank). Each rank reads only the slices its shards cover from the checkpoint's
-    safetensors files (torch.distributed.checkpoint's HF reader: byte ranges of mmap'd files, cast to
-    the parameters' dtype), as torchtitan loads HF weights; no rank holds a full model. `extra`: full
-    tensors for what the files lack (the value head). Returns the model."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    """Collective (every rank): each reads only its shards' slices of the safetensors (DCP's HF reader, as torchtitan:
+    mmap'd byte ranges, cast to the params' dtype); `extra`: full tensors the files lack (the value head)."""
     params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens, like in the file
-    in_files = HuggingFaceStorageReader(path).read_metadata().state_dict_metadata  # names and shapes: headers only
+    in_files = dcp.HuggingFaceStorageReader(path).read_metadata().state_dict_metadata  # names and shapes: headers only
     missing = [n for n in params if n not in in_files and n not in extra]
     if missing:
         raise ValueError(f"{path} has no tensor named {missing[0]} ({len(missing)} missing): not an HF checkpoint "
                          f"of a supported CausalLM?")
-    dcp.load({n: p for n, p in params.items() if n not in extra}, storage_reader=HuggingFaceStorageReader(path))
+    dcp.load({n: p for n, p in params.items() if n not in extra}, storage_reader=dcp.HuggingFaceStorageReader(path))
     for name, full in extra.items():
         param = params[name]
         if isinstance(param, DTensor):  # our shard of the full tensor, cut locally as its placements say
@@ -495,14 +425,13 @@ def _load_weights(model, path, extra):
 
 
 def load_policy(path, mesh, cfg):
-    """The HF checkpoint at `path` as a sharded module (TP plan if tp > 1, FSDP2 over dp*cp)."""
+    """Collective (every rank): the HF checkpoint at `path` as a sharded module (TP if tp > 1, FSDP2 over dp*cp)."""
     return _load_weights(_build(path, mesh, cfg, critic=False), path, extra={})
 
 
 def load_critic(path, mesh, cfg):
-    """Backbone of the checkpoint at `path` + an fp32 Linear(hidden, 1) value head, initialized
-    from the seed with std 1/sqrt(hidden+1) and zero bias (Ziegler et al. 2019's value head, as in
-    summarize_from_feedback_details), identical on every rank."""
+    """Collective (every rank): the backbone at `path` + an fp32 Linear(hidden, 1) value head, the same on every
+    rank: seeded, std 1/sqrt(hidden+1), zero bias (Ziegler et al. 2019, as summarize_from_feedback_details)."""
     model = _build(path, mesh, cfg, critic=True)
     hidden, generator = model.config.hidden_size, torch.Generator().manual_seed(cfg.seed)
     weight = torch.randn(1, hidden, generator=generator) / math.sqrt(hidden + 1)
@@ -510,12 +439,11 @@ def load_critic(path, mesh, cfg):
 
 
 # -----------------------------------------------------------------------------
-# Microbatches: which of this rank's rows go through the model together.
+# Forward: microbatches of rows -> this rank's tokens -> model -> this rank's head output -> per-token (b, S).
 
 def microbatches(seq_lens, cfg, mesh):
-    """Lists of row indices, the same count on every dp rank ([] = a dummy to run with weight 0,
-    so FSDP's or DDP's collectives still match). Packing: first-fit decreasing into rows of at most
-    max_tokens_per_microbatch tokens; otherwise micro_batch_size rows at a time."""
+    """Collective (every rank of dp): lists of row indices, as many on every dp rank ([]: a dummy run, weight 0, so
+    collectives match). Packing: first-fit decreasing into max_tokens_per_microbatch rows; else micro_batch_size."""
     if cfg.packing:
         multiple = 2 * mesh["cp"].size() * mesh["tp"].size()
         capacity = cfg.max_tokens_per_microbatch // multiple * multiple  # room left after padding
@@ -539,14 +467,9 @@ def microbatches(seq_lens, cfg, mesh):
     return bins + [[] for _ in range(int(count) - len(bins))]
 
 
-# -----------------------------------------------------------------------------
-# Forward: rows -> this rank's tokens -> model -> this rank's head output -> per-token (b, S).
-
 def _varlen_index(doc_lens, num_rows, row_len, cp_size, cp_rank, kv_rows):
-    """flash-attn's varlen arguments for this rank's queries: one segment per (row, zigzag chunk,
-    document) overlap, in the queries' local order. Each segment's keys run from its document's
-    start to its last query (bottom-right causal; the all-gather CP of Llama 3 and
-    TransformerEngine). Built on the host from Python ints: no device sync in any layer."""
+    """flash-attn's varlen arguments: a segment per (row, zigzag chunk, document) of this rank's queries in local order,
+    keys from the document's start (bottom-right causal; Llama 3's, TE's all-gather CP). Python ints: no device sync."""
     doc_starts = [sum(doc_lens[:d]) for d in range(len(doc_lens))]
     chunk = row_len // (2 * cp_size)
     chunks = [(0, row_len)] if cp_size == 1 else [(c * chunk, (c + 1) * chunk) for c in (cp_rank, 2 * cp_size - 1 - cp_rank)]
@@ -570,17 +493,12 @@ def _varlen_index(doc_lens, num_rows, row_len, cp_size, cp_rank, kv_rows):
 
 
 def _layout(input_ids, seq_lens, mesh, cfg):
-    """What this rank feeds the model for (b, S) right-padded rows with seq_lens real tokens.
-    Rows (or the packed row) are padded to a multiple of 2*cp*tp: zigzag needs 2*cp equal chunks
-    and sequence parallel splits each cp share again over tp. Pad tokens (id 0) come after every
-    real token they could disturb and are masked out of every loss."""
+    """What this rank feeds the model for (b, S) right-padded rows, padded (or packed) to a multiple of 2*cp*tp: 2*cp
+    equal zigzag chunks, split again over tp by SP. Pad tokens (id 0) follow every real token; no loss reads them."""
     cp_size, cp_rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
-    multiple = 2 * cp_size * mesh["tp"].size()
-    device = _device(mesh)
+    multiple, device = 2 * cp_size * mesh["tp"].size(), _device(mesh)
     input_ids = input_ids.to(device)  # (b, S)
-    cu_seqlens = None
-    if cfg.packing:
-        # one row: the sequences back to back, the padding tail as a document of its own
+    if cfg.packing:  # one row: the sequences back to back, the padding tail as a document of its own
         lens = [int(n) for n in seq_lens]
         tail = -sum(lens) % multiple
         ids = torch.cat([input_ids[k, :n] for k, n in enumerate(lens)] + [input_ids.new_zeros(tail)])[None]  # (1, T)
@@ -592,77 +510,65 @@ def _layout(input_ids, seq_lens, mesh, cfg):
         positions = torch.arange(ids.shape[1], device=device)[None] - cu_seqlens[docs]  # (1, T)
     else:
         ids = F.pad(input_ids, (0, -input_ids.shape[1] % multiple))  # (b, T)
-        doc_lens = [ids.shape[1]]  # one document per row
+        doc_lens, cu_seqlens = [ids.shape[1]], None  # one document per row
         docs = torch.zeros_like(ids)  # (b, T)
         positions = torch.arange(ids.shape[1], device=device).expand_as(ids)  # (b, T)
-    # queries: this rank's zigzag share (chunks r, 2cp-1-r); keys: every share, all-gathered in rank order
-    q_rows = zigzag_positions(ids.shape[1], cp_size, cp_rank).to(device)  # (T/cp,)
+    q_rows = zigzag_positions(ids.shape[1], cp_size, cp_rank).to(device)  # (T/cp,) queries: zigzag chunks r, 2cp-1-r
     kv_rows = torch.cat([zigzag_positions(ids.shape[1], cp_size, r) for r in range(cp_size)]).to(device)  # (T,)
-    attention = dict(kind=cfg.attention, cp_group=_group(mesh, "cp"))
-    if cfg.attention == "varlen":
-        attention.update(_varlen_index(doc_lens, ids.shape[0], ids.shape[1], cp_size, cp_rank, kv_rows))
-    else:  # "masked" ("auto" is resolved at start-up)
-        if error := masked_attention_error(ids.shape[1], cp_size):  # unpacked rows: their length is known only now
-            raise ValueError(error)
-        attention.update(q_rows=q_rows, kv_rows=kv_rows, q_docs=docs[:, q_rows], kv_docs=docs[:, kv_rows])
-    model_kwargs = dict(input_ids=ids[:, q_rows], position_ids=positions[:, q_rows],  # (B, T/cp) each
-                        ppo_layout=attention, use_cache=False)
-    return dict(ids=ids, cu_seqlens=cu_seqlens, n_seqs=len(seq_lens), model_kwargs=model_kwargs,
-                seq_lens=torch.as_tensor(seq_lens, device=device))
+    if cfg.attention == "masked" and (error := masked_attention_error(ids.shape[1], cp_size)):
+        raise ValueError(error)  # (unpacked rows: their length is known only now)
+    return Layout(ids=ids, positions=positions, seq_lens=torch.as_tensor(seq_lens, device=device), cu_seqlens=cu_seqlens,
+                  varlen=cfg.attention == "varlen", cp_group=_group(mesh, "cp"), q_rows=q_rows, kv_rows=kv_rows,
+                  q_docs=docs[:, q_rows], kv_docs=docs[:, kv_rows],
+                  **_varlen_index(doc_lens, ids.shape[0], ids.shape[1], cp_size, cp_rank, kv_rows))
 
 
 def _unlayout(per_token, layout, like):
     """(B, T) per-token numbers back in the trainer's (b, S) right-padded rows, on `like`'s device."""
     seq_len = like.shape[1]
-    if layout["cu_seqlens"] is None:  # zero past each row's end, as unpacking does
-        valid = torch.arange(seq_len, device=per_token.device)[None] < layout["seq_lens"][:, None]  # (b, S)
+    if layout.cu_seqlens is None:  # zero past each row's end, as unpacking does
+        valid = torch.arange(seq_len, device=per_token.device)[None] < layout.seq_lens[:, None]  # (b, S)
         return (per_token[:, :seq_len] * valid).to(like.device)  # (b, S)
-    return unpack_packed(per_token, layout["cu_seqlens"][: layout["n_seqs"] + 1], seq_len).to(like.device)  # (b, S)
+    return unpack_packed(per_token, layout.cu_seqlens[: len(layout.seq_lens) + 1], seq_len).to(like.device)  # (b, S)
 
 
 def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_entropy=False, unscored=0):
-    """Per-token logprobs (b, S) under pi(.)^(1/temperature), and the entropy if asked, aligned as in
-    train_ppo.py's docstring (0 at position 0). Packing, CP and TP stay inside. `unscored`: leading
-    positions that no loss reads in any row (the shortest prompt); without CP, SP or packing the LM
-    head skips them, as it need not predict their tokens (they come back as 0)."""
+    """Collective (every rank): logprobs (b, S) under pi(.)^(1/temperature) (+ entropy), 0 at position 0 (train_ppo.py).
+    `unscored`: leading positions no loss reads (the shortest prompt); with no CP, SP or packing the head skips them."""
     layout = _layout(input_ids, seq_lens, mesh, cfg)
     plain_rows = mesh["cp"].size() == 1 and not (cfg.packing or cfg.sequence_parallel)  # positions = row positions
     skip = max(unscored - 1, 0) if plain_rows else 0  # logits at unscored-1 predict the first scored token
-    logits = model(**layout["model_kwargs"], logits_to_keep=layout["ids"].shape[1] - skip).logits  # (B, T/cp - skip, V/tp)
+    logits = model(**layout.model_inputs(), logits_to_keep=layout.ids.shape[1] - skip).logits  # (B, T/cp - skip, V/tp)
     if isinstance(logits, DTensor):  # tp > 1: this rank's vocab shard, never gathered
         logits = logits.to_local()  # (B, T/cp, V/tp)
     # logits / the sampling temperature: pi/pi_old compares what the engine sampled from (NeMo-RL, verl)
-    shards = dict(tp_group=_group(mesh, "tp"), cp_group=_group(mesh, "cp"), cu_seqlens=layout["cu_seqlens"],
+    shards = dict(tp_group=_group(mesh, "tp"), cp_group=_group(mesh, "cp"), cu_seqlens=layout.cu_seqlens,
                   chunk_size=cfg.logprob_chunk_size, temperature=temperature)
-    # the entropy (a metric, or the bonus with its gradient) from the logprobs' own softmax pass
-    out = token_logprobs(logits, layout["ids"][:, skip:], with_entropy=with_entropy, **shards)  # (B, T - skip)
-    logprobs, entropy = out if with_entropy else (out, None)
+    out = token_logprobs(logits, layout.ids[:, skip:], with_entropy=with_entropy, **shards)  # (B, T - skip)
+    logprobs, entropy = out if with_entropy else (out, None)  # entropy (metric or bonus): the same softmax pass
     back = lambda x: None if x is None else _unlayout(F.pad(x, (skip, 0)), layout, input_ids)  # noqa: E731 (b, S)
     return back(logprobs), back(entropy)
 
 
 def forward_critic(critic, input_ids, seq_lens, mesh, cfg):
-    """Values (b, S), right-shifted: values[:, i] = V(x_<i) = head(hidden[:, i-1]), 0 at
-    position 0 (and at packed sequence starts, which see no earlier token of their own)."""
+    """Collective (every rank): values (b, S), right-shifted: values[:, i] = V(x_<i), 0 at each sequence's start."""
     layout = _layout(input_ids, seq_lens, mesh, cfg)
-    values = critic(**layout["model_kwargs"]).logits[..., 0].float()  # (B, T/cp)
+    values = critic(**layout.model_inputs()).logits[..., 0].float()  # (B, T/cp)
     values = cp_gather(values, _group(mesh, "cp"), dim=1)  # (B, T)  collective over cp, natural order
-    values = shift_right(values, layout["cu_seqlens"])  # (B, T)  the shift crosses zigzag chunks: after the gather
+    values = shift_right(values, layout.cu_seqlens)  # (B, T)  the shift crosses zigzag chunks: after the gather
     return _unlayout(values, layout, input_ids)  # (b, S)
 
 
 # -----------------------------------------------------------------------------
-# Reference policy: the initial policy's shards in host memory, swapped into the live module for
-# the reference forward (one model in memory, no second FSDP module to shard and keep in sync);
-# and the optimizer's state, moved to host memory while the engine generates.
+# Reference policy: the initial shards in host memory, swapped into the live module (one model, no second FSDP
+# module to keep in sync); and AdamW's state, on the host while the engine generates.
 
 def _local(param):
     return param.to_local() if isinstance(param, DTensor) else param  # this rank's shard
 
 
-def _reshard(model):
-    """Back to sharded parameters. FSDP2 leaves the root gathered after a forward (its params are
-    needed again at once in backward), and while gathered the module holds the full tensors."""
+def reshard(model):
+    """Back to shards: FSDP2 leaves the root gathered, full tensors, after a forward (backward needs them at once)."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -675,28 +581,24 @@ def _host_copy(tensor, dtype=None):
 
 
 def snapshot_weights(model, dtype=None):
-    """The reference policy: this rank's shard of every parameter, copied once to host memory, in
-    `dtype` (default: the parameters'). The bf16 recipe keeps bf16: half the bytes of fp32, and the
-    forward casts the weights to bf16 anyway, so the reference computes exactly the same."""
-    _reshard(model)
+    """The reference policy: this rank's shards copied once to the host in `dtype` (bf16: half the bytes, same math)."""
+    reshard(model)
     return {"weights": {name: _host_copy(_local(p).detach(), dtype) for name, p in model.named_parameters()},
             "parked": {}}  # filled by swapped_weights
 
 
 def _copy_into(model, weights):
-    _reshard(model)  # and the next forward gathers the shards we write now
+    reshard(model)  # and the next forward gathers the shards we write now
     with torch.no_grad():
         for name, param in model.named_parameters():
             _local(param).copy_(weights[name], non_blocking=True)
 
 
-@contextmanager
+@contextlib.contextmanager
 def swapped_weights(model, snapshot):
-    """Within the block, `model` computes with the snapshot's weights; afterwards the live
-    weights are back exactly. Plain tensors like the snapshot's (DDP or one rank, on CPU) trade
-    storage with it, no copy; shards (FSDP2) and GPU weights are copied, the live ones parked
-    meanwhile in host memory allocated at the first swap and reused (no allocation per step)."""
-    _reshard(model)  # a gathered FSDP2 module shows plain full tensors, not its shards
+    """`model` computes with the snapshot's weights in the block, the live ones back exactly after. Plain CPU tensors
+    (DDP, one rank) trade storage with it; shards and GPU weights are copied, the live ones parked on the host."""
+    reshard(model)  # a gathered FSDP2 module shows plain full tensors, not its shards
     params, weights, parked = dict(model.named_parameters()), snapshot["weights"], snapshot["parked"]
     same = lambda p, s: (p.device, p.shape, p.dtype) == (s.device, s.shape, s.dtype)  # noqa: E731
     if all(not isinstance(p, DTensor) and same(p, weights[n]) for n, p in params.items()):
@@ -707,7 +609,7 @@ def swapped_weights(model, snapshot):
     else:
         def enter():
             for name, param in params.items():
-                if name in parked:
+                if name in parked:  # host memory from the first swap, reused: no allocation per step
                     parked[name].copy_(_local(param), non_blocking=True)
                 else:
                     parked[name] = _host_copy(_local(param).detach())
@@ -721,9 +623,8 @@ def swapped_weights(model, snapshot):
 
 
 def move_optimizer_state(optimizer, device):
-    """AdamW's two moments (8 bytes a parameter: twice the fp32 weights) to `device`: "cpu" (pinned
-    host memory) while vLLM generates, the GPU again before the update, as NeMo-RL's
-    offload_before_refit / offload_after_refit. Sharded (DTensor) states keep their sharding."""
+    """AdamW's two moments (8 bytes a parameter: twice the fp32 weights) to `device`: "cpu" (pinned host memory) while
+    vLLM generates, the GPU before the update (NeMo-RL's offload_before/after_refit). DTensors keep their sharding."""
     for state in optimizer.state.values():
         for key in ("exp_avg", "exp_avg_sq"):
             if key in state:
@@ -738,23 +639,18 @@ def move_optimizer_state(optimizer, device):
 # Global grad norm: sqrt of the sum of squares of every gradient element exactly once.
 
 def clip_grad_norm(params, max_norm):
-    """Clip the gradients of `params` in place to a global L2 norm of max_norm; return the norm
-    before clipping. A DTensor's local squares are summed over the mesh dims it is sharded on,
-    never over those it is replicated on (that would count the copies); a plain tensor is a full
-    copy on every rank. Works for any mix of meshes (FSDP only, FSDP x TP, the value head)."""
+    """Collective (every rank): clip `params`' gradients in place to global L2 norm max_norm; return the prior norm.
+    A DTensor's squares sum over its sharded mesh dims, not replicated ones (copies); a plain tensor is a full copy."""
     grads = [p.grad for p in params if p.grad is not None]
     by_groups = {}  # process groups to sum over -> sum of squares of the local elements
-    for grad in grads:
-        # per row, then summed: one pass, no squared copy; a single fp32 running sum over a whole
-        # 28M-element gradient would drift by ~3e-3 (bench/ddp_update.py)
+    for grad in grads:  # per-row norms summed: no squared copy; one fp32 sum of 28M drifts ~3e-3 (bench/ddp_update.py)
         sq = torch.linalg.vector_norm(_local(grad), dim=-1, dtype=torch.float32).square().sum()  # ()
         groups = ()
         if isinstance(grad, DTensor):
             if any(p.is_partial() for p in grad.placements):
                 raise ValueError("a gradient is still a pending sum (Partial): call after backward completes")
-            # Shard or FSDP-over-TP's _StridedShard: any split that is not a replica
             groups = tuple(grad.device_mesh.get_group(dim) for dim, p in enumerate(grad.placements)
-                           if not p.is_replicate())
+                           if not p.is_replicate())  # Shard or FSDP-over-TP's _StridedShard: not a replica
             sq = sq.to(_device(grad.device_mesh))  # the collective's device (offloaded grads are on CPU)
         by_groups[groups] = by_groups.get(groups, 0) + sq
     for groups, sq in by_groups.items():  # the same order on every rank: parameters come in order
@@ -773,29 +669,23 @@ def clip_grad_norm(params, max_norm):
 # Full weights: refit of the rollout engine and HF export.
 
 def iter_full_params(model):
-    """Yield (name, full tensor) per parameter, named as in the HF checkpoint (FSDP2 and TP keep
-    module names; a tied lm_head appears once, as embed_tokens, like in the file). Collective:
-    every rank must iterate to the end. One full tensor alive at a time."""
-    _reshard(model)  # every rank sees the same sharded parameters, hence the same collectives
+    """Collective (every rank, to the end): yield (name, full tensor) per parameter, one alive at a time, named as in
+    the HF checkpoint (FSDP2 and TP keep module names; a tied lm_head appears once, as embed_tokens, as in the file)."""
+    reshard(model)  # every rank sees the same sharded parameters, hence the same collectives
     for name, param in model.named_parameters():
-        with torch.no_grad():
-            # all-gather over its mesh, on the mesh's device (an offloaded shard lives on CPU)
+        with torch.no_grad():  # all-gather over its mesh, on the mesh's device (an offloaded shard lives on CPU)
             full = param.to(_device(param.device_mesh)).full_tensor() if isinstance(param, DTensor) else param.detach()
         yield name, full
 
 
-# What a model dir holds besides config and weights, copied into an export as it is
-# (AutoTokenizer, vLLM's tokenizer and its default sampling settings read these).
+# A model dir's files besides config and weights, copied into an export as is (AutoTokenizer and vLLM read them).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
-
-
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 def _safetensors_header(tensors, dtype):
-    """The safetensors layout: an 8-byte little-endian size, then a JSON header of each tensor's dtype,
-    shape and byte range in the data that follows (padded to 8 bytes). Shapes suffice to write it."""
+    """Safetensors' prefix (shapes suffice): a little-endian u64 size, a JSON header of dtypes, shapes, byte ranges."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape in tensors:
         nbytes = shape.numel() * dtype.itemsize
@@ -807,14 +697,11 @@ def _safetensors_header(tensors, dtype):
 
 
 def save_hf(model, path, dtype=torch.float32, copy_from=None, extra_files=None, shard_gb=5.0):
-    """Collective (every rank). Write an HF checkpoint dir loadable by from_pretrained and vLLM: config.json
-    and the weights in `dtype`, in safetensors files of at most shard_gb (several: the hub's
-    model-0000k-of-0000n.safetensors + model.safetensors.index.json). Streamed: rank 0 writes each
-    file's header first, then appends every parameter as it is gathered, so no rank holds more than
-    one full tensor beyond its shards. copy_from: a model dir whose TOKENIZER_FILES are copied in;
-    extra_files: {file name: text}. Written to a temp dir and renamed: `path` is never half-written."""
-    master, tmp = dist.get_rank() == 0, path.rstrip("/") + ".tmp"
-    _reshard(model)
+    """Collective (every rank): an HF dir for from_pretrained and vLLM (config.json, `dtype` weights, safetensors files
+    of <= shard_gb, else hub-style model-0000k-of-0000n + index.json), streamed: rank 0 writes each header, then each
+    parameter as gathered (one full tensor at a time). copy_from: TOKENIZER_FILES' dir; extra_files: {name: text}."""
+    master, tmp = dist.get_rank() == 0, path.rstrip("/") + ".tmp"  # written there, renamed: never half-written
+    reshard(model)
     files, size = [[]], 0  # [(name, shape)] per file, in parameter order
     for name, param in model.named_parameters():
         nbytes = param.numel() * dtype.itemsize
@@ -855,102 +742,3 @@ def save_hf(model, path, dtype=torch.float32, copy_from=None, extra_files=None, 
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
     dist.barrier()
-
-
-# -----------------------------------------------------------------------------
-# Training checkpoints (torchtitan's recipe): torch.distributed.checkpoint (DCP) writes one file
-# per rank with each shard's global offsets, and reads back whatever pieces the loading mesh's
-# shards need. get_state_dict/set_state_dict name everything by the plain module FQN, so a
-# checkpoint saved at dp=2 loads at tp=2 (or dp=1, cp=2, ...). Beside it, every rank saves its
-# small trainer state (step, LR schedulers, RNG states) with torch.save.
-# `parts` is {name: (model, optimizer, LR scheduler)}, the same names when saving and loading.
-
-def rng_states():
-    """Every RNG the run draws from (also kept around vLLM's calls, which reseed them)."""
-    return dict(torch=torch.get_rng_state(), python=random.getstate(), numpy=np.random.get_state(),
-                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-
-
-def set_rng_states(state):
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _is_complete(path):
-    """A checkpoint dir is complete once renamed from .tmp: DCP's .metadata (written last, by rank
-    0) and rank 0's trainer state are both in it."""
-    return (not path.rstrip("/").endswith(".tmp") and os.path.isfile(os.path.join(path, ".metadata"))
-            and os.path.isfile(os.path.join(path, "trainer_state_rank0.pt")))
-
-
-def _complete_steps(root):
-    names = os.listdir(root) if os.path.isdir(root) else []
-    return sorted(int(m[1]) for m in map(re.compile(r"step_(\d+)").fullmatch, names)
-                  if m and _is_complete(os.path.join(root, m[0])))
-
-
-def find_checkpoint(resume, out_dir):
-    """The checkpoint dir to resume from, or None for a fresh run. resume="auto": the newest
-    complete out_dir/ckpt/step_N (None if there is none yet: the same command line starts and
-    restarts a preemptible job); a path: that dir, refused unless complete."""
-    if resume == "auto":
-        steps = _complete_steps(os.path.join(out_dir, "ckpt"))
-        return os.path.join(out_dir, "ckpt", f"step_{steps[-1]}") if steps else None
-    if resume and not _is_complete(resume):
-        raise CheckpointError(f"resume={resume!r} is not a complete checkpoint (a step_N dir with .metadata "
-                              f"and trainer_state_rank0.pt): give out_dir/ckpt/step_N, or resume=auto")
-    return resume or None
-
-
-def _sharded_state(parts):
-    """{name: model state, name_optimizer: optimizer state}, DTensor shards named by FQN."""
-    state = {}
-    for name, (model, optimizer, _) in parts.items():
-        _reshard(model)  # the registered parameters must be the sharded ones
-        state[name], state[name + "_optimizer"] = get_state_dict(model, optimizer)
-    return state
-
-
-def save_checkpoint(root, parts, keep, progress):
-    """Save parts, the trainer's counters `progress` ({"step": steps done, ...}) and every RNG state
-    as root/step_N. Collective. Written to step_N.tmp and renamed once every rank is done, so a dir
-    named step_N is always complete (resume ignores .tmp dirs); then only the newest `keep` remain (0 = all)."""
-    rank, path = dist.get_rank(), os.path.join(root, f"step_{progress['step']}")
-    if rank == 0:
-        shutil.rmtree(path + ".tmp", ignore_errors=True)  # left by a run killed while saving
-        os.makedirs(path + ".tmp")
-    dist.barrier()
-    dcp.save(_sharded_state(parts), checkpoint_id=path + ".tmp")  # collective; files fsynced
-    trainer_state = dict(progress=progress, rng=rng_states(), schedulers={n: p[2].state_dict() for n, p in parts.items()})
-    torch.save(trainer_state, os.path.join(path + ".tmp", f"trainer_state_rank{rank}.pt"))
-    time.sleep(float(os.environ.get("PPO_TEST_PAUSE_BEFORE_RENAME_S", "0")))  # tests kill the run here
-    dist.barrier()  # every rank's files are written
-    if rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(path + ".tmp", path)  # atomic on one file system
-        for old in _complete_steps(root)[:-keep] if keep else []:
-            shutil.rmtree(os.path.join(root, f"step_{old}"))
-        for name in os.listdir(root):  # saves that were killed before their rename
-            if name.endswith(".tmp"):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    dist.barrier()
-    return path
-
-
-def load_checkpoint(path, parts):
-    """Load a save_checkpoint dir into parts (any mesh) and this rank's RNG states; return the saved
-    `progress` dict. A rank the saving run did not have takes rank 0's RNG states."""
-    state = _sharded_state(parts)
-    dcp.load(state, checkpoint_id=path)  # collective: each rank reads the pieces its shards cover
-    for name, (model, optimizer, _) in parts.items():
-        set_state_dict(model, optimizer, model_state_dict=state[name], optim_state_dict=state[name + "_optimizer"])
-    own = os.path.join(path, f"trainer_state_rank{dist.get_rank()}.pt")
-    trainer_state = torch.load(own if os.path.isfile(own) else os.path.join(path, "trainer_state_rank0.pt"),
-                               weights_only=False)  # our own file: numpy RNG state is not a tensor
-    set_rng_states(trainer_state["rng"])
-    for name, (_, _, scheduler) in parts.items():
-        scheduler.load_state_dict(trainer_state["schedulers"][name])
-    return trainer_state.get("progress", {"step": trainer_state.get("step")})  # (older checkpoints: the step)

@@ -15,11 +15,12 @@ import warnings
 from contextlib import contextmanager
 from typing import Optional, Protocol
 
+import numpy as np
 import tiktoken
 import torch
-from transformers import AutoModelForCausalLM
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from model_parallel import rng_states, set_rng_states
 
 # -----------------------------------------------------------------------------
 # The toy task: small-number addition, "3+4=" -> "7". Reward 1 for the exact sum followed
@@ -63,6 +64,42 @@ def toy_prompts(seed: int, start: int, n: int) -> list:
 def toy_reward(response_text: str, answer: str, finished: bool) -> float:
     """1.0 when the response is exactly the answer and the model stopped (emitted EOS)."""
     return float(finished and response_text.strip() == answer)
+
+
+# -----------------------------------------------------------------------------
+# Tiny presets: random-init models written as real HF checkpoint dirs (nothing is downloaded).
+# head_dim 64 because vLLM's CPU attention refuses 16; vocab 262 > the toy tokenizer's 258
+# ids and not a multiple of 4, like real checkpoints whose embedding rows are padded.
+
+_TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, vocab_size=262, max_position_embeddings=512,
+             tie_word_embeddings=False, bos_token_id=256, eos_token_id=256, pad_token_id=257)
+TINY_PRESETS = {
+    "tiny-llama": dict(_TINY, model_type="llama"),
+    "tiny-qwen2": dict(_TINY, model_type="qwen2"),  # q/k/v biases
+    "tiny-qwen3": dict(_TINY, model_type="qwen3"),  # q/k RMSNorm per head
+    # Gemma3 text: sliding-window layers, (1 + w) norms, scaled embedding; tp = 1 only
+    "tiny-gemma3": dict(_TINY, model_type="gemma3_text", query_pre_attn_scalar=64, sliding_window=128),
+}
+
+
+def materialize_tiny_model(name, dir, seed, **overrides):
+    """Write preset `name` (+ overrides, e.g. tie_word_embeddings=True) to dir/name; return that
+    path. Rank 0 writes to a temp dir then renames it, so a dir with config.json is complete and
+    a second call only waits at the barrier."""
+    path = os.path.join(dir, name)
+    rank = dist.get_rank() if dist.is_initialized() else 0  # also usable before init (scripts, tests)
+    if rank == 0 and not os.path.isfile(os.path.join(path, "config.json")):
+        fields = dict(TINY_PRESETS[name], **overrides)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        with torch.random.fork_rng():  # seeded init without disturbing the caller's RNG
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(path + ".tmp")
+        os.replace(path + ".tmp", path)
+    if dist.is_initialized():
+        dist.barrier()  # the others wait until rank 0's checkpoint is complete
+    return path
 
 
 # -----------------------------------------------------------------------------
@@ -365,6 +402,21 @@ class HFEngine:
 # (so init_process_group must come first) and carves its own tensor-parallel groups out of it,
 # consecutive blocks of rollout_tp_size ranks. Lines marked "GPU only" were read from vLLM's
 # source, not run here (README, "Verified on").
+
+def rng_states():
+    """Every RNG the run draws from (also kept around vLLM's calls, which reseed them)."""
+    return dict(torch=torch.get_rng_state(), python=random.getstate(), numpy=np.random.get_state(),
+                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def set_rng_states(state):
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 
 @contextmanager
 def _trainer_state_kept():

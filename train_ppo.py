@@ -53,6 +53,8 @@ import gc
 import json
 import math
 import os
+import re
+import shutil
 import signal
 import sys
 import time
@@ -70,6 +72,8 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402  (after the config check, on purpose)
 import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 import model_parallel  # noqa: E402
@@ -137,8 +141,8 @@ def grpo_advantages(scores, group_size, eps=1e-4):
 
 
 def masked_whiten(x, mask, group=None, eps=1e-8):
-    """(x - mean) / std over the masked tokens of the *global* batch (sum, sum of squares and
-    count all-reduced over `group`, the dp group), never per rank. Unbiased, as TRL's masked_whiten."""
+    """Collective over `group` (dp). (x - mean) / std over the masked tokens of the *global* batch (sum,
+    sum of squares and count all-reduced over the group), never per rank. Unbiased, as TRL's masked_whiten."""
     stats = torch.stack([masked_sum(x, mask), masked_sum(x * x, mask), mask.sum()]).double()
     if group is not None:
         dist.all_reduce(stats, group=group)
@@ -192,7 +196,7 @@ def print0(*args):
 
 
 def dp_sum(tensor, mesh):
-    """In-place sum over the dp ranks (each holds a share of the global batch)."""
+    """Collective over dp. In-place sum over the dp ranks (each holds a share of the global batch)."""
     dist.all_reduce(tensor, group=mesh["dp"].get_group())
     return tensor
 
@@ -298,12 +302,12 @@ def prepare_inputs(cfg, task):
     """Model dir (a tiny preset is written as a real HF checkpoint), the checkpoint to resume
     from, and the task. Bad input is refused here, before any heavy work: one line, exit 2."""
     model_dir = cfg.model
-    if model_dir in model_parallel.TINY_PRESETS:
-        model_dir = model_parallel.materialize_tiny_model(cfg.model, cfg.out_dir, cfg.seed)
+    if model_dir in rollout.TINY_PRESETS:
+        model_dir = rollout.materialize_tiny_model(cfg.model, cfg.out_dir, cfg.seed)
     try:
         for path in filter(None, (model_dir, cfg.critic_model)):
             model_parallel.check_hf_dir(path, cfg.tp_size)
-        resume_dir = model_parallel.find_checkpoint(cfg.resume, cfg.out_dir)
+        resume_dir = find_checkpoint(cfg.resume, cfg.out_dir)
         if task is None:
             task = rollout.make_task(cfg, model_dir, AutoConfig.from_pretrained(model_dir).vocab_size)
     except (rollout.TaskError, model_parallel.CheckpointError) as e:
@@ -313,9 +317,9 @@ def prepare_inputs(cfg, task):
 
 
 def sft_warmup(model_dir, task, cfg, mesh):
-    """Supervised warm-up on the task's reference answers, the usual first stage of RLHF,
-    kept short on purpose: PPO should start from a policy that knows the format and is right
-    sometimes. Saved as out_dir/sft (reused when present); returns that dir."""
+    """Collective (every rank). Supervised warm-up on the task's reference answers, the usual first stage of RLHF,
+    kept short on purpose: PPO should start from a policy that knows the format and is right sometimes. Saved as
+    out_dir/sft (reused when present); returns that dir."""
     sft_dir = os.path.join(cfg.out_dir, "sft")
     if os.path.isfile(os.path.join(sft_dir, "config.json")):
         return sft_dir
@@ -341,7 +345,7 @@ def sft_warmup(model_dir, task, cfg, mesh):
 
 
 def build_models(model_dir, cfg, mesh):
-    """{name: (model, AdamW, LR schedule)} for the policy and (gae only) the critic, the
+    """Collective (every rank). {name: (model, AdamW, LR schedule)} for the policy and (gae only) the critic, the
     content of a checkpoint; and the reference policy: a copy of the policy's initial shards."""
     policy = model_parallel.load_policy(model_dir, mesh, cfg)
     reference = model_parallel.snapshot_weights(policy, torch.bfloat16 if cfg.dtype == "bf16" else None)
@@ -371,17 +375,17 @@ def generated_by(cfg, mesh, rank):
 
 
 def generate(engine, task, cfg, step, start, mesh):
-    """Draw the step's prompts (from position `start` of the task's stream), sample this rank's
-    share of the responses and score them. The ranks of one vLLM tensor-parallel group
-    (rollout_tp_size consecutive ranks) must pass identical requests: the group generates the
-    shares of all its members, and each keeps its own. Returns (samples, number generated)."""
+    """Collective over each vLLM group. Draw the step's prompts (from position `start` of the task's stream), sample
+    this rank's share of the responses and score them. The ranks of one vLLM tensor-parallel group (rollout_tp_size
+    consecutive ranks) must pass identical requests: the group generates the shares of all its members, and each
+    keeps its own. Returns (samples, number generated)."""
     rank, K, prompts = dist.get_rank(), cfg.samples_per_prompt, task.prompts(start, cfg.prompts_per_step)
     group = range(rank - rank % cfg.rollout_tp_size, rank - rank % cfg.rollout_tp_size + cfg.rollout_tp_size)
     wanted = sorted({j for member in group for j in generated_by(cfg, mesh, member)})
     prompt_ids = [task.encode(p) for p, _ in prompts]  # (chat template applied)
-    outs = engine.generate([prompt_ids[j // K] for j in wanted], [rollout.sample_seed(cfg.seed, step, j // K, j % K)
-                                                                  for j in wanted],
-                           cfg.max_new_tokens, cfg.temperature) if wanted else []  # (fewer samples than ranks)
+    seeds = [rollout.sample_seed(cfg.seed, step, j // K, j % K) for j in wanted]  # (wanted: [] when a slice has
+    outs = engine.generate([prompt_ids[j // K] for j in wanted], seeds, cfg.max_new_tokens, cfg.temperature) \
+        if wanted else []  # fewer samples than tp x cp ranks)
     by_index = dict(zip(wanted, outs))
     samples = []
     for j in generated_by(cfg, mesh, rank):
@@ -394,10 +398,10 @@ def generate(engine, task, cfg, step, start, mesh):
 
 
 def rollouts(engine, task, cfg, step, start, mesh):
-    """This rank's dp slice of samples, every sample's reward by global index, and how many samples
-    this rank's engine generated. Each sample exists once, drawn by the rank it is generated_by
-    (vLLM's sampling is not bit-identical across GPUs, so tp x cp ranks must not mix copies);
-    one all-gather hands every rank its slice, and rank 0 the whole batch for the dump."""
+    """Collective (every rank). This rank's dp slice of samples, every sample's reward by global index, and how many
+    samples this rank's engine generated. Each sample exists once, drawn by the rank it is generated_by (vLLM's
+    sampling is not bit-identical across GPUs, so tp x cp ranks must not mix copies); one all-gather hands every
+    rank its slice, and rank 0 the whole batch for the dump."""
     if cfg.replay_rollouts:
         dumped = rollout.load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
         mine, generated = [dumped[j] for j in generated_by(cfg, mesh, dist.get_rank())], 0
@@ -417,8 +421,9 @@ def rollouts(engine, task, cfg, step, start, mesh):
 # Steps 4-6: no-grad forward passes, per-token rewards, advantages.
 
 def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
-    """`forward(model, ids, lens, mesh, cfg, **kwargs)` (a tensor or a tuple of (rows, S) tensors) over
-    every microbatch, dummies included (collectives); full (b, S) tensors in row order (packing reorders rows)."""
+    """Collective over the mesh. `forward(model, ids, lens, mesh, cfg, **kwargs)` (a tensor or a tuple of (rows, S)
+    tensors) over every microbatch, dummies included (collectives); full (b, S) tensors in row order (packing
+    reorders rows)."""
     outs = None
     for micro in model_parallel.microbatches(batch.lens, cfg, mesh):
         idx, _ = micro_rows(micro, list(range(len(batch.lens))))
@@ -434,8 +439,8 @@ def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
 
 @torch.no_grad()
 def score(policy, reference, critic, batch, cfg, mesh):
-    """Step 4: the old policy's logprobs and entropy (or the engine's logprobs), the reference's
-    logprobs (the initial weights swapped into the same module), and the critic's values."""
+    """Collective over the mesh. Step 4: the old policy's logprobs and entropy (or the engine's logprobs), the
+    reference's logprobs (the initial weights swapped into the same module), and the critic's values."""
     batch.old_lp, batch.entropy = batch.engine_lp, None  # old_logprobs=engine: one policy forward fewer
     if cfg.old_logprobs == "trainer":  # pi_old as the trainer computes it, whatever the engine computed
         batch.old_lp, batch.entropy = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
@@ -451,9 +456,9 @@ def score(policy, reference, critic, batch, cfg, mesh):
 
 @torch.no_grad()
 def compute_advantages(batch, scores, all_scores, cfg, mesh):
-    """Steps 5-6. gae: per-token reward = -kl_coef * KL at every response token, + the score on
-    the last one; GAE; whitened over the global batch. grpo: the group-normalized score on
-    every response token (its KL is a loss term instead, in update_policy)."""
+    """Collective over dp (the whitening). Steps 5-6. gae: per-token reward = -kl_coef * KL at every response token,
+    + the score on the last one; GAE; whitened over the global batch. grpo: the group-normalized score on every
+    response token (its KL is a loss term instead, in update_policy)."""
     rows, last = torch.arange(len(batch.lens)), torch.tensor(batch.lens) - 1  # (b,), (b,)
     if cfg.advantage_estimator == "grpo":
         group_adv = grpo_advantages(torch.tensor(all_scores), cfg.samples_per_prompt)[samples_of(cfg, mesh)]  # (b,)
@@ -473,11 +478,11 @@ def compute_advantages(batch, scores, all_scores, cfg, mesh):
 # -----------------------------------------------------------------------------
 # Steps 7-8: the update, one optimizer step per minibatch and model.
 
-def minibatch_update(model, optimizer, loss_fn, rows, batch, cfg, mesh):
-    """Forward + backward of `loss_fn(batch rows) -> (loss, {name: number})` over the microbatches
-    of `rows`, then clip the global grad norm and step, unless the norm or the loss on some dp
-    rank is NaN/inf: then skip, weights and AdamW state untouched, as Megatron-LM does.
-    Returns (this rank's weighted sums of the numbers, norm, skipped)."""
+def minibatch_update(model, optimizer, loss_fn, rows, batch, cfg, mesh, stats=None, norm_name="grad_norm"):
+    """Collective over the mesh. Forward + backward of `loss_fn(batch rows) -> (loss, {name: number})`
+    over the microbatches of `rows`, then clip the global grad norm and step, unless the norm or the loss
+    on some dp rank is NaN/inf: then skip, weights and AdamW state untouched, as Megatron-LM does. The
+    numbers (weighted), the norm and the skip go to `stats`."""
     loss_share, sums = 0.0, Counter()
     micros = model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh)
     for i, micro in enumerate(micros):
@@ -493,11 +498,32 @@ def minibatch_update(model, optimizer, loss_fn, rows, batch, cfg, mesh):
     if finite.item():
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return sums, norm, not finite.item()
+    if stats is not None:
+        stats.add(**sums)
+        stats.add_global(**{norm_name: norm}, skipped_updates=not finite.item())
+
+
+def update(parts, batch, cfg, mesh, stats, device):
+    """Collective over the mesh. ppo_epochs passes over the step's fixed minibatches, one optimizer step
+    per minibatch and model, then the LR schedules. Returns this rank's memory use (about its peak)."""
+    optimizer_state_to(device, parts, cfg)  # (back from host memory, with offload_optimizer)
+    per_minibatch = cfg.global_batch_size // cfg.num_minibatches // mesh["dp"].size()  # rows per rank
+    for epoch in range(cfg.ppo_epochs):
+        for first in range(0, cfg.num_minibatches * per_minibatch, per_minibatch):
+            rows = list(range(first, first + per_minibatch))
+            num_tokens = dp_sum(batch.mask[rows].sum(), mesh)  # global response tokens
+            update_policy(*parts["policy"][:2], batch, rows, num_tokens, cfg, mesh, stats)
+            if "critic" in parts:
+                update_critic(*parts["critic"][:2], batch, rows, num_tokens, cfg, mesh, stats)
+    for _, _, schedule in parts.values():
+        schedule.step()
+    used = memory_used_gb()
+    optimizer_state_to("cpu", parts, cfg)  # (with offload_optimizer: the engine gets the room)
+    return used
 
 
 def update_policy(policy, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
-    """One minibatch of the clipped surrogate (+ entropy bonus; + GRPO's KL loss)."""
+    """Collective over the mesh. One minibatch of the clipped surrogate (+ entropy bonus; + GRPO's KL loss)."""
     def loss_fn(idx):
         lp, entropy = model_parallel.forward_policy(policy, batch.ids[idx], [batch.lens[i] for i in idx], mesh, cfg,
                                                     temperature=cfg.temperature, with_entropy=cfg.entropy_coef > 0,
@@ -518,21 +544,17 @@ def update_policy(policy, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
             loss, parts["kl_loss"] = loss + kl, kl.detach()
         return loss, parts
 
-    sums, norm, skipped = minibatch_update(policy, optimizer, loss_fn, rows, batch, cfg, mesh)
-    stats.add(**sums)
-    stats.add_global(grad_norm=norm, skipped_updates=skipped)
+    minibatch_update(policy, optimizer, loss_fn, rows, batch, cfg, mesh, stats)
 
 
 def update_critic(critic, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
-    """One minibatch of the clipped value loss."""
+    """Collective over the mesh. One minibatch of the clipped value loss."""
     def loss_fn(idx):
         values = model_parallel.forward_critic(critic, batch.ids[idx], [batch.lens[i] for i in idx], mesh, cfg)
         loss = value_loss(values, batch.values[idx], batch.returns[idx], batch.mask[idx], cfg.value_clip, num_tokens)
         return loss, {"value_loss": loss.detach()}
 
-    sums, norm, skipped = minibatch_update(critic, optimizer, loss_fn, rows, batch, cfg, mesh)
-    stats.add(**sums)
-    stats.add_global(critic_grad_norm=norm, skipped_updates=skipped)
+    minibatch_update(critic, optimizer, loss_fn, rows, batch, cfg, mesh, stats, "critic_grad_norm")
 
 
 # -----------------------------------------------------------------------------
@@ -573,12 +595,16 @@ def step_metrics(sums, cfg):
     return m
 
 
-def log_step(step, metrics, cfg, t_start, start_step):
-    """Append the row to metrics.jsonl, print one line, redraw the plot (rank 0)."""
+def log_step(step, metrics, cfg, t_start, start_step, tensorboard):
+    """Append the row to metrics.jsonl (and TensorBoard's scalars), print one line, redraw the plot (rank 0)."""
     if dist.get_rank() != 0:
         return
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(metrics) + "\n")
+    for name, value in metrics.items() if tensorboard else ():  # metrics.jsonl stays the record
+        tensorboard.add_scalar(name, value, step)
+    if tensorboard:
+        tensorboard.flush()
     elapsed = time.time() - t_start
     eta = elapsed / (step + 1 - start_step) * (cfg.steps - step - 1)
     loss = f"vf {metrics['value_loss']:.4f}" if "value_loss" in metrics else f"kl_loss {metrics['kl_loss']:.4f}"
@@ -604,6 +630,27 @@ def plot_curves(metrics_path, png_path):
     fig.savefig(png_path + ".tmp.png")
     plt.close(fig)
     os.replace(png_path + ".tmp.png", png_path)
+
+
+def summary(cfg, seconds, stopped):
+    """The run's last line (rank 0): steps, time, reward at the start and the end, the best validation
+    accuracy, and where the run wrote what."""
+    rows = [json.loads(line) for line in open(os.path.join(cfg.out_dir, "metrics.jsonl"))]
+    first, last = (sum(r["reward_mean"] for r in part) / max(len(part), 1) for part in (rows[:5], rows[-5:]))
+    val = [r["val_accuracy"] for r in rows if "val_accuracy" in r]
+    wrote = [f"metrics.jsonl{', curves.png' * bool(cfg.plot_every)}", "rollouts/"] + ["tensorboard/"] * cfg.tensorboard
+    wrote += [f"ckpt/step_{steps[-1]}"] if (steps := _complete_steps(os.path.join(cfg.out_dir, "ckpt"))) else []
+    wrote += ["hf/ (the policy, for transformers and vLLM)"] if cfg.export_hf and not stopped else []
+    return (f"done: {len(rows)} steps in {seconds / 60:.1f} min | reward {first:.3f} (first 5 steps) -> {last:.3f} "
+            f"(last 5){f' | best val_accuracy {max(val):.3f}' if val else ''} | in {cfg.out_dir}: {', '.join(wrote)}")
+
+
+def tensorboard_writer(cfg):
+    """TensorBoard's writer into out_dir/tensorboard on rank 0 with tensorboard=true, else None."""
+    if not (cfg.tensorboard and dist.get_rank() == 0):
+        return None
+    from torch.utils.tensorboard import SummaryWriter  # here: the package is optional (config checks it)
+    return SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
 
 
 def optimizer_state_to(device, parts, cfg):
@@ -640,6 +687,93 @@ def start_metrics_log(cfg, start_step):
 
 
 # -----------------------------------------------------------------------------
+# Training checkpoints (torchtitan's recipe): torch.distributed.checkpoint (DCP) writes one file
+# per rank with each shard's global offsets, and reads back whatever pieces the loading mesh's
+# shards need. get_state_dict/set_state_dict name everything by the plain module FQN, so a
+# checkpoint saved at dp=2 loads at tp=2 (or dp=1, cp=2, ...). Beside it, every rank saves its
+# small trainer state (step, LR schedulers, RNG states) with torch.save.
+# `parts` is {name: (model, optimizer, LR scheduler)}, the same names when saving and loading.
+
+def _is_complete(path):
+    """A checkpoint dir is complete once renamed from .tmp: DCP's .metadata (written last, by rank
+    0) and rank 0's trainer state are both in it."""
+    return (not path.rstrip("/").endswith(".tmp") and os.path.isfile(os.path.join(path, ".metadata"))
+            and os.path.isfile(os.path.join(path, "trainer_state_rank0.pt")))
+
+
+def _complete_steps(root):
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(int(m[1]) for m in map(re.compile(r"step_(\d+)").fullmatch, names)
+                  if m and _is_complete(os.path.join(root, m[0])))
+
+
+def find_checkpoint(resume, out_dir):
+    """The checkpoint dir to resume from, or None for a fresh run. resume="auto": the newest
+    complete out_dir/ckpt/step_N (None if there is none yet: the same command line starts and
+    restarts a preemptible job); a path: that dir, refused unless complete."""
+    if resume == "auto":
+        steps = _complete_steps(os.path.join(out_dir, "ckpt"))
+        return os.path.join(out_dir, "ckpt", f"step_{steps[-1]}") if steps else None
+    if resume and not _is_complete(resume):
+        raise model_parallel.CheckpointError(f"resume={resume!r} is not a complete checkpoint (a step_N dir with "
+                                             ".metadata and trainer_state_rank0.pt): give out_dir/ckpt/step_N, "
+                                             "or resume=auto")
+    return resume or None
+
+
+def _sharded_state(parts):
+    """{name: model state, name_optimizer: optimizer state}, DTensor shards named by FQN."""
+    state = {}
+    for name, (model, optimizer, _) in parts.items():
+        model_parallel.reshard(model)  # the registered parameters must be the sharded ones
+        state[name], state[name + "_optimizer"] = get_state_dict(model, optimizer)
+    return state
+
+
+def save_checkpoint(root, parts, keep, progress):
+    """Collective (every rank). Save parts, the trainer's counters `progress` ({"step": steps done, ...})
+    and every RNG state as root/step_N. Written to step_N.tmp and renamed once every rank is done, so a dir
+    named step_N is always complete (resume ignores .tmp dirs); then only the newest `keep` remain (0 = all)."""
+    rank, path = dist.get_rank(), os.path.join(root, f"step_{progress['step']}")
+    if rank == 0:
+        shutil.rmtree(path + ".tmp", ignore_errors=True)  # left by a run killed while saving
+        os.makedirs(path + ".tmp")
+    dist.barrier()
+    dcp.save(_sharded_state(parts), checkpoint_id=path + ".tmp")  # collective; files fsynced
+    trainer_state = dict(progress=progress, rng=rollout.rng_states(),
+                         schedulers={n: p[2].state_dict() for n, p in parts.items()})
+    torch.save(trainer_state, os.path.join(path + ".tmp", f"trainer_state_rank{rank}.pt"))
+    time.sleep(float(os.environ.get("PPO_TEST_PAUSE_BEFORE_RENAME_S", "0")))  # tests kill the run here
+    dist.barrier()  # every rank's files are written
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(path + ".tmp", path)  # atomic on one file system
+        for old in _complete_steps(root)[:-keep] if keep else []:
+            shutil.rmtree(os.path.join(root, f"step_{old}"))
+        for name in os.listdir(root):  # saves that were killed before their rename
+            if name.endswith(".tmp"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(path, parts):
+    """Collective (every rank). Load a save_checkpoint dir into parts (any mesh) and this rank's RNG states; return
+    the saved `progress` dict. A rank the saving run did not have takes rank 0's RNG states."""
+    state = _sharded_state(parts)
+    dcp.load(state, checkpoint_id=path)  # collective: each rank reads the pieces its shards cover
+    for name, (model, optimizer, _) in parts.items():
+        set_state_dict(model, optimizer, model_state_dict=state[name], optim_state_dict=state[name + "_optimizer"])
+    own = os.path.join(path, f"trainer_state_rank{dist.get_rank()}.pt")
+    trainer_state = torch.load(own if os.path.isfile(own) else os.path.join(path, "trainer_state_rank0.pt"),
+                               weights_only=False)  # our own file: numpy RNG state is not a tensor
+    rollout.set_rng_states(trainer_state["rng"])
+    for name, (_, _, scheduler) in parts.items():
+        scheduler.load_state_dict(trainer_state["schedulers"][name])
+    return trainer_state.get("progress", {"step": trainer_state.get("step")})  # (older checkpoints: the step)
+
+
+# -----------------------------------------------------------------------------
 
 def main(cfg, task=None):
     """Train with PPO. `task`: any rollout.Task (default: the config's toy_add or gsm8k)."""
@@ -659,7 +793,7 @@ def main(cfg, task=None):
     parts, reference = build_models(model_dir, cfg, mesh)
     policy, critic = parts["policy"][0], parts.get("critic", (None,))[0]
     # the prompt stream: the SFT warm-up drew its first sft_steps * sft_batch_size prompts, PPO goes on from there
-    progress = model_parallel.load_checkpoint(resume_dir, parts) if resume_dir else {"step": 0}
+    progress = load_checkpoint(resume_dir, parts) if resume_dir else {"step": 0}
     progress.setdefault("prompts_drawn", cfg.sft_steps * cfg.sft_batch_size + progress["step"] * cfg.prompts_per_step)
     start_step = progress["step"]
     print0(f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir else "fresh start")
@@ -669,8 +803,7 @@ def main(cfg, task=None):
         rollout.refit(engine, model_parallel.iter_full_params(policy), cfg.refit_bucket_mb)
     start_metrics_log(cfg, start_step)
     stop_requested, t_start, bad_steps, stopped = install_stop_handler(device), time.time(), 0, False
-    per_minibatch = cfg.global_batch_size // cfg.num_minibatches // mesh["dp"].size()  # rows per rank
-    minibatches = [list(range(m * per_minibatch, (m + 1) * per_minibatch)) for m in range(cfg.num_minibatches)]
+    tensorboard = tensorboard_writer(cfg)  # None unless tensorboard=true (rank 0)
 
     for step in range(start_step, cfg.steps):
         metrics, times, stats = {"step": step}, {}, StepStats(device)
@@ -687,17 +820,7 @@ def main(cfg, task=None):
                 score(policy, reference, critic, batch, cfg, mesh)
                 compute_advantages(batch, scores, all_scores, cfg, mesh)
             with timed(times, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches
-                optimizer_state_to(device, parts, cfg)  # (back from host memory, with offload_optimizer)
-                for epoch in range(cfg.ppo_epochs):
-                    for rows in minibatches:
-                        num_tokens = dp_sum(batch.mask[rows].sum(), mesh)  # global response tokens
-                        update_policy(policy, parts["policy"][1], batch, rows, num_tokens, cfg, mesh, stats)
-                        if critic is not None:
-                            update_critic(critic, parts["critic"][1], batch, rows, num_tokens, cfg, mesh, stats)
-                for _, _, schedule in parts.values():
-                    schedule.step()
-                metrics["mem_used_gb"] = memory_used_gb()  # (training's peak is about here)
-                optimizer_state_to("cpu", parts, cfg)  # (with offload_optimizer: the engine gets the room)
+                metrics["mem_used_gb"] = update(parts, batch, cfg, mesh, stats, device)
             with timed(times, "time_refit_s"):  # 9. push the policy into the engine (a collective)
                 if engine is not None:  # also after skipped updates: on GPU the engine dropped its weights
                     metrics.update(rollout.refit(engine, model_parallel.iter_full_params(policy), cfg.refit_bucket_mb))
@@ -705,23 +828,25 @@ def main(cfg, task=None):
             sums = stats.totals(mesh)
         metrics.update(step_metrics(sums, cfg), **times, tokens=int(sums["all_tokens"]),
                        tokens_per_s=sums["all_tokens"] / times["time_step_s"])
-        log_step(step, metrics, cfg, t_start, start_step)
+        log_step(step, metrics, cfg, t_start, start_step, tensorboard)
         bad_steps = bad_steps + 1 if metrics["skipped_updates"] else 0  # steps in a row with a skipped update
         if cfg.max_skipped_steps and bad_steps >= cfg.max_skipped_steps:
             print0(f"stopping: {bad_steps} steps in a row skipped updates (NaN/inf loss or grad norm): "
                    "lower lr or check the rewards")
             sys.exit(1)
         progress.update(step=step + 1, prompts_drawn=progress["prompts_drawn"] + cfg.prompts_per_step)
-        if (stopped := stop_requested()) or (cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps)):
-            model_parallel.save_checkpoint(os.path.join(cfg.out_dir, "ckpt"), parts, cfg.keep_checkpoints, progress)
+        if (stopped := stop_requested()) or (cfg.save_every and (step + 1) % cfg.save_every == 0) or \
+                (cfg.save_every and step + 1 == cfg.steps):
+            save_checkpoint(os.path.join(cfg.out_dir, "ckpt"), parts, cfg.keep_checkpoints, progress)
         if stopped:
             print0(f"stopped by a signal after step {step + 1}: checkpoint saved; --resume=auto goes on")
             break
     dist.barrier()
     if cfg.export_hf and not stopped:  # + the tokenizer files and generation_config of the dir we loaded
-        bf16 = cfg.export_dtype == "bf16" or (cfg.export_dtype == "auto" and cfg.dtype == "bf16")
-        model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"), torch.bfloat16 if bf16 else torch.float32,
-                               copy_from=model_dir)
+        model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"),
+                               torch.bfloat16 if cfg.export_dtype == "bf16" else torch.float32, copy_from=model_dir)
+    if rank == 0:
+        print(summary(cfg, time.time() - t_start, stopped), flush=True)
     if engine is not None:
         engine.shutdown()  # vLLM destroys the process group itself, so this comes last
     elif dist.is_initialized():

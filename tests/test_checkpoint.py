@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import config
 import model_parallel
 import rollout
+import train_ppo
 from _dist import _free_port
 from conftest import (ROOT, close, cpu_env, kill_torchrun, plain_logprobs, read_metrics, run_cli,
                       torchrun_cmd)
@@ -42,7 +43,7 @@ def tokenizer_model_dir(root):
     export must carry them over. (The toy task itself uses its own byte tokenizer.)"""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    path = model_parallel.materialize_tiny_model("tiny-llama", str(root), seed=1)
+    path = rollout.materialize_tiny_model("tiny-llama", str(root), seed=1)
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "3": 1, "+": 2, "4": 3, "=": 4}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()  # "3+4=" -> 3, +, 4, =
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
@@ -160,12 +161,12 @@ def test_resume_under_ddp_matches_fsdp_and_its_checkpoint_loads_under_fsdp(strai
 def test_keep_checkpoints_and_complete_only(straight, tmp_path):
     out, _ = straight
     assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["step_2", "step_4"]
-    assert model_parallel.find_checkpoint("auto", out) == os.path.join(out, "ckpt", "step_4")
-    assert model_parallel.find_checkpoint("auto", str(tmp_path)) is None  # nothing yet: a fresh run
+    assert train_ppo.find_checkpoint("auto", out) == os.path.join(out, "ckpt", "step_4")
+    assert train_ppo.find_checkpoint("auto", str(tmp_path)) is None  # nothing yet: a fresh run
     half = tmp_path / "ckpt" / "step_9"  # as if renamed without rank 0's files: not complete
     shutil.copytree(os.path.join(out, "ckpt", "step_4"), half)
     os.remove(half / "trainer_state_rank0.pt")
-    assert model_parallel.find_checkpoint("auto", str(tmp_path)) is None
+    assert train_ppo.find_checkpoint("auto", str(tmp_path)) is None
 
 
 VLLM_SCRIPT = """
@@ -200,7 +201,7 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(straig
         policy = model_parallel.load_policy(os.path.join(out, "sft"), mesh, config.Config())
         opt = torch.optim.AdamW(policy.parameters())
         parts = {"policy": (policy, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0))}
-        assert model_parallel.load_checkpoint(os.path.join(out, "ckpt", "step_4"), parts)["step"] == 4
+        assert train_ppo.load_checkpoint(os.path.join(out, "ckpt", "step_4"), parts)["step"] == 4
         with torch.no_grad():
             trainer, _ = model_parallel.forward_policy(policy, ids, lens, mesh, config.Config())  # (b, S)
         sharded = os.path.join(out, "hf-sharded")  # the same weights in 1 MB files, as a large model's 5 GB ones

@@ -67,6 +67,30 @@ def test_cli_bad_config_exits_nonzero_fast_with_one_line(argv, key, tmp_path):
     assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 
+def test_tensorboard_without_its_package_is_refused_naming_it(monkeypatch, tmp_path):
+    find_spec = config.importlib.util.find_spec
+    monkeypatch.setattr(config.importlib.util, "find_spec", lambda name: None if name == "tensorboard" else find_spec(name))
+    with pytest.raises(config.ConfigError, match=r"tensorboard=true needs the tensorboard package: pip install tensorboard"):
+        config.validate(config.parse_args(["--tensorboard=true", f"--out_dir={tmp_path}"]), 1)
+    config.validate(config.parse_args(["--tensorboard=false", f"--out_dir={tmp_path}"]), 1)  # off: nothing needed
+
+
+def test_every_config_comment_says_what_its_values_give():
+    """A config file's "N prompts x K samples = M sequences" comment must match its values."""
+    import glob
+    import re
+    import tomllib
+    checked = 0
+    for path in glob.glob(os.path.join(ROOT, "configs", "*.toml")):
+        text = open(path).read()
+        values = tomllib.loads(text)
+        for n, k, total in re.findall(r"(\d+) prompts x (\d+) samples = (\d+)", text):
+            assert (int(n), int(k)) == (values["prompts_per_step"], values["samples_per_prompt"]), path
+            assert int(n) * int(k) == int(total), path
+            checked += 1
+    assert checked >= 3  # the demo and both GSM8K recipes say it
+
+
 def test_cli_help_lists_every_field():
     out = subprocess.run([sys.executable, "train_ppo.py", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60).stdout

@@ -2,16 +2,27 @@
 Takes a few minutes on 2 cores; it is the one test that shows PPO works, not just runs."""
 import json
 import os
+import re
 
 import pytest
 
-from conftest import read_metrics, run_cli
+from conftest import cpu_env, read_metrics, run_cli
+
+PROGRESS = re.compile(r"(sft|step) \d+/\d+")  # the progress lines; at most 10 others
 
 
 @pytest.mark.slow
 def test_demo_learns(tmp_path):
-    run_cli(2, "--config", "configs/demo_cpu.toml", f"--out_dir={tmp_path}", timeout=1200)
+    env = {k: v for k, v in cpu_env().items() if k != "OMP_NUM_THREADS"}  # as `make demo` runs it
+    proc = run_cli(2, "--config", "configs/demo_cpu.toml", f"--out_dir={tmp_path}", timeout=1200, env=env)
     rows = read_metrics(tmp_path)
+    # the console: a few lines besides progress, the last one the run's summary
+    extra = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip() and not PROGRESS.match(line)]
+    assert len(extra) <= 10, "\n".join(extra)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("done: 50 steps in ") and f"in {tmp_path}: metrics.jsonl, curves.png" in last, last
+    assert f"reward {sum(r['reward_mean'] for r in rows[:5]) / 5:.3f} (first 5 steps)" in last, last
+    assert "hf/" in last and "ckpt" not in last, last  # exported; the demo saves no checkpoint
     rewards = [r["reward_mean"] for r in rows]
     last5 = sum(rewards[-5:]) / 5
     print(json.dumps({"step0": rewards[0], "last5": last5}))

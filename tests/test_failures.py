@@ -20,13 +20,14 @@ import torch.distributed as dist
 import config
 import model_parallel
 import rollout
+import train_ppo
 from _dist import _free_port
 from conftest import ROOT, cpu_env, kill_torchrun, read_metrics, torchrun_cmd, torchrun_workers
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return model_parallel.materialize_tiny_model("tiny-llama", str(tmp_path_factory.mktemp("m")), seed=0)
+    return rollout.materialize_tiny_model("tiny-llama", str(tmp_path_factory.mktemp("m")), seed=0)
 
 
 def broken_copy(model_dir, tmp_path, name):
@@ -147,10 +148,10 @@ def test_resume_points_at_nothing_complete(tmp_path):
     (half / ".metadata").write_text("")
     (half / "trainer_state_rank0.pt").write_text("")
     with pytest.raises(model_parallel.CheckpointError, match="is not a complete checkpoint"):
-        model_parallel.find_checkpoint(str(half), str(tmp_path))
+        train_ppo.find_checkpoint(str(half), str(tmp_path))
     with pytest.raises(model_parallel.CheckpointError, match="is not a complete checkpoint"):
-        model_parallel.find_checkpoint(str(tmp_path / "ckpt"), str(tmp_path))  # the root, not a step_N
-    assert model_parallel.find_checkpoint("auto", str(tmp_path)) is None  # auto: nothing yet, fresh start
+        train_ppo.find_checkpoint(str(tmp_path / "ckpt"), str(tmp_path))  # the root, not a step_N
+    assert train_ppo.find_checkpoint("auto", str(tmp_path)) is None  # auto: nothing yet, fresh start
 
 
 def test_cli_bad_model_dir_one_line_exit_2(model_dir, tmp_path):
@@ -246,7 +247,7 @@ def test_sigterm_to_one_rank_finishes_the_step_saves_and_exits_0(start_run, tmp_
     assert 1 <= done < 50
     assert f"stopped by a signal after step {done}: checkpoint saved" in log
     assert sorted(os.listdir(out / "ckpt")) == [f"step_{done}"]  # save_every=0: only the signal's
-    assert model_parallel.find_checkpoint("auto", str(out)).endswith(f"step_{done}")
+    assert train_ppo.find_checkpoint("auto", str(out)).endswith(f"step_{done}")
 
 
 @pytest.mark.slow  # a CLI run under torchrun

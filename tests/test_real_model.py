@@ -46,12 +46,11 @@ def write_jsonl(path, pairs):
 def real_model(tmp_path_factory):
     """A tiny Qwen2 checkpoint dir with tokenizer files, as a hub download would have."""
     root = tmp_path_factory.mktemp("real")
-    import model_parallel
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29617")
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        path = model_parallel.materialize_tiny_model("tiny-qwen2", str(root), seed=0, vocab_size=448,
-                                                     bos_token_id=0, eos_token_id=2, pad_token_id=0)
+        path = rollout.materialize_tiny_model("tiny-qwen2", str(root), seed=0, vocab_size=448,
+                                              bos_token_id=0, eos_token_id=2, pad_token_id=0)
     finally:
         dist.destroy_process_group()
     save_tokenizer(path)

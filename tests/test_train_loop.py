@@ -127,6 +127,29 @@ def test_optimizer_state_moved_out_and_back_trains_the_same(tmp_path):
     assert plain[-1]["step"] == 2 and plain[-1]["kl"] != 0.0  # three steps, and the policy moved
 
 
+def _tensorboard_body(rank, world_size, out_dir):
+    rollout.HFEngine.shutdown = lambda self: None  # keep the process group: the spawn helper ends it
+    cfg = config.Config(out_dir=out_dir, tensorboard=True, steps=2, prompts_per_step=2, samples_per_prompt=2,
+                        max_new_tokens=4, micro_batch_size=2, rollout_engine="hf", export_hf=False, plot_every=0)
+    config.validate(cfg, world_size)
+    train_ppo.main(cfg)
+
+
+def test_tensorboard_holds_the_metrics_of_metrics_jsonl(tmp_path):
+    """tensorboard=true: every metric of every row of metrics.jsonl is a scalar of that name at that
+    step in out_dir/tensorboard, with the same value (TensorBoard stores float32)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run_ranks(_tensorboard_body, 1, str(tmp_path))
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert len(rows) == 2 and set(events.Tags()["scalars"]) == set(rows[0])
+    for row in rows:
+        for name, value in row.items():
+            (point,) = [e for e in events.Scalars(name) if e.step == row["step"]]
+            assert point.value == pytest.approx(value, rel=1e-6, abs=1e-30), (name, row["step"])
+
+
 def test_policy_ratio_is_clamped_before_exp():
     logprobs, old = torch.tensor([[0.0, 1000.0]]), torch.tensor([[0.0, 0.0]])  # a wild token
     loss, _ = train_ppo.policy_loss(logprobs, old, torch.tensor([[0.0, -1.0]]), torch.ones(1, 2), 0.2)
@@ -172,7 +195,7 @@ def test_gpu_step_bench_counts_matmul_weights_once():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import gpu_step
     from transformers import AutoConfig
-    fields = dict(model_parallel.TINY_PRESETS["tiny-llama"], tie_word_embeddings=True)
+    fields = dict(rollout.TINY_PRESETS["tiny-llama"], tie_word_embeddings=True)
     model_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     layer = 2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 512 + 2 * 256
     policy, critic = 2 * layer + 262 * 256, 2 * layer + 256  # LM head once (tied); value head 256 x 1
