@@ -47,7 +47,7 @@ def pad_fractions(lens, cfg, mesh):
     for layout_packing, counter in ((False, "padded"), (True, "packed")):
         run_cfg = dataclasses.replace(cfg, packing=layout_packing)
         for micro in mp.microbatches(lens, run_cfg, mesh):
-            computed = mp._layout(ids[micro], [lens[i] for i in micro], mesh, run_cfg)["ids"].numel()
+            computed = mp._layout(ids[micro], [lens[i] for i in micro], mesh, run_cfg).ids.numel()
             if counter == "padded":
                 padded += computed
             else:
