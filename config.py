@@ -3,11 +3,10 @@
     python train_ppo.py --help                       # every field, its default and its doc
     torchrun ... train_ppo.py --config configs/demo_cpu.toml --steps=5 --lr=3e-5
 
-Order of precedence: dataclass default < `--config FILE` (flat TOML) < `--key=value`.
-Sizes say whether they are *per rank* or *global* (summed over data-parallel ranks), as
-in "The N+ implementation details of RLHF with PPO" (Huang et al., 2024).
-Nothing here touches torch.distributed or a model: bad input is refused before any
-heavy work starts, with one line naming the key and the fix (`ConfigError`).
+Order of precedence: dataclass default < `--config FILE` (flat TOML) < `--key=value`. Sizes say whether they are
+*per rank* or *global* (summed over data-parallel ranks), as in "The N+ implementation details of RLHF with PPO"
+(Huang et al., 2024). Nothing here touches torch.distributed or a model: bad input is refused before any heavy work
+starts, with one line naming the key and the fix (`ConfigError`).
 """
 import dataclasses
 import importlib.util
@@ -111,14 +110,14 @@ CHOICES = {"rollout_engine": ("auto", "vllm", "hf"), "kl_estimator": ("k1", "k3"
            "advantage_estimator": ("gae", "grpo"), "old_logprobs": ("trainer", "engine"),
            "data_parallel": ("fsdp", "ddp"), "export_dtype": ("auto", "bf16", "fp32")}
 # Fields that must be >= 1 (integers) and > 0 (floats).
-POSITIVE = ("steps", "tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size",
-            "prompts_per_step", "samples_per_prompt", "max_new_tokens", "rollout_tp_size",
-            "refit_bucket_mb", "max_model_len", "vllm_gpu_memory_utilization", "vllm_kv_cache_gb",
-            "sft_batch_size", "ppo_epochs", "num_minibatches", "temperature", "collective_timeout_s")
+POSITIVE = ("steps", "tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size", "prompts_per_step",
+            "samples_per_prompt", "max_new_tokens", "rollout_tp_size", "refit_bucket_mb", "max_model_len",
+            "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "sft_batch_size", "ppo_epochs", "num_minibatches",
+            "temperature", "collective_timeout_s")
 
 
-# attention=masked builds a (T/cp, T) mask per row, and SDPA a score tensor of that size per head:
-# past a 4096-token row that is O(T^2) memory and FLOPs spent across documents (varlen skips them).
+# attention=masked builds a (T/cp, T) mask per row, and SDPA a score tensor of that size per head: past a 4096-token
+# row that is O(T^2) memory and FLOPs spent across documents (varlen skips them).
 MASK_LIMIT = 4096 * 4096
 
 
@@ -127,12 +126,10 @@ def masked_attention_error(row_tokens: int, cp_size: int):
     if row_tokens ** 2 // cp_size > MASK_LIMIT:
         return (f"attention=masked would build a dense {row_tokens // cp_size}x{row_tokens} mask per row "
                 f"(limit 4096x4096): use attention=varlen")
-    return None
 
 
 def field_docs() -> dict:
-    """The comment after each field is its doc: read it from this file's source, so that
-    `--help` and the code can never disagree (cleanrl keeps docs next to fields too)."""
+    """Each field's doc is its comment, read from this file: `--help` and the code cannot disagree (as in cleanrl)."""
     docs, src = {}, open(__file__, encoding="utf-8").read().splitlines()
     for line in src:
         name = line.strip().split(":")[0]
@@ -200,9 +197,8 @@ def parse_args(argv: list) -> Config:
 
 
 def _validate_sizes(cfg: Config, world_size: int) -> None:
-    """The mesh: world = dp * cp * tp (torchtitan asserts the same product, naming each factor).
-    Batch arithmetic: every global minibatch splits evenly over dp ranks, and (without packing)
-    every rank's share splits into whole microbatches."""
+    """The mesh: world = dp * cp * tp (torchtitan asserts the same product, naming each factor). Batch arithmetic:
+    each global minibatch splits evenly over dp ranks, and (unpacked) each rank's share into whole microbatches."""
     if world_size % (cfg.tp_size * cfg.cp_size):
         raise ConfigError(f"world size {world_size} is not divisible by tp_size*cp_size = {cfg.tp_size}*{cfg.cp_size}: "
                           f"choose tp_size and cp_size whose product divides the number of processes")
@@ -232,14 +228,13 @@ def validate(cfg: Config, world_size: int) -> None:
     for key in POSITIVE:
         if not getattr(cfg, key) > 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be > 0")
-    for key in ("kl_coef", "tis_cap", "clip_ratio_c", "eval_every", "format_reward", "clip_ratio", "value_clip",
-                "entropy_coef", "max_grad_norm", "lr", "critic_lr", "sft_lr", "weight_decay", "sft_steps",
-                "warmup_steps", "save_every", "plot_every", "logprob_chunk_size", "keep_checkpoints", "max_skipped_steps"):
+    for key in ("kl_coef", "tis_cap", "clip_ratio_c", "eval_every", "format_reward", "clip_ratio", "value_clip", "lr",
+                "entropy_coef", "max_grad_norm", "critic_lr", "sft_lr", "weight_decay", "sft_steps", "warmup_steps",
+                "save_every", "plot_every", "logprob_chunk_size", "keep_checkpoints", "max_skipped_steps"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be >= 0")
-    if 0 < cfg.clip_ratio_c <= 1:
-        raise ConfigError(f"clip_ratio_c={cfg.clip_ratio_c} must be > 1 (a cap on the ratio of negative-advantage "
-                          f"tokens, verl's default 3.0) or 0 for no dual clip")
+    if 0 < cfg.clip_ratio_c <= 1:  # a cap on the ratio of negative-advantage tokens
+        raise ConfigError(f"clip_ratio_c={cfg.clip_ratio_c} must be > 1 (verl's default 3.0) or 0 for no dual clip")
     if cfg.advantage_estimator == "grpo" and cfg.samples_per_prompt < 2:
         raise ConfigError(f"advantage_estimator=grpo needs samples_per_prompt >= 2 (got {cfg.samples_per_prompt}): "
                           f"its advantage is a response's score against its prompt group's mean and std")

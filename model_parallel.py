@@ -101,10 +101,8 @@ def resolve_auto(cfg, device_type):
         longest = cfg.max_tokens_per_microbatch if cfg.packing else cfg.max_model_len  # a row's length at most
         dense_ok = not (cfg.packing and device_type == "cuda") and not masked_attention_error(longest, cfg.cp_size)
         cfg.attention = "varlen" if kernel or not dense_ok else "masked"
-    if cfg.attention == "masked":
-        return "masked SDPA"
     names = {None: "reference varlen (one SDPA per document)", torch_varlen_attention: "torch varlen_attn"}
-    return names.get(kernel, "flash-attn varlen")
+    return "masked SDPA" if cfg.attention == "masked" else names.get(kernel, "flash-attn varlen")
 
 
 def _group(mesh, dim):

@@ -1,9 +1,8 @@
-"""Where the data of a PPO step comes from: tasks, prompts, tokenizer, rewards, the
-generation engine, and refit (pushing the trained weights into the engine).
+"""Where the data of a PPO step comes from: tasks, prompts, tokenizer, rewards, the generation engine, and refit
+(pushing the trained weights into the engine).
 
-Read this after train_ppo.py's step 1-3. Nothing here knows about PPO losses: the trainer
-asks for "these prompts, sampled with these seeds" and gets back token ids, the engine's
-own logprob of each sampled token, and a score per sequence.
+Read this after train_ppo.py's step 1-3. Nothing here knows about PPO losses: the trainer asks for "these prompts,
+sampled with these seeds" and gets back token ids, the engine's logprob of each sampled token, a score per sequence.
 """
 import hashlib
 import json
@@ -23,12 +22,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 
 # -----------------------------------------------------------------------------
-# The toy task: small-number addition, "3+4=" -> "7". Reward 1 for the exact sum followed
-# by end-of-text, 0 otherwise: a verifiable, rule-based reward like GSM8K's. Operands are
-# 0..4 (25 facts: a 1M-parameter model learns 0..9 too slowly for a CPU demo). Its tokenizer,
-# built in code, is a byte-level BPE with no merges (ids 0..255) plus two special tokens. The
-# toy model's vocab (262) is larger than these 258 ids on purpose, as with real checkpoints whose
-# embedding matrix is padded (Qwen2.5: 151,936 rows for 151,665 tokens).
+# The toy task: small-number addition, "3+4=" -> "7". Reward 1 for the exact sum then end-of-text, else 0: a
+# verifiable, rule-based reward like GSM8K's. Operands 0..4 (25 facts: a 1M-parameter model learns 0..9 too slowly for
+# a CPU demo). The tokenizer, built in code, is a byte-level BPE with no merges (ids 0..255) plus two special tokens;
+# the toy vocab (262) exceeds these 258 ids on purpose, like padded checkpoints (Qwen2.5: 151,936 rows, 151,665 tokens).
 TOY_OPERANDS = 5
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 
@@ -40,10 +37,9 @@ def toy_tokenizer() -> tiktoken.Encoding:
 
 
 def epoch_order(seed: int, size: int, start: int, n: int) -> list:
-    """Indices of items start .. start+n-1 of an endless stream of epochs over `size` items, each
-    epoch shuffled anew (seeded by (seed, epoch)): every item once per epoch, none drawn twice
-    before all were drawn. A function of the position alone, the same on every rank, so a run
-    resumed from its saved position draws what the straight run would have."""
+    """Indices of items start .. start+n-1 of an endless stream of epochs over `size` items, each epoch shuffled anew
+    (seeded by (seed, epoch)): every item once per epoch, none twice before all were drawn. A function of the position
+    alone, the same on every rank: a run resumed from its saved position draws what the straight run would have."""
     orders, out = {}, []
     for position in range(start, start + n):
         epoch, offset = divmod(position, size)
@@ -67,9 +63,8 @@ def toy_reward(response_text: str, answer: str, finished: bool) -> float:
 
 
 # -----------------------------------------------------------------------------
-# Tiny presets: random-init models written as real HF checkpoint dirs (nothing is downloaded).
-# head_dim 64 because vLLM's CPU attention refuses 16; vocab 262 > the toy tokenizer's 258
-# ids and not a multiple of 4, like real checkpoints whose embedding rows are padded.
+# Tiny presets: random-init models written as real HF checkpoint dirs (nothing is downloaded). head_dim 64 because
+# vLLM's CPU attention refuses 16; vocab 262, padded past the toy tokenizer's 258 ids and not a multiple of 4.
 
 _TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, vocab_size=262, max_position_embeddings=512,
@@ -84,9 +79,8 @@ TINY_PRESETS = {
 
 
 def materialize_tiny_model(name, dir, seed, **overrides):
-    """Write preset `name` (+ overrides, e.g. tie_word_embeddings=True) to dir/name; return that
-    path. Rank 0 writes to a temp dir then renames it, so a dir with config.json is complete and
-    a second call only waits at the barrier."""
+    """Write preset `name` (+ overrides, e.g. tie_word_embeddings=True) to dir/name; return that path. Rank 0 writes
+    to a temp dir then renames it, so a dir with config.json is complete and a second call only waits at the barrier."""
     path = os.path.join(dir, name)
     rank = dist.get_rank() if dist.is_initialized() else 0  # also usable before init (scripts, tests)
     if rank == 0 and not os.path.isfile(os.path.join(path, "config.json")):
@@ -103,12 +97,10 @@ def materialize_tiny_model(name, dir, seed, **overrides):
 
 
 # -----------------------------------------------------------------------------
-# Math answers (GSM8K and the like): the reward is exact match of the final number. GSM8K's
-# references end in "#### 72" (Cobbe et al., 2021); a model's answer is taken from its last
-# \boxed{...} if any (the convention of MATH, Hendrycks et al., 2021), else from the number after
-# the last "####", else the last number in the text (the "flexible extract" of common eval
-# harnesses). Numbers are normalized before comparing: thousands separators, "$", "%", units and
-# a trailing period are dropped, and "72.00" equals "72".
+# Math answers (GSM8K and the like): the reward is exact match of the final number. GSM8K's references end in
+# "#### 72" (Cobbe et al., 2021); a model's answer is its last \boxed{...} if any (MATH's convention, Hendrycks et al.,
+# 2021), else the number after the last "####", else the last number (the "flexible extract" of eval harnesses).
+# Numbers are normalized: thousands separators, "$", "%", units and a trailing period dropped, "72.00" equals "72".
 
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
 
@@ -139,9 +131,8 @@ def extract_answer(text: str):
 
 
 def math_reward(response_text: str, reference: str, format_weight: float = 0.0) -> float:
-    """1.0 if the response's final number equals the reference's. With format_weight > 0,
-    a wrong answer that is at least given in the expected form (\boxed{} or ####) earns
-    format_weight: a small shaping reward, as in DeepSeek-R1's format reward (2025)."""
+    """1.0 if the response's final number equals the reference's. With format_weight > 0, a wrong answer given in the
+    expected form (\boxed{} or ####) earns format_weight: a small shaping reward (DeepSeek-R1's format reward, 2025)."""
     answer = extract_answer(response_text)
     if answer is not None and answer == extract_answer(reference):
         return 1.0
@@ -150,10 +141,9 @@ def math_reward(response_text: str, reference: str, format_weight: float = 0.0) 
 
 
 def stop_token_ids(model_dir: str, eos_id) -> list:
-    """Every token that ends a response: the task's EOS and each eos_token_id of the checkpoint's
-    generation_config.json (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama 3: three). vLLM
-    stops at all of these by itself, so the HF engine, `finished`, the reward and the dumps must
-    know them too. [] when eos_id is None: every response runs to max_new_tokens."""
+    """Every token that ends a response: the task's EOS and each eos_token_id of the checkpoint's generation_config.json
+    (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama 3: three). vLLM stops at all of these by itself, so the HF
+    engine, `finished`, the reward and the dumps must know them too. [] if eos_id is None: all run to max_new_tokens."""
     if eos_id is None:
         return []
     ids, path = {eos_id}, os.path.join(model_dir, "generation_config.json")
@@ -170,15 +160,14 @@ def finished(response_ids: list, stop_ids: list) -> bool:
 
 
 def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
-    """The seed of one sample depends on what it is, not on which rank draws it or with
-    which batch, so that the same config samples the same tokens on any mesh."""
+    """A sample's seed depends on what it is, not on its rank or batch: a config samples the same tokens on any mesh."""
     key = f"{seed}/{step}/{prompt_index}/{sample_index}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
 
 
 # -----------------------------------------------------------------------------
-# Tasks. A task is everything the trainer asks of the data side; the toy task and GSM8K
-# implement the same Protocol, and so does a forker's own task (README, "How to fork").
+# Tasks. A task is everything the trainer asks of the data side; the toy task and GSM8K implement the same Protocol,
+# and so does a forker's own task (README, "How to fork").
 
 class Task(Protocol):
     eos_id: Optional[int]  # ends a response (with generation_config's: stop_token_ids); None = never stop
@@ -288,8 +277,7 @@ class GSM8KTask:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def reward(self, text, answer, finished):
-        # a response cut off by max_new_tokens scores 0: otherwise a truncated chain of thought
-        # whose last number happens to be the answer would earn the full reward
+        # cut off by max_new_tokens: 0, lest a truncated chain of thought ending on the answer earn the full reward
         return math_reward(text, answer, self.format_reward) if finished else 0.0
 
 
@@ -300,7 +288,7 @@ def make_task(cfg, model_dir: str, model_vocab_size: int) -> Task:
 def validation_accuracy(engine, task: Task, cfg, device: torch.device) -> float:
     """Greedy accuracy on the held-out prompts. Collective (every rank). They are split over the
     vLLM groups (rollout_tp_size consecutive ranks pass identical requests), the count summed."""
-    rank, groups = torch.distributed.get_rank(), torch.distributed.get_world_size() // cfg.rollout_tp_size
+    rank, groups = dist.get_rank(), dist.get_world_size() // cfg.rollout_tp_size
     mine = task.val[rank // cfg.rollout_tp_size::groups]
     correct = 0.0
     if mine:
@@ -308,21 +296,19 @@ def validation_accuracy(engine, task: Task, cfg, device: torch.device) -> float:
         correct = sum(task.reward(task.decode(r), a, finished(r, engine.stop_ids)) == 1.0
                       for (r, _), (_, a) in zip(outs, mine))
     total = torch.tensor([float(correct)], device=device)
-    torch.distributed.all_reduce(total)  # every member of a vLLM group counted the same prompts
+    dist.all_reduce(total)  # every member of a vLLM group counted the same prompts
     return total.item() / cfg.rollout_tp_size / len(task.val)
 
 
 # -----------------------------------------------------------------------------
-# Engines. The trainer calls an engine in this order every step: generate, sleep (training
-# runs), then `refit` below: wake_up(["weights"]), load_weights per bucket, finish_refit,
-# wake_up(["kv_cache"]). The HF engine and the vLLM engine implement the same Protocol.
+# Engines. Each step the trainer calls generate, sleep (training runs), then `refit` below: wake_up(["weights"]),
+# load_weights per bucket, finish_refit, wake_up(["kv_cache"]). The HF and vLLM engines implement this Protocol.
 
 class Engine(Protocol):
     dtype: torch.dtype  # refit casts the trained weights to this
     stop_ids: list  # a response ends at any of these (stop_token_ids): the trainer's `finished` too
 
-    # One (response ids, engine logprob of each sampled token) per prompt. Sample k is drawn with
-    # seeds[k] alone, so it does not depend on the batch; temperature 0 = greedy.
+    # one (response ids, engine logprob per sampled token) per prompt, sample k drawn with seeds[k] alone; T=0: greedy
     def generate(self, prompt_ids: list, seeds: list, max_new_tokens: int, temperature: float) -> list: ...
     def sleep(self) -> None: ...  # training runs now: free what can be freed (GPU memory)
     def wake_up(self, tags: list) -> None: ...  # memory of "weights" / "kv_cache" back
@@ -331,9 +317,8 @@ class Engine(Protocol):
     def shutdown(self) -> None: ...
 
 
-# The HF engine: a plain (unsharded) transformers model on each rank with a hand-written sampling
-# loop; the fallback when vLLM is absent, and the simplest place to read how generation works.
-# It is refit after every step by vLLM's code path (`refit` below): it samples the current policy.
+# The HF engine: a plain (unsharded) transformers model on each rank, a hand-written sampling loop; the fallback
+# without vLLM and the simplest read of generation. Refit every step like vLLM (`refit`): it samples the current policy.
 
 class HFEngine:
     def __init__(self, model_dir: str, device: torch.device, stop_ids: list, dtype=torch.float32):
@@ -349,14 +334,11 @@ class HFEngine:
         mask = torch.zeros(B, P, dtype=torch.long, device=self.device)  # (B, P) 1 = real token
         for b, p in enumerate(prompt_ids):
             ids[b, P - len(p):], mask[b, P - len(p):] = torch.tensor(p), 1
-        # Position ids count real tokens only, so a left-padded prompt sees the same
-        # positions as it would alone (otherwise RoPE would shift by the padding).
+        # position ids count real tokens only: a left-padded prompt sees the positions it would alone (RoPE unshifted)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
-        # One generator per sample: a row's draws never depend on the other rows.
-        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        gens = [torch.Generator().manual_seed(s) for s in seeds]  # one per sample: no row's draws depend on another
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        responses, logprobs = [[] for _ in range(B)], [[] for _ in range(B)]
-        done = [False] * B
+        responses, logprobs, done = [[] for _ in range(B)], [[] for _ in range(B)], [False] * B
         for _ in range(max_new_tokens):
             # the trainer's convention: log-softmax of logits / T in fp32 (T = 0: greedy, plain logprobs)
             logits = out.logits[:, -1].float().cpu()  # (B, V)
@@ -364,8 +346,7 @@ class HFEngine:
             if temperature == 0:
                 token = logp.argmax(-1, keepdim=True)  # (B, 1)
             else:
-                token = torch.stack([torch.multinomial(logp[b].exp(), 1, generator=gens[b])
-                                     for b in range(B)])  # (B, 1)
+                token = torch.stack([torch.multinomial(logp[b].exp(), 1, generator=gens[b]) for b in range(B)])
             for b in range(B):
                 if not done[b]:
                     responses[b].append(token[b, 0].item())
@@ -396,12 +377,10 @@ class HFEngine:
 
 
 # -----------------------------------------------------------------------------
-# The vLLM engine, colocated: one vLLM instance inside every trainer process, no server and no
-# Ray (the "hybrid engine" layout of verl and NeMo-RL), built on vLLM's torchrun support,
-# distributed_executor_backend="external_launcher": vLLM joins the torch world that torchrun made
-# (so init_process_group must come first) and carves its own tensor-parallel groups out of it,
-# consecutive blocks of rollout_tp_size ranks. Lines marked "GPU only" were read from vLLM's
-# source, not run here (README, "Verified on").
+# The vLLM engine, colocated: one vLLM instance in every trainer process, no server, no Ray (the "hybrid engine" of
+# verl and NeMo-RL), via vLLM's torchrun support, distributed_executor_backend="external_launcher": vLLM joins the
+# torch world torchrun made (init_process_group first) and carves its tensor-parallel groups from it, consecutive
+# blocks of rollout_tp_size ranks. "GPU only" lines were read from vLLM's source, not run (README, "Verified on").
 
 def rng_states():
     """Every RNG the run draws from (also kept around vLLM's calls, which reseed them)."""
@@ -417,12 +396,10 @@ def set_rng_states(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-
 @contextmanager
 def _trainer_state_kept():
-    """vLLM in-process reseeds the global RNGs, draws from the global torch RNG while
-    sampling, and on CPU turns torch.set_num_threads into a no-op for the process.
-    Put everything back so the trainer's state is the trainer's."""
+    """vLLM in-process reseeds the global RNGs, draws from the global torch RNG while sampling, and on CPU turns
+    torch.set_num_threads into a no-op for the process. Put everything back: the trainer's state is the trainer's."""
     states, threads, set_threads = rng_states(), torch.get_num_threads(), torch.set_num_threads
     try:
         yield
@@ -436,8 +413,7 @@ class VLLMEngine:
     def __init__(self, model_dir: str, cfg, stop_ids: list):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
         from vllm import LLM  # imported here: the HF engine works without vLLM
-        self.on_gpu, self.asleep = torch.cuda.is_available(), set()  # asleep: memory tags freed by sleep()
-        self.stop_ids = stop_ids
+        self.on_gpu, self.asleep, self.stop_ids = torch.cuda.is_available(), set(), stop_ids  # asleep: sleep()'s tags
         self.dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32  # refit casts to this
         kwargs = dict(
             model=model_dir, distributed_executor_backend="external_launcher",
@@ -445,8 +421,7 @@ class VLLMEngine:
             data_parallel_size=1,  # >1 makes vLLM sync every decode step across ranks
             skip_tokenizer_init=True,  # token ids in and out; the tokenizer is ours
             seed=cfg.seed, max_model_len=cfg.max_model_len, use_tqdm_on_load=False,
-            # log_softmax(logits / T) of the sampled token: the trainer's convention
-            # (the default "raw_logprobs" ignores the temperature: off by ~0.1 here)
+            # the trainer's log_softmax(logits / T) of the sampled token (default "raw_logprobs" ignores T: ~0.1 off)
             logprobs_mode="processed_logprobs")
         if self.on_gpu:
             kwargs.update(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,  # GPU only
@@ -456,17 +431,15 @@ class VLLMEngine:
                           kv_cache_memory_bytes=cfg.vllm_kv_cache_gb * 2**30)  # else 90% of RAM
         with _trainer_state_kept():
             self.llm = LLM(**kwargs)  # a collective: every rank constructs it together
-        # in-process handles, possible only without multiprocessing: refit writes here
         self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
-        self.model = self.worker.model_runner.get_model()
+        self.model = self.worker.model_runner.get_model()  # in-process handles (no multiprocessing): refit writes here
         self.reloading = False
 
     def generate(self, prompt_ids, seeds, max_new_tokens, temperature):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        # one SamplingParams per sample: its seed gives the request its own generator. Without a
-        # tokenizer vLLM knows only generation_config's EOS ids: stop_token_ids names the whole set
-        # (and keeps the token in the output); an empty set must ignore generation_config's too
+        # one SamplingParams per sample: its seed gives the request its own generator. Without a tokenizer vLLM knows
+        # only generation_config's EOS ids: stop_token_ids names the set (kept in the output); empty: theirs ignored too
         params = [SamplingParams(seed=s, temperature=temperature, max_tokens=max_new_tokens, logprobs=0,
                                  stop_token_ids=self.stop_ids, ignore_eos=not self.stop_ids, detokenize=False)
                   for s in seeds]
@@ -476,12 +449,11 @@ class VLLMEngine:
         samples = [out.outputs[0] for out in outs]  # logprobs: one {token: Logprob} per step
         return [(list(s.token_ids), [step[t].logprob for t, step in zip(s.token_ids, s.logprobs)]) for s in samples]
 
-    # Refit uses vLLM's layerwise reloading (docs.vllm.ai, "training/layerwise") over buckets:
-    # initialize once, load_weights per bucket through vLLM's own loaders (they fuse q/k/v and
-    # gate/up, shard for TP, repack for the CPU kernels once a layer is complete), finalize once.
-    # reload_weights per bucket would process a layer split across buckets half-loaded (NaN), and
-    # load_weights on the live model fails once CPU repacking removed the weight loaders. vLLM
-    # holds a layer's tensors until the layer is complete: never reuse a bucket's buffers.
+    # Refit uses vLLM's layerwise reloading (docs.vllm.ai, "training/layerwise") over buckets: initialize once,
+    # load_weights per bucket through vLLM's own loaders (they fuse q/k/v and gate/up, shard for TP, repack for the CPU
+    # kernels once a layer is complete), finalize once. reload_weights per bucket would process a layer split across
+    # buckets half-loaded (NaN), and load_weights on the live model fails once CPU repacking removed the weight
+    # loaders. vLLM holds a layer's tensors until the layer is complete: never reuse a bucket's buffers.
     def load_weights(self, named_tensors):
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -496,8 +468,7 @@ class VLLMEngine:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
         with set_current_vllm_config(self.worker.vllm_config), torch.no_grad():
             finalize_layerwise_reload(self.model, self.worker.model_runner.model_config)
-            # a tied lm_head receives no weight of its own, so its CPU-packed copy would
-            # stay stale (|d logprob| ~2e-2): repack it from the shared weight
+            # a tied lm_head loads no weight: repack its stale CPU-packed copy (|d logprob| ~2e-2) from the shared one
             lm_head = getattr(self.model, "lm_head", None)
             if lm_head is not None and self.worker.model_config.hf_text_config.tie_word_embeddings:
                 lm_head.quant_method.process_weights_after_loading(lm_head)
@@ -527,15 +498,12 @@ def make_engine(cfg, model_dir: str, device: torch.device, stop_ids: list) -> En
 
 
 # -----------------------------------------------------------------------------
-# Refit: stream the trained weights into the engine in bounded buckets. Every rank iterates
-# `named_full_tensors` together (each item is a collective that gathers one parameter), casts
-# it to the engine's dtype (so the limit counts the bytes sent) and hands the engine a bucket
-# whenever the next tensor would overflow `bucket_mb`. One bucket (or one larger parameter) is
-# built at a time and vLLM keeps at most one incomplete layer from earlier buckets, so the
-# transient memory does not grow with the model, unlike a full state dict (verl and NeMo-RL
-# bucket their refit for this reason). On GPU the sleeping engine gets its weight memory back
-# first and its KV cache only after the last bucket (vLLM's documented order, also TRL's and
-# verl's): the gathered tensors never coexist with the KV cache.
+# Refit: stream the trained weights into the engine in bounded buckets. All ranks iterate `named_full_tensors` together
+# (each item a collective gathering one parameter), cast to the engine's dtype (the limit counts bytes sent) and hand
+# the engine a bucket before the next tensor would overflow `bucket_mb`. With one bucket (or one larger parameter) built
+# at a time and at most one incomplete layer kept by vLLM, transient memory does not grow with the model, unlike a full
+# state dict (why verl and NeMo-RL bucket refit). On GPU the sleeping engine gets weight memory back first, KV cache
+# after the last bucket (vLLM's documented order, also TRL's and verl's): the gathered tensors never meet the KV cache.
 
 def refit(engine: Engine, named_full_tensors, bucket_mb: float) -> dict:
     if torch.cuda.is_available():  # GPU: what training freed goes back to the driver before vLLM takes it
@@ -560,15 +528,13 @@ def refit(engine: Engine, named_full_tensors, bucket_mb: float) -> dict:
 
 
 # -----------------------------------------------------------------------------
-# Console: the one place where third-party output is silenced. Each message below was
-# read and found harmless; errors are never hidden (vLLM still logs at ERROR).
-#  - vLLM WARNINGs: "RotaryEmbedding: Failed to load weights" at every refit (the rotary
-#    cache is not a checkpoint tensor: vLLM puts its own copy back), "Chat template warmup
-#    failed" (we skip vLLM's tokenizer on purpose), "CPU backend doesn't allow to use
-#    torch.set_num_threads" (we restore the thread count ourselves), "Triton is installed,
+# Console: the one place where third-party output is silenced. Each message below was read and found harmless;
+# errors are never hidden (vLLM still logs at ERROR).
+#  - vLLM WARNINGs: "RotaryEmbedding: Failed to load weights" at every refit (the rotary cache is not a checkpoint
+#    tensor: vLLM puts its own copy back), "Chat template warmup failed" (we skip vLLM's tokenizer on purpose), "CPU
+#    backend doesn't allow to use torch.set_num_threads" (we restore the thread count ourselves), "Triton is installed,
 #    but doesn't include CPU backend".
-#  - a FutureWarning from vLLM's own use of torch.distributed.reduce_op.
-#  - transformers' load reports and progress bars.
+#  - a FutureWarning from vLLM's own use of torch.distributed.reduce_op; transformers' load reports and progress bars.
 
 def quiet_third_party_output() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vLLM configures its logging,

@@ -1,20 +1,15 @@
 """PPO for a Hugging Face causal LM on a PyTorch device mesh. Launch:
 
-    # CPU demo, 2 processes (what `make demo` runs):
-    torchrun --nproc_per_node=2 train_ppo.py --config configs/demo_cpu.toml
-    # one node of 8 GPUs, tensor parallel 2 inside each group of 4 data-parallel replicas:
-    torchrun --nproc_per_node=8 train_ppo.py --config FILE --tp_size=2
+    torchrun --nproc_per_node=2 train_ppo.py --config configs/demo_cpu.toml  # CPU demo, 2 processes (`make demo`)
+    torchrun --nproc_per_node=8 train_ppo.py --config FILE --tp_size=2  # 1 node, 8 GPUs: 4 dp replicas x tp 2
     # 2 nodes (run on each, same --rdzv_endpoint):
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 \
-        train_ppo.py --config FILE
-    # every option with its default and doc:
-    python train_ppo.py --help
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train_ppo.py --config FILE
+    python train_ppo.py --help  # every option with its default and doc
 
-The algorithm is PPO with a learned critic and GAE, as used for RLHF by InstructGPT
-(Ouyang et al., 2022) and documented in "The N+ implementation details of RLHF with PPO"
-(Huang et al., 2024). One step, in the order of main() below:
-  1. draw the next prompts (shuffled epochs, the same on every rank); each data-parallel (dp)
-     rank keeps its slice, which the slice's tp x cp ranks generate in equal shares
+The algorithm is PPO with a learned critic and GAE, as used for RLHF by InstructGPT (Ouyang et al., 2022) and
+documented in "The N+ implementation details of RLHF with PPO" (Huang et al., 2024). One step, in main()'s order:
+  1. draw the next prompts (shuffled epochs, the same on every rank); each data-parallel (dp) rank keeps its slice,
+     which the slice's tp x cp ranks generate in equal shares
   2. rollout: the engine samples responses and returns its own logprob of each token
   3. reward: a rule-based score per sequence, placed on its last response token
   4. forward passes without grad: old policy logprobs (or the engine's), reference logprobs, values
@@ -26,11 +21,10 @@ The algorithm is PPO with a learned critic and GAE, as used for RLHF by Instruct
  10. metrics, rollout dump, plot; a checkpoint every save_every steps (resume=auto continues)
 advantage_estimator="grpo" swaps steps 4-6 for group-normalized scores and drops the critic.
 
-How one row lines up. Every (b, S) tensor in this file follows one convention: position i
-holds everything about the action "emit token x_i given x_<i". A model's logits at position
-i predict x_{i+1}, so the logprob of x_i comes from the logits at i-1, and the value of the
-state before x_i from the critic's head on the hidden state at i-1 (the right shift that
-NeMo-RL, verl, OpenRLHF and TRL all use). Prompt "2+3=", response "5<eos>":
+How one row lines up. Every (b, S) tensor in this file follows one convention: position i holds everything about the
+action "emit token x_i given x_<i". A model's logits at position i predict x_{i+1}, so the logprob of x_i comes from
+the logits at i-1, and the value of the state before x_i from the critic's head on the hidden state at i-1 (the right
+shift that NeMo-RL, verl, OpenRLHF and TRL all use). Prompt "2+3=", response "5<eos>":
 
     position i            0     1     2     3     4            5
     token x_i             2     +     3     =     5            <eos>
@@ -39,12 +33,11 @@ NeMo-RL, verl, OpenRLHF and TRL all use). Prompt "2+3=", response "5<eos>":
     values[i]             0     .     .     .     head(h[3])   head(h[4])   (V of the state x_<i)
     rewards[i]            0     0     0     0     -kl_coef*kl  score - kl_coef*kl
 
-('.' = computed, or 0 where the LM head skips the prompt: never in a loss.) Position 0 has no
-prediction and holds 0, as does every packed sequence start; losses and statistics see the mask.
+('.' = computed, or 0 where the LM head skips the prompt: never in a loss.) Position 0 has no prediction and holds 0,
+as does every packed sequence start; losses and statistics see the mask.
 
 Deviations from the paper's PPO, on purpose:
-  1. the minibatch split is fixed across epochs (no reshuffle), so that it does not
-     depend on the mesh and every mesh trains on the same minibatches;
+  1. the minibatch split is fixed across epochs (no reshuffle), so that every mesh trains on the same minibatches;
   2. the KL penalty uses a fixed kl_coef (no adaptive KL controller);
   3. there is no reward model: the toy task's reward is a rule (as in RLVR / GSM8K).
 Deliberately left out: pretraining-loss mixing (PPO-ptx), reward normalization.
@@ -65,10 +58,9 @@ from typing import Optional
 
 import config
 
-# Fail fast: a bad config is refused here, in a fraction of a second, before torch and
-# transformers are imported (10 s and more). torchrun sets WORLD_SIZE.
+# Fail fast: a bad config is refused here, in a fraction of a second, before importing torch and transformers (10+ s).
 if __name__ == "__main__":
-    CFG = config.load(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    CFG = config.load(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", "1")))  # torchrun sets WORLD_SIZE
 
 import torch  # noqa: E402  (after the config check, on purpose)
 import torch.distributed as dist  # noqa: E402
@@ -79,11 +71,10 @@ from transformers import AutoConfig  # noqa: E402
 import model_parallel  # noqa: E402
 import rollout  # noqa: E402
 
+
 # -----------------------------------------------------------------------------
-# PPO math: small pure functions on (B, S) tensors in the alignment above, importable by
-# tests and readers. `mask` is 1 on response tokens. Losses are sums over tokens divided by
-# `num_tokens`, the number of response tokens in the *global* minibatch, so neither dp nor
-# the microbatch size changes them.
+# PPO math: small pure functions for tests and readers, on (B, S) tensors aligned as above; `mask` is 1 on response
+# tokens. Losses: token sums / `num_tokens`, the global minibatch's response tokens, independent of dp and microbatches.
 
 def masked_sum(x, mask):
     return (x * mask).sum()
@@ -95,10 +86,9 @@ def ratio_from_log(log_ratio):
 
 
 def kl_penalty(logprobs, ref_logprobs, kind="k1"):
-    """Per-token estimate of KL(pi || pi_ref) from the sampled token (Schulman, "Approximating
-    KL divergence", 2020). k1 = log(pi/pi_ref): unbiased, can be negative per token.
-    k3 = (r - 1) - log r with r = pi_ref/pi: unbiased, always >= 0, lower variance; clamped to
-    <= 10 as verl's low_var_kl, since one collapsed token (log r = 88) would give e^88 = inf."""
+    """Per-token estimate of KL(pi || pi_ref) from the sampled token (Schulman, "Approximating KL divergence", 2020).
+    k1 = log(pi/pi_ref): unbiased, can be negative per token. k3 = (r - 1) - log r, r = pi_ref/pi: unbiased, >= 0,
+    lower variance; clamped to <= 10 as verl's low_var_kl: one collapsed token (log r = 88) would give e^88 = inf."""
     log_ratio = logprobs - ref_logprobs  # (B, S)
     if kind == "k1":
         return log_ratio
@@ -111,13 +101,11 @@ def kl_penalty(logprobs, ref_logprobs, kind="k1"):
 def compute_gae(rewards, values, mask, gamma, lam):
     """Generalized advantage estimation (Schulman et al., 2016, eq. 16), right to left:
         delta_t = r_t + gamma * V_next - V_t,   A_t = delta_t + gamma * lam * A_next
-    where "next" is the next *response* token of the row: positions outside the mask (the
-    prompt, padding, or a gap such as a tool's output) are skipped, and after the last
-    response token the episode ends (V_next = 0, A_next = 0). Returns (advantages, returns)
-    with returns = A + V, both 0 outside the mask."""
+    where "next" is the next *response* token of the row: positions outside the mask (the prompt, padding, or a gap
+    such as a tool's output) are skipped, and after the last response token the episode ends (V_next = 0, A_next = 0).
+    Returns (advantages, returns) with returns = A + V, both 0 outside the mask."""
     B, S = rewards.shape
-    next_value = torch.zeros(B, dtype=values.dtype, device=values.device)  # (B,)
-    next_adv = torch.zeros_like(next_value)  # (B,)
+    next_value = next_adv = torch.zeros(B, dtype=values.dtype, device=values.device)  # (B,) each
     advantages = torch.zeros_like(values)  # (B, S)
     for t in reversed(range(S)):
         is_response = mask[:, t].bool()  # (B,)
@@ -131,10 +119,9 @@ def compute_gae(rewards, values, mask, gamma, lam):
 
 
 def grpo_advantages(scores, group_size, eps=1e-4):
-    """GRPO's outcome-supervised advantage (Shao et al., 2024, DeepSeekMath, sec. 4.1.2): each
-    response's score minus the mean of its prompt's group of `group_size` responses, divided
-    by the group's (unbiased) std; groups with equal scores get 0. scores: (N,) for the
-    *global* batch, prompt-major (response j belongs to prompt j // group_size)."""
+    """GRPO's outcome-supervised advantage (Shao et al., 2024, DeepSeekMath, sec. 4.1.2): each response's score minus
+    the mean of its prompt's group of `group_size` responses, divided by the group's (unbiased) std; equal scores get
+    0. scores: (N,) for the *global* batch, prompt-major (response j belongs to prompt j // group_size)."""
     groups = scores.view(-1, group_size)  # (N/K, K)
     normalized = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + eps)  # (N/K, K)
     return normalized.view(-1)  # (N,)
@@ -156,10 +143,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio, num_tokens
                 clip_ratio_c=0.0):
     """Clipped surrogate (Schulman et al., 2017, eq. 7), as a loss to minimize:
         ratio = pi / pi_old,  loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1-eps, 1+eps))
-    Dual clip (Ye et al., 2020, "Mastering complex control in MOBA games"; verl's clip_ratio_c),
-    if clip_ratio_c = c > 1: where A_t < 0 the loss is also capped at -A_t * c, so a token whose
-    ratio has exploded cannot dominate the update. `tis_weight` (B, S), optional: truncated
-    importance weights for the engine/trainer mismatch. Returns (loss, tokens clipped either way)."""
+    Dual clip (Ye et al., 2020, "Mastering complex control in MOBA games"; verl's clip_ratio_c) if clip_ratio_c = c > 1:
+    where A_t < 0 the loss is also capped at -A_t * c: no token whose ratio exploded can dominate. `tis_weight` (B, S),
+    optional: truncated importance weights (engine/trainer mismatch). Returns (loss, tokens clipped either way)."""
     num_tokens = mask.sum() if num_tokens is None else num_tokens
     ratio = ratio_from_log(logprobs - old_logprobs)  # (B, S)
     unclipped = -advantages * ratio  # (B, S)
@@ -176,9 +162,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio, num_tokens
 
 
 def value_loss(values, old_values, returns, mask, value_clip, num_tokens=None):
-    """Clipped value loss (PPO2 baselines; "N+ details" #9):
-        v_clip = V_old + clip(V - V_old, -c, c),  loss_t = 0.5 * max((V - R)^2, (v_clip - R)^2)
-    value_clip = 0 turns the clipping off (plain 0.5 * (V - R)^2)."""
+    """Clipped value loss (PPO2 baselines; "N+ details" #9); value_clip = 0 turns it off (plain 0.5 * (V - R)^2):
+        v_clip = V_old + clip(V - V_old, -c, c),  loss_t = 0.5 * max((V - R)^2, (v_clip - R)^2)"""
     num_tokens = mask.sum() if num_tokens is None else num_tokens
     loss = (values - returns) ** 2  # (B, S)
     if value_clip > 0:
@@ -202,9 +187,8 @@ def dp_sum(tensor, mesh):
 
 
 def local_indices(global_batch, num_minibatches, dp_size, dp_rank):
-    """Global sample indices of this dp rank, minibatch-major. Global minibatch m is the
-    contiguous block [m*M, (m+1)*M) of the step's samples on every mesh, and rank r keeps
-    its r-th slice of each block: so minibatch membership does not depend on dp."""
+    """Global sample indices of this dp rank, minibatch-major. Global minibatch m is the contiguous block [m*M, (m+1)*M)
+    of the step's samples on every mesh; rank r keeps its r-th slice of each block: membership does not depend on dp."""
     per_minibatch = global_batch // num_minibatches
     per_rank = per_minibatch // dp_size
     return [m * per_minibatch + dp_rank * per_rank + i for m in range(num_minibatches) for i in range(per_rank)]
@@ -218,8 +202,7 @@ def samples_of(cfg, mesh, rank=None):
 
 @dataclass
 class Batch:
-    """This rank's sequences as right-padded (b, S) tensors, in the alignment of the docstring.
-    The no-grad passes and the advantage step fill in the fields after `lens`."""
+    """This rank's sequences as right-padded (b, S) tensors, aligned as above; steps 4-6 fill in the Optional fields."""
     ids: torch.Tensor  # (b, S) prompt + response token ids, pad_id after the end
     mask: torch.Tensor  # (b, S) 1 on response tokens
     engine_lp: torch.Tensor  # (b, S) the engine's logprob of each response token
@@ -235,12 +218,10 @@ class Batch:
 
 
 def make_batch(prompts, responses, pad_id, engine_logprobs=None, device="cpu"):
-    """A Batch on `device` from token id lists (prompt i, response i, its engine logprobs).
-    On a GPU the whole step then stays there: nothing goes back to the CPU in the update."""
+    """A Batch on `device`, where the whole step then stays, from token id lists (prompt i, response i, logprobs)."""
     lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
     ids = torch.full((len(lens), max(lens)), pad_id, dtype=torch.long)  # (b, S)
-    mask = torch.zeros(ids.shape)  # (b, S)
-    engine_lp = torch.zeros(ids.shape)  # (b, S)
+    mask, engine_lp = torch.zeros(ids.shape), torch.zeros(ids.shape)  # (b, S) each
     for i, (p, r) in enumerate(zip(prompts, responses)):
         ids[i, :lens[i]] = torch.tensor(p + r)
         mask[i, len(p):lens[i]] = 1
@@ -250,14 +231,12 @@ def make_batch(prompts, responses, pad_id, engine_logprobs=None, device="cpu"):
 
 
 def micro_rows(micro, rows):
-    """Batch rows of a microbatch (indices into `rows`) and its loss weight. An empty one is a dummy
-    that keeps the collectives matched across dp ranks: a real row again, weight 0, no effect."""
+    """Rows of a microbatch (indices into `rows`), weight; [] is a dummy matching dp's collectives: a row, weight 0."""
     return ([rows[i] for i in micro], 1.0) if micro else ([rows[0]], 0.0)
 
 
 class StepStats:
-    """Named sums for one step's metrics. `add` takes this rank's share of a global sum
-    (summed over dp once, at the end); `add_global` a number every rank already has."""
+    """Named sums for a step's metrics: `add` this rank's share (dp-summed in totals), `add_global` a global number."""
 
     def __init__(self, device):
         self.shares, self.globals, self.device = Counter(), Counter(), device  # Counter.update adds
@@ -276,8 +255,7 @@ class StepStats:
 
 
 def memory_used_gb():
-    """GPU: memory in use by any allocator (mem_get_info: vLLM's sleeping pool, back with the driver,
-    would count in max_memory_allocated). CPU: the peak resident set (ru_maxrss, KiB on Linux)."""
+    """GPU: memory used by any allocator (mem_get_info, not vLLM's sleeping pool). CPU: peak RSS (ru_maxrss, KiB)."""
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
         return (total - free) / 2**30
@@ -299,8 +277,7 @@ def timed(times, name):
 # Set-up: distributed, inputs checked, models loaded (after an optional SFT warm-up).
 
 def prepare_inputs(cfg, task):
-    """Model dir (a tiny preset is written as a real HF checkpoint), the checkpoint to resume
-    from, and the task. Bad input is refused here, before any heavy work: one line, exit 2."""
+    """Model dir (tiny presets become real HF checkpoints), checkpoint to resume, task. Bad input: one line, exit 2."""
     model_dir = cfg.model
     if model_dir in rollout.TINY_PRESETS:
         model_dir = rollout.materialize_tiny_model(cfg.model, cfg.out_dir, cfg.seed)
@@ -317,9 +294,8 @@ def prepare_inputs(cfg, task):
 
 
 def sft_warmup(model_dir, task, cfg, mesh):
-    """Collective (every rank). Supervised warm-up on the task's reference answers, the usual first stage of RLHF,
-    kept short on purpose: PPO should start from a policy that knows the format and is right sometimes. Saved as
-    out_dir/sft (reused when present); returns that dir."""
+    """Collective (every rank). A short supervised warm-up on the task's reference answers (RLHF's usual first stage):
+    PPO should start from a policy that knows the format and is sometimes right. Returns out_dir/sft (kept, reused)."""
     sft_dir = os.path.join(cfg.out_dir, "sft")
     if os.path.isfile(os.path.join(sft_dir, "config.json")):
         return sft_dir
@@ -336,7 +312,6 @@ def sft_warmup(model_dir, task, cfg, mesh):
         def nll(idx):  # mean negative log-likelihood of the answers
             lp, _ = model_parallel.forward_policy(policy, batch.ids[idx], [batch.lens[i] for i in idx], mesh, cfg)
             return -masked_sum(lp, batch.mask[idx]) / num_tokens, {}
-
         minibatch_update(policy, optimizer, nll, list(range(len(mine))), batch, cfg, mesh)
         if it % 10 == 0 or it == cfg.sft_steps - 1:
             print0(f"sft {it + 1}/{cfg.sft_steps}")
@@ -354,8 +329,7 @@ def build_models(model_dir, cfg, mesh):
         models["critic"] = (model_parallel.load_critic(cfg.critic_model or model_dir, mesh, cfg), cfg.critic_lr)
     parts = {}
     for name, (model, lr) in models.items():
-        # fused: one kernel over every parameter (torch's default on CPU is a per-tensor loop,
-        # 20x slower here); the same math, in a different order of float operations
+        # fused: one kernel for all parameters, 20x faster here on CPU than the default loop; float ops in another order
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=True)
         warmup = lambda step: min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0  # noqa: E731
         parts[name] = (model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup))
@@ -366,28 +340,24 @@ def build_models(model_dir, cfg, mesh):
 # Steps 1-3: prompts, rollout, reward.
 
 def generated_by(cfg, mesh, rank):
-    """Global indices of the samples `rank` contributes: an equal share of its dp slice for each of
-    the slice's tp x cp ranks, which all train on the whole slice (the all-gather in rollouts hands
-    it to them). With an engine per rank, generation is split instead of repeated on every rank."""
+    """Global indices of the samples `rank` generates: its dp slice split (not repeated) in equal tp x cp shares."""
     members = mesh.mesh[int((mesh.mesh == rank).nonzero()[0, 0])].flatten().tolist()  # its dp slice's ranks
     slice_, mine, k = samples_of(cfg, mesh, rank), members.index(rank), len(members)
     return slice_[mine * len(slice_) // k:(mine + 1) * len(slice_) // k]
 
 
 def generate(engine, task, cfg, step, start, mesh):
-    """Collective over each vLLM group. Draw the step's prompts (from position `start` of the task's stream), sample
-    this rank's share of the responses and score them. The ranks of one vLLM tensor-parallel group (rollout_tp_size
-    consecutive ranks) must pass identical requests: the group generates the shares of all its members, and each
-    keeps its own. Returns (samples, number generated)."""
+    """Collective over each vLLM group. Draw the step's prompts (from position `start` of the task's stream); sample and
+    score this rank's share of the responses. A vLLM tensor-parallel group (rollout_tp_size consecutive ranks) must get
+    identical requests: it generates all its members' shares; each keeps its own. Returns (samples, count generated)."""
     rank, K, prompts = dist.get_rank(), cfg.samples_per_prompt, task.prompts(start, cfg.prompts_per_step)
     group = range(rank - rank % cfg.rollout_tp_size, rank - rank % cfg.rollout_tp_size + cfg.rollout_tp_size)
     wanted = sorted({j for member in group for j in generated_by(cfg, mesh, member)})
     prompt_ids = [task.encode(p) for p, _ in prompts]  # (chat template applied)
-    seeds = [rollout.sample_seed(cfg.seed, step, j // K, j % K) for j in wanted]  # (wanted: [] when a slice has
+    seeds = [rollout.sample_seed(cfg.seed, step, j // K, j % K) for j in wanted]
     outs = engine.generate([prompt_ids[j // K] for j in wanted], seeds, cfg.max_new_tokens, cfg.temperature) \
-        if wanted else []  # fewer samples than tp x cp ranks)
-    by_index = dict(zip(wanted, outs))
-    samples = []
+        if wanted else []  # (none wanted: the slice has fewer samples than tp x cp ranks)
+    by_index, samples = dict(zip(wanted, outs)), []
     for j in generated_by(cfg, mesh, rank):
         (response, lps), (prompt, answer) = by_index[j], prompts[j // K]
         text, finished = task.decode(response), rollout.finished(response, engine.stop_ids)
@@ -398,10 +368,9 @@ def generate(engine, task, cfg, step, start, mesh):
 
 
 def rollouts(engine, task, cfg, step, start, mesh):
-    """Collective (every rank). This rank's dp slice of samples, every sample's reward by global index, and how many
-    samples this rank's engine generated. Each sample exists once, drawn by the rank it is generated_by (vLLM's
-    sampling is not bit-identical across GPUs, so tp x cp ranks must not mix copies); one all-gather hands every
-    rank its slice, and rank 0 the whole batch for the dump."""
+    """Collective (every rank). This rank's dp slice of samples, all rewards by global index, and how many samples this
+    rank's engine generated. Each sample is drawn once, by the rank it is generated_by (vLLM is not bit-identical across
+    GPUs: tp x cp ranks must not mix copies); one all-gather hands each rank its slice, rank 0 all (for the dump)."""
     if cfg.replay_rollouts:
         dumped = rollout.load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
         mine, generated = [dumped[j] for j in generated_by(cfg, mesh, dist.get_rank())], 0
@@ -422,8 +391,7 @@ def rollouts(engine, task, cfg, step, start, mesh):
 
 def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
     """Collective over the mesh. `forward(model, ids, lens, mesh, cfg, **kwargs)` (a tensor or a tuple of (rows, S)
-    tensors) over every microbatch, dummies included (collectives); full (b, S) tensors in row order (packing
-    reorders rows)."""
+    tensors) over every microbatch, dummies included; full (b, S) tensors in row order (packing reorders rows)."""
     outs = None
     for micro in model_parallel.microbatches(batch.lens, cfg, mesh):
         idx, _ = micro_rows(micro, list(range(len(batch.lens))))
@@ -456,9 +424,8 @@ def score(policy, reference, critic, batch, cfg, mesh):
 
 @torch.no_grad()
 def compute_advantages(batch, scores, all_scores, cfg, mesh):
-    """Collective over dp (the whitening). Steps 5-6. gae: per-token reward = -kl_coef * KL at every response token,
-    + the score on the last one; GAE; whitened over the global batch. grpo: the group-normalized score on every
-    response token (its KL is a loss term instead, in update_policy)."""
+    """Collective over dp (whitening). Steps 5-6. gae: reward -kl_coef * KL per response token, + the score on the last;
+    GAE; whitened over the global batch. grpo: the group-normalized score on every response token (KL: a loss term)."""
     rows, last = torch.arange(len(batch.lens)), torch.tensor(batch.lens) - 1  # (b,), (b,)
     if cfg.advantage_estimator == "grpo":
         group_adv = grpo_advantages(torch.tensor(all_scores), cfg.samples_per_prompt)[samples_of(cfg, mesh)]  # (b,)
@@ -469,9 +436,8 @@ def compute_advantages(batch, scores, all_scores, cfg, mesh):
         batch.advantages, batch.returns = compute_gae(rewards, batch.values, batch.mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:
             batch.advantages = masked_whiten(batch.advantages, batch.mask, group=mesh["dp"].get_group())
-    # Truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings
-    # you off-policy RL training", 2025): the engine sampled from pi_engine, not from the
-    # trainer's pi_old; weight each token by min(pi_old / pi_engine, cap).
+    # Truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings you off-policy RL
+    # training", 2025): the engine sampled from pi_engine, not the trainer's pi_old; weight min(pi_old/pi_engine, cap).
     batch.tis = torch.clamp(ratio_from_log(batch.old_lp - batch.engine_lp), max=cfg.tis_cap) * batch.mask
 
 
@@ -479,10 +445,9 @@ def compute_advantages(batch, scores, all_scores, cfg, mesh):
 # Steps 7-8: the update, one optimizer step per minibatch and model.
 
 def minibatch_update(model, optimizer, loss_fn, rows, batch, cfg, mesh, stats=None, norm_name="grad_norm"):
-    """Collective over the mesh. Forward + backward of `loss_fn(batch rows) -> (loss, {name: number})`
-    over the microbatches of `rows`, then clip the global grad norm and step, unless the norm or the loss
-    on some dp rank is NaN/inf: then skip, weights and AdamW state untouched, as Megatron-LM does. The
-    numbers (weighted), the norm and the skip go to `stats`."""
+    """Collective over the mesh. Forward + backward of `loss_fn(batch rows) -> (loss, {name: number})` over the
+    microbatches of `rows`, clip the global grad norm and step, unless the norm or loss on some dp rank is NaN/inf: then
+    skip, weights and AdamW state untouched (as Megatron-LM). The numbers (weighted), norm and skip go to `stats`."""
     loss_share, sums = 0.0, Counter()
     micros = model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh)
     for i, micro in enumerate(micros):
@@ -504,9 +469,9 @@ def minibatch_update(model, optimizer, loss_fn, rows, batch, cfg, mesh, stats=No
 
 
 def update(parts, batch, cfg, mesh, stats, device):
-    """Collective over the mesh. ppo_epochs passes over the step's fixed minibatches, one optimizer step
-    per minibatch and model, then the LR schedules. Returns this rank's memory use (about its peak)."""
-    optimizer_state_to(device, parts, cfg)  # (back from host memory, with offload_optimizer)
+    """Collective over the mesh. Steps 7-8 on the fixed minibatches, then LR schedules; returns memory use (~peak)."""
+    for _, optimizer, _ in parts.values() if cfg.offload_optimizer else ():  # AdamW's state back from host memory
+        model_parallel.move_optimizer_state(optimizer, device)
     per_minibatch = cfg.global_batch_size // cfg.num_minibatches // mesh["dp"].size()  # rows per rank
     for epoch in range(cfg.ppo_epochs):
         for first in range(0, cfg.num_minibatches * per_minibatch, per_minibatch):
@@ -518,7 +483,8 @@ def update(parts, batch, cfg, mesh, stats, device):
     for _, _, schedule in parts.values():
         schedule.step()
     used = memory_used_gb()
-    optimizer_state_to("cpu", parts, cfg)  # (with offload_optimizer: the engine gets the room)
+    for _, optimizer, _ in parts.values() if cfg.offload_optimizer else ():  # and out: the engine gets the room
+        model_parallel.move_optimizer_state(optimizer, "cpu")
     return used
 
 
@@ -536,14 +502,11 @@ def update_policy(policy, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
             bonus = cfg.entropy_coef * masked_sum(entropy, mask) / num_tokens
             loss, parts["entropy_bonus"] = loss - bonus, bonus.detach()
         if cfg.advantage_estimator == "grpo":
-            # DeepSeekMath eq. 3-4: beta * KL(pi || pi_ref) in the loss, k3 on the current policy. Like
-            # the surrogate, it is a token mean over the global minibatch (DAPO, Yu et al. 2025; Dr. GRPO,
-            # Liu et al. 2025), not eq. 3's mean over responses of per-response means, which weights
-            # a short response's tokens more than a long one's
+            # DeepSeekMath eq. 3-4: beta * KL(pi || pi_ref), k3, in the loss; a token mean over the global minibatch as
+            # DAPO (Yu et al. 2025), Dr. GRPO (Liu et al. 2025), not eq. 3's mean of per-response means (favours short)
             kl = cfg.kl_coef * masked_sum(kl_penalty(lp, batch.ref_lp[idx], "k3"), mask) / num_tokens
             loss, parts["kl_loss"] = loss + kl, kl.detach()
         return loss, parts
-
     minibatch_update(policy, optimizer, loss_fn, rows, batch, cfg, mesh, stats)
 
 
@@ -553,7 +516,6 @@ def update_critic(critic, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
         values = model_parallel.forward_critic(critic, batch.ids[idx], [batch.lens[i] for i in idx], mesh, cfg)
         loss = value_loss(values, batch.values[idx], batch.returns[idx], batch.mask[idx], cfg.value_clip, num_tokens)
         return loss, {"value_loss": loss.detach()}
-
     minibatch_update(critic, optimizer, loss_fn, rows, batch, cfg, mesh, stats, "critic_grad_norm")
 
 
@@ -633,8 +595,7 @@ def plot_curves(metrics_path, png_path):
 
 
 def summary(cfg, seconds, stopped):
-    """The run's last line (rank 0): steps, time, reward at the start and the end, the best validation
-    accuracy, and where the run wrote what."""
+    """The run's last line (rank 0): steps, time, first and last reward, best val_accuracy, what it wrote where."""
     rows = [json.loads(line) for line in open(os.path.join(cfg.out_dir, "metrics.jsonl"))]
     first, last = (sum(r["reward_mean"] for r in part) / max(len(part), 1) for part in (rows[:5], rows[-5:]))
     val = [r["val_accuracy"] for r in rows if "val_accuracy" in r]
@@ -653,12 +614,6 @@ def tensorboard_writer(cfg):
     return SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
 
 
-def optimizer_state_to(device, parts, cfg):
-    """With offload_optimizer: both AdamW states to `device` (host memory between updates)."""
-    for _, optimizer, _ in parts.values() if cfg.offload_optimizer else ():
-        model_parallel.move_optimizer_state(optimizer, device)
-
-
 def install_stop_handler(device):
     """SIGTERM (preemption) or Ctrl-C: finish the step, save, exit 0. A second signal kills.
     Returns stop_requested(): collective (every rank calls it); True once any rank got a signal."""
@@ -672,7 +627,6 @@ def install_stop_handler(device):
         flag = torch.tensor(got, device=device)  # ranks may get the signal at different steps
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
-
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
     return stop_requested
@@ -682,21 +636,16 @@ def start_metrics_log(cfg, start_step):
     """A fresh run starts a fresh metrics.jsonl; a resumed one keeps the rows before its step."""
     path = os.path.join(cfg.out_dir, "metrics.jsonl")
     if dist.get_rank() == 0 and os.path.exists(path):
-        kept = [line for line in open(path) if json.loads(line)["step"] < start_step]
-        open(path, "w").writelines(kept)
+        open(path, "w").writelines([line for line in open(path) if json.loads(line)["step"] < start_step])
 
 
 # -----------------------------------------------------------------------------
-# Training checkpoints (torchtitan's recipe): torch.distributed.checkpoint (DCP) writes one file
-# per rank with each shard's global offsets, and reads back whatever pieces the loading mesh's
-# shards need. get_state_dict/set_state_dict name everything by the plain module FQN, so a
-# checkpoint saved at dp=2 loads at tp=2 (or dp=1, cp=2, ...). Beside it, every rank saves its
-# small trainer state (step, LR schedulers, RNG states) with torch.save.
-# `parts` is {name: (model, optimizer, LR scheduler)}, the same names when saving and loading.
+# Training checkpoints (torchtitan's recipe): DCP writes one file per rank with each shard's global offsets and reads
+# back what the loading mesh needs; get/set_state_dict name all by module FQN, so a dp=2 checkpoint loads at tp=2. Each
+# rank torch.saves its trainer state beside it (progress, schedulers, RNGs). `parts`: {name: (model, optimizer, LR)}.
 
 def _is_complete(path):
-    """A checkpoint dir is complete once renamed from .tmp: DCP's .metadata (written last, by rank
-    0) and rank 0's trainer state are both in it."""
+    """Complete: renamed from .tmp, with DCP's .metadata (written last, by rank 0) and rank 0's trainer state in it."""
     return (not path.rstrip("/").endswith(".tmp") and os.path.isfile(os.path.join(path, ".metadata"))
             and os.path.isfile(os.path.join(path, "trainer_state_rank0.pt")))
 
@@ -708,9 +657,8 @@ def _complete_steps(root):
 
 
 def find_checkpoint(resume, out_dir):
-    """The checkpoint dir to resume from, or None for a fresh run. resume="auto": the newest
-    complete out_dir/ckpt/step_N (None if there is none yet: the same command line starts and
-    restarts a preemptible job); a path: that dir, refused unless complete."""
+    """The checkpoint dir to resume from, or None (fresh run). resume="auto": the newest complete out_dir/ckpt/step_N
+    (None if none yet: one command line starts and restarts a preemptible job); a path: that dir, if complete."""
     if resume == "auto":
         steps = _complete_steps(os.path.join(out_dir, "ckpt"))
         return os.path.join(out_dir, "ckpt", f"step_{steps[-1]}") if steps else None
@@ -731,9 +679,8 @@ def _sharded_state(parts):
 
 
 def save_checkpoint(root, parts, keep, progress):
-    """Collective (every rank). Save parts, the trainer's counters `progress` ({"step": steps done, ...})
-    and every RNG state as root/step_N. Written to step_N.tmp and renamed once every rank is done, so a dir
-    named step_N is always complete (resume ignores .tmp dirs); then only the newest `keep` remain (0 = all)."""
+    """Collective (every rank). Save parts, counters `progress` ({"step": steps done, ...}), RNG states in root/step_N
+    via step_N.tmp, renamed once all ranks are done: step_N is always complete. Keeps the newest `keep` (0: all)."""
     rank, path = dist.get_rank(), os.path.join(root, f"step_{progress['step']}")
     if rank == 0:
         shutil.rmtree(path + ".tmp", ignore_errors=True)  # left by a run killed while saving
@@ -750,9 +697,8 @@ def save_checkpoint(root, parts, keep, progress):
         os.replace(path + ".tmp", path)  # atomic on one file system
         for old in _complete_steps(root)[:-keep] if keep else []:
             shutil.rmtree(os.path.join(root, f"step_{old}"))
-        for name in os.listdir(root):  # saves that were killed before their rename
-            if name.endswith(".tmp"):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        for name in [n for n in os.listdir(root) if n.endswith(".tmp")]:  # saves killed before their rename
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     dist.barrier()
     return path
 
@@ -788,12 +734,10 @@ def main(cfg, task=None):
            f"{cfg.dtype}, {'packed' if cfg.packing else 'padded'} rows, attention: {kernel}, "
            f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine")
     model_dir, resume_dir, task = prepare_inputs(cfg, task)
-    if cfg.sft_steps:
-        model_dir = sft_warmup(model_dir, task, cfg, mesh)
+    model_dir = sft_warmup(model_dir, task, cfg, mesh) if cfg.sft_steps else model_dir
     parts, reference = build_models(model_dir, cfg, mesh)
     policy, critic = parts["policy"][0], parts.get("critic", (None,))[0]
-    # the prompt stream: the SFT warm-up drew its first sft_steps * sft_batch_size prompts, PPO goes on from there
-    progress = load_checkpoint(resume_dir, parts) if resume_dir else {"step": 0}
+    progress = load_checkpoint(resume_dir, parts) if resume_dir else {"step": 0}  # SFT drew the first prompts; then PPO
     progress.setdefault("prompts_drawn", cfg.sft_steps * cfg.sft_batch_size + progress["step"] * cfg.prompts_per_step)
     start_step = progress["step"]
     print0(f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir else "fresh start")
