@@ -622,7 +622,6 @@ def install_stop_handler(device):
     def handler(signum, frame):
         got[0] = 1.0
         signal.signal(signum, signal.SIG_DFL)
-
     def stop_requested():
         flag = torch.tensor(got, device=device)  # ranks may get the signal at different steps
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -636,7 +635,8 @@ def start_metrics_log(cfg, start_step):
     """A fresh run starts a fresh metrics.jsonl; a resumed one keeps the rows before its step."""
     path = os.path.join(cfg.out_dir, "metrics.jsonl")
     if dist.get_rank() == 0 and os.path.exists(path):
-        open(path, "w").writelines([line for line in open(path) if json.loads(line)["step"] < start_step])
+        kept = [line for line in open(path) if json.loads(line)["step"] < start_step]  # (read before "w" truncates)
+        open(path, "w").writelines(kept)
 
 
 # -----------------------------------------------------------------------------
