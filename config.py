@@ -59,7 +59,8 @@ class Config:
     task: str = "toy_add"  # toy_add: "a+b=" (operands 0..4), reward 1 for the exact sum; gsm8k: math word problems
     prompts: str = ""  # gsm8k: JSONL file of {"question", "answer": "... #### N"} lines
     val_prompts: str = ""  # gsm8k: held-out JSONL file (same format) for validation
-    eval_every: int = 0  # greedy accuracy on val_prompts every N steps (0 = never)
+    eval_every: int = 0  # greedy accuracy on val_prompts every N steps and after the last (0 = never)
+    instruction: str = ""  # gsm8k: appended to each question; "" = rollout.GSM8K_INSTRUCTION (step by step, answer after ####)
     format_reward: float = 0.0  # gsm8k: reward for a wrong answer given in the expected form
     rollout_engine: str = "auto"  # "vllm" (colocated), "hf" (plain HF model per rank), "auto" = vllm if installed
     prompts_per_step: int = 16  # global: distinct prompts per step

@@ -142,8 +142,7 @@ def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     (total_k, Hkv, D), Hkv dividing Hq (GQA); segment i: q[cu_seqlens_q[i]:...[i+1]] to k/v[cu_seqlens_k[i]:...[i+1]].
     Causal is bottom-right aligned (flash-attn >= 2.1): Lq queries over Lk >= Lq keys are the *last* Lq, query j at key
     position j + Lk - Lq. window_size=(left, right): keys at most `left` back, -1 = unlimited. max_seqlen_*: unused."""
-    outs = []
-    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # (on a GPU: a sync per call)
+    outs, bounds_q, bounds_k = [], cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # (on a GPU: a sync per call)
     for q0, q1, k0, k1 in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:]):
         q_pos = torch.arange(q1 - q0, device=q.device)[:, None] + (k1 - k0) - (q1 - q0)  # (Lq, 1)
         k_pos = torch.arange(k1 - k0, device=q.device)[None, :]  # (1, Lk)
@@ -337,8 +336,7 @@ class ValueHead(nn.Linear):
 
 
 def _build(path, mesh, cfg, critic):
-    tp_size = mesh["tp"].size()
-    config = AutoConfig.from_pretrained(path)
+    tp_size, config = mesh["tp"].size(), AutoConfig.from_pretrained(path)
     _check_supported(config, tp_size)
     if critic:
         config.final_logit_softcapping = None  # Gemma's logit softcap must not squash values

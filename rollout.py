@@ -234,7 +234,6 @@ def read_gsm8k(path: str) -> list:
         raise TaskError(f"prompts file {path!r} has no prompts")
     return pairs
 
-
 # Appended to each question so that the answer is extractable (NeMo-RL's and verl's recipes, in spirit).
 GSM8K_INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
 
@@ -249,7 +248,7 @@ class GSM8KTask:
         if len(self.tok) > model_vocab_size:
             raise TaskError(f"the tokenizer of {model_dir} has {len(self.tok)} tokens but the model's "
                             f"vocab is {model_vocab_size}: tokenizer and checkpoint do not match")
-        self.train = read_gsm8k(cfg.prompts)
+        self.train, self.instruction = read_gsm8k(cfg.prompts), cfg.instruction or GSM8K_INSTRUCTION
         self.val = read_gsm8k(cfg.val_prompts) if cfg.val_prompts else []
         for name, pairs in (("prompts", self.train), ("val_prompts", self.val)):
             for i, (question, _) in enumerate(pairs):
@@ -264,7 +263,7 @@ class GSM8KTask:
         return [self.train[i] for i in epoch_order(self.seed, len(self.train), start, n)]
 
     def encode(self, question):
-        text = question + GSM8K_INSTRUCTION
+        text = question + self.instruction
         if self.tok.chat_template:
             return list(self.tok.apply_chat_template([{"role": "user", "content": text}],
                                                      add_generation_prompt=True, tokenize=True, return_dict=False))
@@ -289,8 +288,7 @@ def validation_accuracy(engine, task: Task, cfg, device: torch.device) -> float:
     """Greedy accuracy on the held-out prompts. Collective (every rank). They are split over the
     vLLM groups (rollout_tp_size consecutive ranks pass identical requests), the count summed."""
     rank, groups = dist.get_rank(), dist.get_world_size() // cfg.rollout_tp_size
-    mine = task.val[rank // cfg.rollout_tp_size::groups]
-    correct = 0.0
+    mine, correct = task.val[rank // cfg.rollout_tp_size::groups], 0.0
     if mine:
         outs = engine.generate([task.encode(q) for q, _ in mine], [0] * len(mine), cfg.max_new_tokens, 0.0)  # greedy
         correct = sum(task.reward(task.decode(r), a, finished(r, engine.stop_ids)) == 1.0

@@ -524,8 +524,7 @@ def update_critic(critic, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
 
 def batch_stats(batch, scores, cfg, stats):
     """This rank's shares of the per-token and per-sequence sums that the metrics need."""
-    mask = batch.mask
-    kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
+    mask, kl = batch.mask, kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # kl: (b, S)
     mismatch = (batch.old_lp - batch.engine_lp).abs()  # (b, S)
     if batch.entropy is not None:  # none with old_logprobs=engine or log_entropy=false
         stats.add(entropy=masked_sum(batch.entropy, mask))
@@ -595,15 +594,16 @@ def plot_curves(metrics_path, png_path):
 
 
 def summary(cfg, seconds, stopped):
-    """The run's last line (rank 0): steps, time, first and last reward, best val_accuracy, what it wrote where."""
+    """The run's last line (rank 0): steps, time, first and last reward, first and last val_accuracy, files written."""
     rows = [json.loads(line) for line in open(os.path.join(cfg.out_dir, "metrics.jsonl"))]
     first, last = (sum(r["reward_mean"] for r in part) / max(len(part), 1) for part in (rows[:5], rows[-5:]))
-    val = [r["val_accuracy"] for r in rows if "val_accuracy" in r]
+    val = [r[k] for r in rows for k in ("val_accuracy", "final_val_accuracy") if k in r]
     wrote = [f"metrics.jsonl{', curves.png' * bool(cfg.plot_every)}", "rollouts/"] + ["tensorboard/"] * cfg.tensorboard
     wrote += [f"ckpt/step_{steps[-1]}"] if (steps := _complete_steps(os.path.join(cfg.out_dir, "ckpt"))) else []
     wrote += ["hf/ (the policy, for transformers and vLLM)"] if cfg.export_hf and not stopped else []
+    val = f" | val_accuracy {val[0]:.3f} -> {val[-1]:.3f} (best {max(val):.3f})" if val else ""
     return (f"done: {len(rows)} steps in {seconds / 60:.1f} min | reward {first:.3f} (first 5 steps) -> {last:.3f} "
-            f"(last 5){f' | best val_accuracy {max(val):.3f}' if val else ''} | in {cfg.out_dir}: {', '.join(wrote)}")
+            f"(last 5){val} | in {cfg.out_dir}: {', '.join(wrote)}")
 
 
 def tensorboard_writer(cfg):
@@ -748,11 +748,12 @@ def main(cfg, task=None):
     start_metrics_log(cfg, start_step)
     stop_requested, t_start, bad_steps, stopped = install_stop_handler(device), time.time(), 0, False
     tensorboard = tensorboard_writer(cfg)  # None unless tensorboard=true (rank 0)
+    evaluate = engine is not None and bool(task.val) and cfg.eval_every > 0
 
     for step in range(start_step, cfg.steps):
         metrics, times, stats = {"step": step}, {}, StepStats(device)
         with timed(times, "time_step_s"):
-            if engine is not None and task.val and cfg.eval_every and step % cfg.eval_every == 0:
+            if evaluate and step % cfg.eval_every == 0:  # before the step's update
                 metrics["val_accuracy"] = rollout.validation_accuracy(engine, task, cfg, device)
             with timed(times, "time_rollout_s"):  # 1-3. prompts, rollout, reward
                 samples, all_scores, metrics["rollout_samples"] = rollouts(engine, task, cfg, step,
@@ -768,6 +769,8 @@ def main(cfg, task=None):
             with timed(times, "time_refit_s"):  # 9. push the policy into the engine (a collective)
                 if engine is not None:  # also after skipped updates: on GPU the engine dropped its weights
                     metrics.update(rollout.refit(engine, model_parallel.iter_full_params(policy), cfg.refit_bucket_mb))
+            if evaluate and step + 1 == cfg.steps:  # the policy that is exported: after the last update
+                metrics["final_val_accuracy"] = rollout.validation_accuracy(engine, task, cfg, device)
             batch_stats(batch, scores, cfg, stats)  # 10. metrics: one all-reduce, then named means
             sums = stats.totals(mesh)
         metrics.update(step_metrics(sums, cfg), **times, tokens=int(sums["all_tokens"]),

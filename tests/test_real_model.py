@@ -1,6 +1,7 @@
 """The real-model path on CPU: a tiny Qwen2 saved with a real tokenizer and chat template
 (a byte-level BPE trained here with the `tokenizers` library, nothing downloaded), a small
 GSM8K-format JSONL, 2 PPO steps through the CLI with the vLLM engine and validation."""
+import dataclasses
 import json
 import os
 import types
@@ -10,8 +11,9 @@ import torch.distributed as dist
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+import config
 import rollout
-from conftest import read_metrics, run_cli
+from conftest import ROOT, read_metrics, run_cli
 
 # Qwen's ChatML layout
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -62,7 +64,7 @@ def real_model(tmp_path_factory):
 def test_task_applies_chat_template_and_checks_inputs(real_model):
     root, path = real_model
     cfg = types.SimpleNamespace(task="gsm8k", prompts=str(root / "train.jsonl"), val_prompts="",
-                                max_new_tokens=8, max_model_len=256, seed=0, format_reward=0.0)
+                                max_new_tokens=8, max_model_len=256, seed=0, format_reward=0.0, instruction="")
     task = rollout.make_task(cfg, path, model_vocab_size=448)
     tok = AutoTokenizer.from_pretrained(path)
     ids = task.encode(PROBLEMS[0][0])
@@ -96,3 +98,49 @@ def test_two_ppo_steps_with_vllm_and_validation(real_model, tmp_path):
     with open(tmp_path / "rollouts" / "step_1.jsonl") as f:
         sample = json.loads(f.readline())
     assert sample["prompt"].startswith("Tom has") and "####" in sample["answer"]
+
+
+# The real-model demo's task (scripts/smollm2.py and configs/smollm2_cpu.toml), on the tiny model: `make test`
+# never downloads or builds SmolLM2.
+def load_smollm2_script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("smollm2", os.path.join(ROOT, "scripts", "smollm2.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sum_problems_are_seeded_right_and_disjoint():
+    import re
+    smollm2 = load_smollm2_script()
+    train, val = smollm2.sum_problems(seed=0)
+    assert (train, val) == smollm2.sum_problems(seed=0) and val != smollm2.sum_problems(seed=1)[1]
+    assert len(val) >= 64 and len(train) >= 10 * len(val) // 2
+
+    def operands(row):  # read back from the text, then checked against the reference answer
+        a, b = map(int, re.findall(r"\d+", row["question"]))
+        assert rollout.extract_answer(row["answer"]) == str(a + b), row
+        return frozenset((a, b))
+    val_pairs = {operands(r) for r in val}
+    assert len(val_pairs) == len(val)  # one problem per pair
+    assert not val_pairs & {operands(r) for r in train}  # no val sum, in either order, is trained on
+
+
+def test_sums_task_rewards_only_a_finished_right_answer(real_model, tmp_path):
+    """With the demo's config: a right answer cut off by max_new_tokens earns 0, a finished one 1, a wrong one 0."""
+    root, path = real_model
+    smollm2 = load_smollm2_script()
+    train, val = smollm2.sum_problems(seed=0)
+    smollm2.write_jsonl(str(tmp_path / "train.jsonl"), train)
+    smollm2.write_jsonl(str(tmp_path / "val.jsonl"), val)
+    cfg = dataclasses.replace(config.parse_args(["--config", os.path.join(ROOT, "configs", "smollm2_cpu.toml")]),
+                              prompts=str(tmp_path / "train.jsonl"), val_prompts=str(tmp_path / "val.jsonl"))
+    task = rollout.make_task(cfg, path, model_vocab_size=448)  # every prompt fits max_model_len (checked there)
+    assert AutoTokenizer.from_pretrained(path).decode(task.encode("What is 3 + 4?")).endswith(
+        "What is 3 + 4? Answer with only the number.<|im_end|>\n<|im_start|>assistant\n")
+    stop_ids = rollout.stop_token_ids(path, task.eos_id)
+    cut_off, ended = task.tok.encode("3 + 4 = 7"), task.tok.encode("3 + 4 = 7") + [task.eos_id]
+    assert not rollout.finished(cut_off, stop_ids) and rollout.finished(ended, stop_ids)
+    assert task.reward(task.decode(cut_off), "#### 7", rollout.finished(cut_off, stop_ids)) == 0.0
+    assert task.reward(task.decode(ended), "#### 7", rollout.finished(ended, stop_ids)) == 1.0
+    assert task.reward("3 + 4 = 8", "#### 7", True) == 0.0
