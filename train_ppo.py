@@ -601,9 +601,9 @@ def summary(cfg, seconds, stopped):
     wrote = [f"metrics.jsonl{', curves.png' * bool(cfg.plot_every)}", "rollouts/"] + ["tensorboard/"] * cfg.tensorboard
     wrote += [f"ckpt/step_{steps[-1]}"] if (steps := _complete_steps(os.path.join(cfg.out_dir, "ckpt"))) else []
     wrote += ["hf/ (the policy, for transformers and vLLM)"] if cfg.export_hf and not stopped else []
-    val = f" | val_accuracy {val[0]:.3f} -> {val[-1]:.3f} (best {max(val):.3f})" if val else ""
+    val_text = f" | val_accuracy {val[0]:.3f} -> {val[-1]:.3f} (best {max(val):.3f})" if val else ""
     return (f"done: {len(rows)} steps in {seconds / 60:.1f} min | reward {first:.3f} (first 5 steps) -> {last:.3f} "
-            f"(last 5){val} | in {cfg.out_dir}: {', '.join(wrote)}")
+            f"(last 5){val_text} | in {cfg.out_dir}: {', '.join(wrote)}")
 
 
 def tensorboard_writer(cfg):
