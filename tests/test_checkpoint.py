@@ -68,7 +68,7 @@ def resumed(straight, tmp_path_factory):
     after_stop = read_metrics(out)
 
     # resume on the same mesh; the save of step 4 pauses between writing and renaming (the test
-    # hook in model_parallel.save_checkpoint), and we SIGKILL torchrun and both ranks right there
+    # hook in train_ppo.save_checkpoint), and we SIGKILL torchrun and both ranks right there
     cmd = torchrun_cmd(2, *ARGS, f"--model={model}", "--steps=4", "--save_every=2", "--resume=auto",
                        f"--out_dir={out}")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
