@@ -9,7 +9,7 @@ docstring: out[:, i] scores x_i from the logits at i-1, and out[:, 0] = 0 (also 
     lp, ent = token_logprobs(logits, input_ids, tp_group=tp, cp_group=cp, with_entropy=True)
 
 Logits arrive in the compute dtype (bf16 on GPU), upcast to fp32 and divided by the temperature chunk_size tokens at a
-time (chunk_size 0: one chunk, an fp32 copy twice the bf16 logits; kept as its softmax for the backward if no entropy).
+time (chunk_size 0: one chunk, an fp32 copy twice the bf16 logits, whose softmax is kept unless entropy is asked).
 
 Where the ideas come from (the code and prose are our own):
 1. Vocab-parallel log-softmax: max and sum of exponentials all-reduced over tp, the target's logit from the one rank
