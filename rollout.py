@@ -18,7 +18,7 @@ import numpy as np
 import tiktoken
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 
 # -----------------------------------------------------------------------------
@@ -60,40 +60,6 @@ def toy_prompts(seed: int, start: int, n: int) -> list:
 def toy_reward(response_text: str, answer: str, finished: bool) -> float:
     """1.0 when the response is exactly the answer and the model stopped (emitted EOS)."""
     return float(finished and response_text.strip() == answer)
-
-
-# -----------------------------------------------------------------------------
-# Tiny presets: random-init models written as real HF checkpoint dirs (nothing is downloaded). head_dim 64 because
-# vLLM's CPU attention refuses 16; vocab 262, padded past the toy tokenizer's 258 ids and not a multiple of 4.
-
-_TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, vocab_size=262, max_position_embeddings=512,
-             tie_word_embeddings=False, bos_token_id=256, eos_token_id=256, pad_token_id=257)
-TINY_PRESETS = {
-    "tiny-llama": dict(_TINY, model_type="llama"),
-    "tiny-qwen2": dict(_TINY, model_type="qwen2"),  # q/k/v biases
-    "tiny-qwen3": dict(_TINY, model_type="qwen3"),  # q/k RMSNorm per head
-    # Gemma3 text: sliding-window layers, (1 + w) norms, scaled embedding; tp = 1 only
-    "tiny-gemma3": dict(_TINY, model_type="gemma3_text", query_pre_attn_scalar=64, sliding_window=128),
-}
-
-
-def materialize_tiny_model(name, dir, seed, **overrides):
-    """Write preset `name` (+ overrides, e.g. tie_word_embeddings=True) to dir/name; return that path. Rank 0 writes
-    to a temp dir then renames it, so a dir with config.json is complete and a second call only waits at the barrier."""
-    path = os.path.join(dir, name)
-    rank = dist.get_rank() if dist.is_initialized() else 0  # also usable before init (scripts, tests)
-    if rank == 0 and not os.path.isfile(os.path.join(path, "config.json")):
-        fields = dict(TINY_PRESETS[name], **overrides)
-        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-        with torch.random.fork_rng():  # seeded init without disturbing the caller's RNG
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.save_pretrained(path + ".tmp")
-        os.replace(path + ".tmp", path)
-    if dist.is_initialized():
-        dist.barrier()  # the others wait until rank 0's checkpoint is complete
-    return path
 
 
 # -----------------------------------------------------------------------------

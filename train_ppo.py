@@ -279,8 +279,8 @@ def timed(times, name):
 def prepare_inputs(cfg, task):
     """Model dir (tiny presets become real HF checkpoints), checkpoint to resume, task. Bad input: one line, exit 2."""
     model_dir = cfg.model
-    if model_dir in rollout.TINY_PRESETS:
-        model_dir = rollout.materialize_tiny_model(cfg.model, cfg.out_dir, cfg.seed)
+    if model_dir in model_parallel.TINY_PRESETS:
+        model_dir = model_parallel.materialize_tiny_model(cfg.model, cfg.out_dir, cfg.seed)
     try:
         for path in filter(None, (model_dir, cfg.critic_model)):
             model_parallel.check_hf_dir(path, cfg.tp_size)

@@ -83,7 +83,7 @@ def main():
         cfg = json.load(f)
     from transformers import AutoConfig
     sys.path.insert(0, ROOT)
-    from rollout import TINY_PRESETS
+    from model_parallel import TINY_PRESETS
     model_dir = os.path.join(out, "sft") if cfg["sft_steps"] else cfg["model"]
     if cfg["model"] in TINY_PRESETS and not cfg["sft_steps"]:
         model_dir = os.path.join(out, cfg["model"])  # the trainer writes a preset into its out_dir

@@ -56,8 +56,8 @@ def measure(name, out_dir, repeats, bucket_mb):
     rank, world_size, device = model_parallel.init_distributed()
     cfg = Config(out_dir=out_dir, rollout_engine="vllm", max_model_len=128, vllm_kv_cache_gb=1,
                  refit_bucket_mb=bucket_mb)
-    if name in rollout.TINY_PRESETS:
-        path = rollout.materialize_tiny_model(name, out_dir, seed=0)
+    if name in model_parallel.TINY_PRESETS:
+        path = model_parallel.materialize_tiny_model(name, out_dir, seed=0)
     else:  # random weights are as good as trained ones for timing: the bytes are what counts
         path = os.path.join(out_dir, name)
         if rank == 0:

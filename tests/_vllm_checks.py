@@ -46,7 +46,7 @@ rank, world_size, device = model_parallel.init_distributed()
 cfg = Config(out_dir=args.dir, rollout_engine="vllm", rollout_tp_size=args.rollout_tp_size, seed=7,
              max_model_len=64, vllm_kv_cache_gb=1, temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS)
 mesh = model_parallel.make_mesh(world_size, 1, 1, "cpu")  # the trainer: FSDP over dp=2
-path = rollout.materialize_tiny_model(args.model, args.dir, seed=3, tie_word_embeddings=args.tied)
+path = model_parallel.materialize_tiny_model(args.model, args.dir, seed=3, tie_word_embeddings=args.tied)
 policy = model_parallel.load_policy(path, mesh, cfg)
 plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # the reference
 measured = {"rank": rank}

@@ -43,7 +43,7 @@ def tokenizer_model_dir(root):
     export must carry them over. (The toy task itself uses its own byte tokenizer.)"""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    path = rollout.materialize_tiny_model("tiny-llama", str(root), seed=1)
+    path = model_parallel.materialize_tiny_model("tiny-llama", str(root), seed=1)
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "3": 1, "+": 2, "4": 3, "=": 4}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()  # "3+4=" -> 3, +, 4, =
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)

@@ -21,7 +21,6 @@ import torch.multiprocessing as torch_mp
 
 import config
 import model_parallel as mp
-import rollout
 from _dist import _free_port
 from conftest import hf_reference, read_metrics, run_cli, toy_batch, varlen_case
 
@@ -102,7 +101,7 @@ def test_gpu_varlen_kernels_match_the_reference_kernel(monkeypatch):
 
 @pytest.mark.parametrize("case", list(CASES), ids=["-".join(map(str, c)) for c in CASES])
 def test_trainer_on_gpu_matches_the_fp32_hf_model(tmp_path, case):
-    path = rollout.materialize_tiny_model("tiny-llama", str(tmp_path), SEED)
+    path = mp.materialize_tiny_model("tiny-llama", str(tmp_path), SEED)
     reference = hf_reference(path, LENS, PROMPT_LEN, TEMPERATURE, SEED)
     torch_mp.spawn(_passes_on_gpu, args=(path, reference, case, _free_port()), nprocs=1)
 
@@ -158,5 +157,5 @@ def _offload_on_gpu(rank, path, port):
 
 
 def test_optimizer_state_offload_frees_its_gpu_memory(tmp_path):
-    path = rollout.materialize_tiny_model("tiny-llama", str(tmp_path), SEED)
+    path = mp.materialize_tiny_model("tiny-llama", str(tmp_path), SEED)
     torch_mp.spawn(_offload_on_gpu, args=(path, _free_port()), nprocs=1)

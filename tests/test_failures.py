@@ -27,7 +27,7 @@ from conftest import ROOT, cpu_env, kill_torchrun, read_metrics, torchrun_cmd, t
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return rollout.materialize_tiny_model("tiny-llama", str(tmp_path_factory.mktemp("m")), seed=0)
+    return model_parallel.materialize_tiny_model("tiny-llama", str(tmp_path_factory.mktemp("m")), seed=0)
 
 
 def broken_copy(model_dir, tmp_path, name):

@@ -67,7 +67,7 @@ def _bf16_body(rank, world_size, path, reference):
 def test_bf16_trainer_matches_the_fp32_model_within_bf16_tolerance(tmp_path):
     """The crash a GPU review found (bf16 hidden states meeting the fp32 value head at the first
     forward_critic) is this test's first forward; the rest bounds what bf16 costs in accuracy."""
-    path = rollout.materialize_tiny_model("tiny-llama", str(tmp_path), SEED)
+    path = mp.materialize_tiny_model("tiny-llama", str(tmp_path), SEED)
     torch.save(hf_reference(path, LENS, PROMPT_LEN, TEMPERATURE, SEED), os.path.join(tmp_path, "reference.pt"))
     run_ranks(_bf16_body, 2, path, torch.load(os.path.join(tmp_path, "reference.pt")))
 
@@ -97,7 +97,7 @@ def _bf16_reference_body(rank, world_size, path):
 
 
 def test_a_bf16_reference_computes_what_an_fp32_one_does(tmp_path):
-    run_ranks(_bf16_reference_body, 2, rollout.materialize_tiny_model("tiny-llama", str(tmp_path), SEED))
+    run_ranks(_bf16_reference_body, 2, mp.materialize_tiny_model("tiny-llama", str(tmp_path), SEED))
 
 
 def test_max_grad_norm_zero_means_no_clipping():

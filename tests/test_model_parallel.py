@@ -18,7 +18,6 @@ import model_parallel as mp
 from _dist import run_ranks
 from conftest import hf_reference, toy_batch, varlen_case
 from config import Config
-import rollout
 
 TEMPERATURE = 0.8
 LENS = [14, 12, 6, 5]  # global batch; with dp=2 rank 0 packs 2 rows, rank 1 packs 1 (+ a dummy)
@@ -39,8 +38,8 @@ def _materialize(root, name):
         "tiny-llama-tied": dict(tie_word_embeddings=True),
         "tiny-qwen3-v263": dict(vocab_size=263),  # does not divide tp=2: shards of 132 and 131
     }.get(name, {})
-    preset = name if name in rollout.TINY_PRESETS else name.rsplit("-", 1)[0]
-    return rollout.materialize_tiny_model(preset, os.path.join(root, name), SEED, **overrides)
+    preset = name if name in mp.TINY_PRESETS else name.rsplit("-", 1)[0]
+    return mp.materialize_tiny_model(preset, os.path.join(root, name), SEED, **overrides)
 
 
 MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-llama-tied", "tiny-qwen3-v263"]
@@ -192,7 +191,7 @@ def _refusals_check(root, world_size):
     mesh = mp.make_mesh(world_size, 2, 1, "cpu")
     with pytest.raises(ValueError, match="Gemma3 runs with tp_size=1"):
         mp.load_policy(_materialize(root, "tiny-gemma3"), mesh, _cfg())
-    path = rollout.materialize_tiny_model("tiny-llama", os.path.join(root, "one-kv-head"), SEED, num_key_value_heads=1)
+    path = mp.materialize_tiny_model("tiny-llama", os.path.join(root, "one-kv-head"), SEED, num_key_value_heads=1)
     with pytest.raises(ValueError, match="tp_size=2 must divide num_key_value_heads=1"):
         mp.load_policy(path, mesh, _cfg())
 

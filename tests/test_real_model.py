@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 import config
+import model_parallel
 import rollout
 from conftest import ROOT, read_metrics, run_cli
 
@@ -51,7 +52,7 @@ def real_model(tmp_path_factory):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29617")
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        path = rollout.materialize_tiny_model("tiny-qwen2", str(root), seed=0, vocab_size=448,
+        path = model_parallel.materialize_tiny_model("tiny-qwen2", str(root), seed=0, vocab_size=448,
                                               bos_token_id=0, eos_token_id=2, pad_token_id=0)
     finally:
         dist.destroy_process_group()

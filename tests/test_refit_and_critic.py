@@ -24,7 +24,7 @@ class RecordingEngine(rollout.HFEngine):
 def _refit_body(rank, world_size, tmp):
     cfg = Config(out_dir=tmp, micro_batch_size=2)
     mesh = model_parallel.make_mesh(world_size, 1, 1, "cpu")
-    path = rollout.materialize_tiny_model("tiny-llama", tmp, seed=3)
+    path = model_parallel.materialize_tiny_model("tiny-llama", tmp, seed=3)
     policy = model_parallel.load_policy(path, mesh, cfg)
     engine = RecordingEngine(path, torch.device("cpu"), stop_ids=[256])
     engine.buckets = []
@@ -54,7 +54,7 @@ def test_refit_engine_equals_trained_policy_dp2(tmp_path):
 def _critic_body(rank, world_size, tmp):
     cfg = Config(out_dir=tmp, seed=5)
     mesh = model_parallel.make_mesh(world_size, 1, 1, "cpu")
-    path = rollout.materialize_tiny_model("tiny-qwen2", tmp, seed=4)
+    path = model_parallel.materialize_tiny_model("tiny-qwen2", tmp, seed=4)
     critic = model_parallel.load_critic(path, mesh, cfg)
     head = {n: p.full_tensor() for n, p in critic.named_parameters() if "lm_head" in n}
     ids = torch.tensor(IDS)

@@ -98,7 +98,7 @@ def _meshes_body(rank, world_size, model, root):
 
 @pytest.mark.slow  # 6 trainer runs (2 steps each, after a 20-step SFT) on 1, 2 and 4 ranks
 def test_every_mesh_hands_collectives_device_tensors_and_splits_generation(tmp_path):
-    model = rollout.materialize_tiny_model("tiny-llama", str(tmp_path), seed=1)
+    model = mp.materialize_tiny_model("tiny-llama", str(tmp_path), seed=1)
     for world_size in MESHES:
         run_ranks(_meshes_body, world_size, model, str(tmp_path))
     single = read_metrics(tmp_path / "dp1cp1tp1")
@@ -124,7 +124,7 @@ def test_every_mesh_hands_collectives_device_tensors_and_splits_generation(tmp_p
 def two_eos_checkpoint(root):
     """tiny-llama whose generation_config.json ends a response at EOS or at SECOND_EOS (Qwen2.5-Instruct
     has two such ids, Llama 3 three)."""
-    path = rollout.materialize_tiny_model("tiny-llama", str(root), seed=1)
+    path = mp.materialize_tiny_model("tiny-llama", str(root), seed=1)
     with open(os.path.join(path, "generation_config.json")) as f:
         generation_config = json.load(f)
     with open(os.path.join(path, "generation_config.json"), "w") as f:

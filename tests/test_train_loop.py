@@ -195,7 +195,7 @@ def test_gpu_step_bench_counts_matmul_weights_once():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import gpu_step
     from transformers import AutoConfig
-    fields = dict(rollout.TINY_PRESETS["tiny-llama"], tie_word_embeddings=True)
+    fields = dict(model_parallel.TINY_PRESETS["tiny-llama"], tie_word_embeddings=True)
     model_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     layer = 2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 512 + 2 * 256
     policy, critic = 2 * layer + 262 * 256, 2 * layer + 256  # LM head once (tied); value head 256 x 1
