@@ -3,16 +3,21 @@
     python train_ppo.py --help                       # every field, its default and its doc
     torchrun ... train_ppo.py --config configs/demo_cpu.toml --steps=5 --lr=3e-5
 
-Order of precedence: dataclass default < `--config FILE` (flat TOML) < `--key=value`. Sizes say whether they are
-*per rank* or *global* (summed over data-parallel ranks), as in "The N+ implementation details of RLHF with PPO"
-(Huang et al., 2024). Nothing here touches torch.distributed or a model: bad input is refused before any heavy work
-starts, with one line naming the key and the fix (`ConfigError`).
+Order of precedence: dataclass default < `--config FILE` (flat TOML) < `--key=value`.
+Sizes say whether they are *per rank* or *global* (summed over data-parallel ranks), as in "The
+N+ implementation details of RLHF with PPO" (Huang et al., 2024). Nothing here touches
+torch.distributed or a model: bad input is refused before any heavy work starts, with one line
+naming the key and the fix (`ConfigError`).
 """
 import dataclasses
 import importlib.util
+import inspect
+import io
 import json
 import os
 import sys
+import textwrap
+import tokenize
 import tomllib
 import typing
 from dataclasses import dataclass
@@ -24,79 +29,157 @@ class ConfigError(ValueError):
 
 @dataclass
 class Config:
-    # I/O
-    out_dir: str = "out/run"  # where metrics.jsonl, rollouts/, curves.png, config.json go
-    seed: int = 1  # one seed for prompts, sampling, init of the value head: the whole run
-    steps: int = 20  # number of PPO steps (one rollout + one update each)
-    plot_every: int = 5  # redraw out_dir/curves.png every N steps (and at the end); 0 = never
-    tensorboard: bool = False  # also write every metric to out_dir/tensorboard (needs the tensorboard package)
-    save_every: int = 0  # checkpoint out_dir/ckpt/step_N every N steps and at the end (0 = only on SIGTERM/SIGINT)
-    keep_checkpoints: int = 2  # keep the newest N checkpoints, delete older ones (0 = keep all)
-    resume: str = ""  # "" = fresh run; "auto" = newest complete checkpoint in out_dir/ckpt (fresh if none); or a step_N dir
-    export_hf: bool = True  # at the end, write the policy as an HF checkpoint dir out_dir/hf (+ the model's tokenizer files)
-    export_dtype: str = "auto"  # dtype of that export: auto = the compute dtype (bf16 on GPU, fp32 on CPU), bf16, fp32
-    max_skipped_steps: int = 3  # stop when this many steps in a row skipped an update for a NaN/inf loss or grad norm (0 = never)
-    collective_timeout_s: int = 1800  # a collective waiting longer raises (a dead or stuck rank) instead of hanging
-    replay_rollouts: str = ""  # a previous run's out_dir/rollouts: train on those instead of generating
-    # model
-    model: str = "tiny-llama"  # HF checkpoint dir, or a built-in tiny preset: tiny-llama/qwen2/qwen3/gemma3
-    critic_model: str = ""  # checkpoint for the critic's backbone; "" = the (warmed-up) policy's
-    tp_size: int = 1  # tensor-parallel degree (GPUs that split each matmul)
-    cp_size: int = 1  # context-parallel degree (GPUs that split each sequence); dp = world/(tp*cp)
-    sequence_parallel: bool = False  # with tp > 1: shard norms/residual stream on the sequence dim
-    packing: bool = False  # pack sequences into rows of max_tokens_per_microbatch (varlen attention)
-    max_tokens_per_microbatch: int = 512  # per rank, with packing: token budget of one packed row
-    micro_batch_size: int = 8  # per rank, without packing: sequences in one forward/backward
-    logprob_chunk_size: int = 1024  # tokens per chunk of the fp32 logprob softmax (0 = one chunk: (tokens, vocab/tp) fp32 kept for backward)
-    activation_checkpointing: bool = False  # recompute decoder layers in backward (GPU memory)
-    cpu_offload: bool = False  # FSDP2 CPU offload of params/grads/optimizer state (GPU memory)
-    offload_optimizer: bool = False  # AdamW's state to pinned host memory while the engine generates, back for the update (GPU memory)
-    data_parallel: str = "fsdp"  # fsdp: FSDP2 shards params/grads/AdamW state over dp*cp; ddp: whole replicas, gradients all-reduced (DDP; fp32, tp=1): faster for small models on gloo
-    reshard_after_forward: bool = True  # FSDP2: false keeps each gathered layer until backward (and across no-grad microbatches): half the all-gathers, the whole model's memory (ZeRO-2-like; on CPU, data_parallel=ddp is faster still)
-    dtype: str = "auto"  # compute dtype: bf16 (FSDP2 mixed precision, fp32 master weights), fp32; auto = bf16 on CUDA (fsdp), else fp32
-    attention: str = "auto"  # masked (SDPA + document mask), varlen (on CUDA in bf16 flash-attn's varlen kernel, else torch's; a PyTorch stand-in elsewhere); auto = varlen with a flash kernel, or where a dense mask would be large (packed rows on CUDA)
-    # task and rollout
-    task: str = "toy_add"  # toy_add: "a+b=" (operands 0..4), reward 1 for the exact sum; gsm8k: math word problems
-    prompts: str = ""  # gsm8k: JSONL file of {"question", "answer": "... #### N"} lines
-    val_prompts: str = ""  # gsm8k: held-out JSONL file (same format) for validation
-    eval_every: int = 0  # greedy accuracy on val_prompts every N steps and after the last (0 = never)
-    instruction: str = ""  # gsm8k: appended to each question; "" = rollout.GSM8K_INSTRUCTION (step by step, answer after ####)
-    format_reward: float = 0.0  # gsm8k: reward for a wrong answer given in the expected form
-    rollout_engine: str = "auto"  # "vllm" (colocated), "hf" (plain HF model per rank), "auto" = vllm if installed
+    """Every setting of a run. A field's doc is the run of comment lines directly above it and/or
+    its trailing comment; `# ---- name ----` banners head the groups (see field_docs)."""
+
+    # ---- I/O ----
+    # where metrics.jsonl, rollouts/, curves.png and config.json go
+    out_dir: str = "out/run"
+    # one seed for prompts, sampling and the value head's init: the whole run
+    seed: int = 1
+    # number of PPO steps (one rollout + one update each)
+    steps: int = 20
+    # redraw out_dir/curves.png every N steps (and at the end); 0 = never
+    plot_every: int = 5
+    # also write every metric to out_dir/tensorboard (needs the tensorboard package)
+    tensorboard: bool = False
+    # checkpoint out_dir/ckpt/step_N every N steps and at the end (0 = only on SIGTERM/SIGINT)
+    save_every: int = 0
+    # keep the newest N checkpoints, delete older ones (0 = keep all)
+    keep_checkpoints: int = 2
+    # "" = a fresh run; "auto" = the newest complete checkpoint in out_dir/ckpt (a fresh run if
+    # there is none); or a step_N dir
+    resume: str = ""
+    # at the end, write the policy as an HF checkpoint dir out_dir/hf (with the model's tokenizer
+    # files)
+    export_hf: bool = True
+    # dtype of that export: auto = the compute dtype (bf16 on GPU, fp32 on CPU), bf16, fp32
+    export_dtype: str = "auto"
+    # stop when this many steps in a row skipped their update for a NaN/inf loss or grad norm
+    # (0 = never stop)
+    max_skipped_steps: int = 3
+    # a collective waiting longer raises (a dead or stuck rank) instead of hanging
+    collective_timeout_s: int = 1800
+    # a previous run's out_dir/rollouts: train on those instead of generating
+    replay_rollouts: str = ""
+
+    # ---- model ----
+    # an HF checkpoint dir, or a built-in tiny preset: tiny-llama/qwen2/qwen3/gemma3
+    model: str = "tiny-llama"
+    # checkpoint for the critic's backbone; "" = the (warmed-up) policy's
+    critic_model: str = ""
+    # tensor-parallel degree (GPUs that split each matmul)
+    tp_size: int = 1
+    # context-parallel degree (GPUs that split each sequence); dp = world / (tp * cp)
+    cp_size: int = 1
+    # with tp > 1: shard the norms and the residual stream on the sequence dim
+    sequence_parallel: bool = False
+    # pack sequences into rows of max_tokens_per_microbatch tokens (varlen attention)
+    packing: bool = False
+    # per rank, with packing: the token budget of one packed row
+    max_tokens_per_microbatch: int = 512
+    # per rank, without packing: sequences in one forward/backward
+    micro_batch_size: int = 8
+    # tokens per chunk of the fp32 logprob softmax; 0 = one chunk: a (tokens, vocab/tp) fp32
+    # softmax kept for the backward
+    logprob_chunk_size: int = 1024
+    # recompute the decoder layers in the backward (saves GPU memory)
+    activation_checkpointing: bool = False
+    # FSDP2 CPU offload of params, grads and optimizer state (saves GPU memory)
+    cpu_offload: bool = False
+    # AdamW's state goes to pinned host memory while the engine generates, and back for the update
+    # (saves GPU memory)
+    offload_optimizer: bool = False
+    # fsdp: FSDP2 shards params, grads and AdamW state over dp*cp. ddp: whole replicas, gradients
+    # all-reduced (DDP; fp32, tp=1): faster for small models on gloo
+    data_parallel: str = "fsdp"
+    # FSDP2: false keeps each gathered layer until the backward (and across no-grad
+    # microbatches): half the all-gathers, at the cost of the whole model's memory (ZeRO-2-like;
+    # on CPU, data_parallel=ddp is faster still)
+    reshard_after_forward: bool = True
+    # compute dtype: bf16 (FSDP2 mixed precision, fp32 master weights) or fp32; auto = bf16 on
+    # CUDA (with fsdp), else fp32
+    dtype: str = "auto"
+    # masked: SDPA with a document mask. varlen: on CUDA in bf16 flash-attn's varlen kernel, else
+    # torch's; a PyTorch stand-in elsewhere. auto = varlen with a flash kernel, or where a dense
+    # mask would be large (packed rows on CUDA), else masked
+    attention: str = "auto"
+
+    # ---- task and rollout ----
+    # toy_add: "a+b=" (operands 0..4), reward 1 for the exact sum; gsm8k: math word problems
+    task: str = "toy_add"
+    # gsm8k: a JSONL file of {"question", "answer": "... #### N"} lines
+    prompts: str = ""
+    # gsm8k: a held-out JSONL file (same format) for validation
+    val_prompts: str = ""
+    # greedy accuracy on val_prompts every N steps and after the last (0 = never)
+    eval_every: int = 0
+    # gsm8k: appended to each question; "" = rollout.GSM8K_INSTRUCTION (think step by step, answer
+    # after ####)
+    instruction: str = ""
+    # gsm8k: the reward for a wrong answer given in the expected form
+    format_reward: float = 0.0
+    # vllm (colocated), hf (a plain HF model per rank), or auto = vllm if it is installed
+    rollout_engine: str = "auto"
     prompts_per_step: int = 16  # global: distinct prompts per step
     samples_per_prompt: int = 4  # responses sampled per prompt
     max_new_tokens: int = 6  # per response
-    temperature: float = 1.0  # sampling temperature; the trainer divides its logits by it too
-    rollout_tp_size: int = 1  # vLLM tensor-parallel size (ranks that share one engine)
-    refit_bucket_mb: int = 64  # weights pushed into the engine in buckets of at most this size
+    # sampling temperature; the trainer divides its logits by it too
+    temperature: float = 1.0
+    # vLLM tensor-parallel size (ranks that share one engine)
+    rollout_tp_size: int = 1
+    # weights are pushed into the engine in buckets of at most this size
+    refit_bucket_mb: int = 64
     max_model_len: int = 512  # vLLM: longest prompt + response, in tokens
-    # 0.3 x 80 GB = 24 GB: Qwen2.5-1.5B bf16 (3 GB) + ~750k tokens of KV cache; freed by sleep mode while training
-    vllm_gpu_memory_utilization: float = 0.3  # vLLM on GPU: fraction of GPU memory for its weights + KV cache (the trainer shares the GPU)
+    # vLLM on GPU: the fraction of GPU memory for its weights + KV cache (the trainer shares the
+    # GPU). 0.3 x 80 GB = 24 GB: Qwen2.5-1.5B in bf16 (3 GB) + ~750k tokens of KV cache; sleep
+    # mode frees it while training
+    vllm_gpu_memory_utilization: float = 0.3
     vllm_kv_cache_gb: int = 1  # vLLM on CPU: KV cache size in GiB (per rank)
-    tis_cap: float = 0.0  # truncated importance sampling cap for engine/trainer mismatch (0 = off)
-    old_logprobs: str = "trainer"  # pi_old of the ratio: trainer = a no-grad policy pass (exact whatever the engine); engine = the engine's sampling logprobs, one forward fewer, as TRL's PPOTrainer (exact only if the engine computes as the trainer: HF engine in fp32); no entropy metric then
-    # supervised warm-up (SFT) before PPO: gives PPO a policy worth improving
-    sft_steps: int = 0  # optimizer steps of SFT on the task's reference answers (0 = none)
+    # truncated importance sampling cap for the engine/trainer mismatch (0 = off)
+    tis_cap: float = 0.0
+    # pi_old of the ratio. trainer: a no-grad policy pass (exact whatever the engine). engine: the
+    # engine's sampling logprobs, one forward fewer, as TRL's PPOTrainer; exact only if the engine
+    # computes as the trainer does (the HF engine in fp32), and no entropy metric then
+    old_logprobs: str = "trainer"
+
+    # ---- supervised warm-up (SFT) before PPO ----
+    # It gives PPO a policy worth improving.
+
+    # optimizer steps of SFT on the task's reference answers (0 = none)
+    sft_steps: int = 0
     sft_batch_size: int = 32  # global: sequences per SFT step
     sft_lr: float = 1e-3  # AdamW lr of the warm-up
-    # PPO (defaults: verl's PPO defaults, ppo_trainer.yaml, made for pretrained models)
-    advantage_estimator: str = "gae"  # gae: learned critic + GAE (PPO); grpo: group-normalized scores, no critic (DeepSeekMath)
+
+    # ---- PPO ----
+    # The defaults are verl's PPO defaults (ppo_trainer.yaml), made for pretrained models.
+
+    # gae: a learned critic + GAE (PPO); grpo: group-normalized scores, no critic (DeepSeekMath)
+    advantage_estimator: str = "gae"
     lr: float = 1e-6  # policy AdamW learning rate
     critic_lr: float = 1e-5  # critic AdamW learning rate
-    warmup_steps: int = 0  # linear LR warm-up (in PPO steps) for policy and critic
+    # linear LR warm-up (in PPO steps) for policy and critic
+    warmup_steps: int = 0
     weight_decay: float = 0.0  # AdamW weight decay (both models)
-    max_grad_norm: float = 1.0  # clip the global grad norm of each model to this (0 = no clipping)
-    kl_coef: float = 0.001  # beta: per-token reward penalty beta * KL(policy || reference)
-    kl_estimator: str = "k1"  # k1 = log ratio (unbiased), k3 = (r - 1) - log r (low variance, >= 0)
+    # clip the global grad norm of each model to this (0 = no clipping)
+    max_grad_norm: float = 1.0
+    # beta: a per-token reward penalty beta * KL(policy || reference)
+    kl_coef: float = 0.001
+    # k1 = log ratio (unbiased), k3 = (r - 1) - log r (low variance, >= 0)
+    kl_estimator: str = "k1"
     gamma: float = 1.0  # GAE discount
     lam: float = 1.0  # GAE lambda
     clip_ratio: float = 0.2  # PPO policy ratio clip epsilon
-    clip_ratio_c: float = 3.0  # dual clip: for A < 0 cap the loss at -A * c (> 1; 0 = off)
-    value_clip: float = 0.5  # clip of the value update around the old values (0 = no clipping)
+    # dual clip: for A < 0 cap the loss at -A * c (c > 1; 0 = off)
+    clip_ratio_c: float = 3.0
+    # clip of the value update around the old values (0 = no clipping)
+    value_clip: float = 0.5
     entropy_coef: float = 0.0  # entropy bonus weight in the policy loss
-    log_entropy: bool = True  # log the policy's entropy (computed in the old-policy pass)
+    # log the policy's entropy (computed in the old-policy pass)
+    log_entropy: bool = True
     ppo_epochs: int = 1  # passes over each step's rollouts
-    num_minibatches: int = 1  # optimizer steps per epoch; each is a global minibatch
+    # optimizer steps per epoch; each is a global minibatch
+    num_minibatches: int = 1
     whiten_advantages: bool = True  # normalize advantages over the global batch
 
     @property
@@ -106,37 +189,81 @@ class Config:
 
 
 # Fields whose value must be one of a few strings, and what each accepts.
-CHOICES = {"rollout_engine": ("auto", "vllm", "hf"), "kl_estimator": ("k1", "k3"), "task": ("toy_add", "gsm8k"),
-           "dtype": ("auto", "bf16", "fp32"), "attention": ("auto", "masked", "varlen"),
-           "advantage_estimator": ("gae", "grpo"), "old_logprobs": ("trainer", "engine"),
-           "data_parallel": ("fsdp", "ddp"), "export_dtype": ("auto", "bf16", "fp32")}
+CHOICES = {
+    "rollout_engine": ("auto", "vllm", "hf"),
+    "kl_estimator": ("k1", "k3"),
+    "task": ("toy_add", "gsm8k"),
+    "dtype": ("auto", "bf16", "fp32"),
+    "attention": ("auto", "masked", "varlen"),
+    "advantage_estimator": ("gae", "grpo"),
+    "old_logprobs": ("trainer", "engine"),
+    "data_parallel": ("fsdp", "ddp"),
+    "export_dtype": ("auto", "bf16", "fp32"),
+}
 # Fields that must be >= 1 (integers) and > 0 (floats).
-POSITIVE = ("steps", "tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size", "prompts_per_step",
-            "samples_per_prompt", "max_new_tokens", "rollout_tp_size", "refit_bucket_mb", "max_model_len",
-            "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "sft_batch_size", "ppo_epochs", "num_minibatches",
-            "temperature", "collective_timeout_s")
+POSITIVE = ("steps", "tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size",
+            "prompts_per_step", "samples_per_prompt", "max_new_tokens", "rollout_tp_size",
+            "refit_bucket_mb", "max_model_len", "vllm_gpu_memory_utilization", "vllm_kv_cache_gb",
+            "sft_batch_size", "ppo_epochs", "num_minibatches", "temperature", "collective_timeout_s")
+# Fields that must be >= 0: a coefficient, a rate or a count where 0 means "off" or "never".
+NON_NEGATIVE = ("kl_coef", "tis_cap", "clip_ratio_c", "eval_every", "format_reward", "clip_ratio",
+                "value_clip", "lr", "entropy_coef", "max_grad_norm", "critic_lr", "sft_lr",
+                "weight_decay", "sft_steps", "warmup_steps", "save_every", "plot_every",
+                "logprob_chunk_size", "keep_checkpoints", "max_skipped_steps")
 
 
-# attention=masked builds a (T/cp, T) mask per row, and SDPA a score tensor of that size per head: past a 4096-token
-# row that is O(T^2) memory and FLOPs spent across documents (varlen skips them).
+# attention=masked builds a (T/cp, T) mask per row, and SDPA a score tensor of that size per
+# head: past a 4096-token row that is O(T^2) memory and FLOPs spent across documents (varlen
+# skips them).
 MASK_LIMIT = 4096 * 4096
 
 
 def masked_attention_error(row_tokens: int, cp_size: int):
     """The refusal of a masked-attention row above MASK_LIMIT, or None."""
     if row_tokens ** 2 // cp_size > MASK_LIMIT:
-        return (f"attention=masked would build a dense {row_tokens // cp_size}x{row_tokens} mask per row "
-                f"(limit 4096x4096): use attention=varlen")
+        return (f"attention=masked would build a dense {row_tokens // cp_size}x{row_tokens} mask "
+                f"per row (limit 4096x4096): use attention=varlen")
+    return None
 
 
-def field_docs() -> dict:
-    """Each field's doc is its comment, read from this file: `--help` and the code cannot disagree (as in cleanrl)."""
-    docs, src = {}, open(__file__, encoding="utf-8").read().splitlines()
-    for line in src:
-        name = line.strip().split(":")[0]
-        if name in Config.__dataclass_fields__ and "#" in line:
-            docs[name] = line.split("#", 1)[1].strip()
+def field_docs(cls=Config) -> dict:
+    """{field name: its doc}, read from the comments in the class's source, so that `--help` and
+    the code can never disagree (cleanrl keeps the docs next to the fields too).
+
+    A field's doc is the run of comment lines directly above it, then its trailing comment if it
+    has one, joined into one paragraph. Two kinds of comment lines belong to no field:
+      - a group heading, written as a banner: `# ---- PPO ----`;
+      - a comment followed by a blank line: a note on the group (e.g. where its defaults come from).
+    """
+    source = inspect.getsource(cls)
+    # {line number: comment text}; tokenize, not a split on "#": a string default may hold a "#"
+    comments = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    docs, above = {}, []
+    for number, line in enumerate(source.splitlines(), 1):
+        text = line.strip()
+        if text.startswith("#") and not text.startswith("# ----"):
+            above.append(comments[number])
+            continue
+        name = text.split(":")[0]
+        if name in cls.__dataclass_fields__:
+            docs[name] = " ".join(above + [comments.get(number, "")]).strip()
+        # a heading, a blank line or any other code ends the run of comment lines
+        above = []
     return docs
+
+
+def print_help() -> None:
+    """The module docstring, then every field: `--name=default` and its whole doc under it."""
+    docs = field_docs()
+    print(__doc__)
+    for f in dataclasses.fields(Config):
+        print(f"  --{f.name}={f.default!r}")
+        # never break inside a word: "tiny-llama" or "data_parallel=ddp" must read whole
+        print(textwrap.fill(docs[f.name], width=100, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                            break_long_words=False, break_on_hyphens=False))
 
 
 def _coerce(key: str, value, typ):
@@ -166,7 +293,8 @@ def parse_args(argv: list) -> Config:
     types = typing.get_type_hints(Config)
     values: dict = {}
     argv = list(argv)
-    if "--config" in argv:  # accept both "--config FILE" and "--config=FILE"
+    # accept both "--config FILE" and "--config=FILE"
+    if "--config" in argv:
         i = argv.index("--config")
         if i + 1 >= len(argv):
             raise ConfigError("--config needs a file: --config configs/demo_cpu.toml")
@@ -197,12 +325,37 @@ def parse_args(argv: list) -> Config:
     return Config(**kwargs)
 
 
+def _validate_values(cfg: Config) -> None:
+    """Each field on its own: one of its choices, in its range."""
+    for key, allowed in CHOICES.items():
+        if getattr(cfg, key) not in allowed:
+            raise ConfigError(f"{key}={getattr(cfg, key)!r} is not supported: use one of {allowed}")
+    for key in POSITIVE:
+        if not getattr(cfg, key) > 0:
+            raise ConfigError(f"{key}={getattr(cfg, key)} must be > 0")
+    for key in NON_NEGATIVE:
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{key}={getattr(cfg, key)} must be >= 0")
+    # a dual clip caps the ratio of negative-advantage tokens: at c <= 1 it would cap every ratio
+    if 0 < cfg.clip_ratio_c <= 1:
+        raise ConfigError(f"clip_ratio_c={cfg.clip_ratio_c} must be > 1 (verl's default 3.0) "
+                          f"or 0 for no dual clip")
+    if cfg.advantage_estimator == "grpo" and cfg.samples_per_prompt < 2:
+        raise ConfigError(f"advantage_estimator=grpo needs samples_per_prompt >= 2 (got "
+                          f"{cfg.samples_per_prompt}): its advantage is a response's score against "
+                          f"its prompt group's mean and std")
+    if not (0.0 <= cfg.gamma <= 1.0 and 0.0 <= cfg.lam <= 1.0):
+        raise ConfigError(f"gamma={cfg.gamma} and lam={cfg.lam} must lie in [0, 1]")
+
+
 def _validate_sizes(cfg: Config, world_size: int) -> None:
-    """The mesh: world = dp * cp * tp (torchtitan asserts the same product, naming each factor). Batch arithmetic:
-    each global minibatch splits evenly over dp ranks, and (unpacked) each rank's share into whole microbatches."""
+    """The mesh: world = dp * cp * tp (torchtitan asserts the same product, naming each factor).
+    Batch arithmetic: every global minibatch splits evenly over dp ranks, and (without packing)
+    every rank's share splits into whole microbatches."""
     if world_size % (cfg.tp_size * cfg.cp_size):
-        raise ConfigError(f"world size {world_size} is not divisible by tp_size*cp_size = {cfg.tp_size}*{cfg.cp_size}: "
-                          f"choose tp_size and cp_size whose product divides the number of processes")
+        raise ConfigError(f"world size {world_size} is not divisible by tp_size*cp_size = "
+                          f"{cfg.tp_size}*{cfg.cp_size}: choose tp_size and cp_size whose product "
+                          f"divides the number of processes")
     dp = world_size // (cfg.tp_size * cfg.cp_size)
     if world_size % cfg.rollout_tp_size:
         raise ConfigError(f"rollout_tp_size={cfg.rollout_tp_size} does not divide world size "
@@ -221,57 +374,20 @@ def _validate_sizes(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"sft_batch_size={cfg.sft_batch_size} does not split over dp={dp} ranks")
 
 
-def validate(cfg: Config, world_size: int) -> None:
-    """Refuse impossible combinations before anything is loaded. One line each."""
-    for key, allowed in CHOICES.items():
-        if getattr(cfg, key) not in allowed:
-            raise ConfigError(f"{key}={getattr(cfg, key)!r} is not supported: use one of {allowed}")
-    for key in POSITIVE:
-        if not getattr(cfg, key) > 0:
-            raise ConfigError(f"{key}={getattr(cfg, key)} must be > 0")
-    for key in ("kl_coef", "tis_cap", "clip_ratio_c", "eval_every", "format_reward", "clip_ratio", "value_clip", "lr",
-                "entropy_coef", "max_grad_norm", "critic_lr", "sft_lr", "weight_decay", "sft_steps", "warmup_steps",
-                "save_every", "plot_every", "logprob_chunk_size", "keep_checkpoints", "max_skipped_steps"):
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"{key}={getattr(cfg, key)} must be >= 0")
-    if 0 < cfg.clip_ratio_c <= 1:  # a cap on the ratio of negative-advantage tokens
-        raise ConfigError(f"clip_ratio_c={cfg.clip_ratio_c} must be > 1 (verl's default 3.0) or 0 for no dual clip")
-    if cfg.advantage_estimator == "grpo" and cfg.samples_per_prompt < 2:
-        raise ConfigError(f"advantage_estimator=grpo needs samples_per_prompt >= 2 (got {cfg.samples_per_prompt}): "
-                          f"its advantage is a response's score against its prompt group's mean and std")
-    if not (0.0 <= cfg.gamma <= 1.0 and 0.0 <= cfg.lam <= 1.0):
-        raise ConfigError(f"gamma={cfg.gamma} and lam={cfg.lam} must lie in [0, 1]")
-    _validate_sizes(cfg, world_size)
-    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("tensorboard=true needs the tensorboard package: pip install tensorboard")
-    vllm_installed = importlib.util.find_spec("vllm") is not None
-    if cfg.rollout_engine == "auto":  # resolved here, so config.json records what ran
-        cfg.rollout_engine = "vllm" if vllm_installed else "hf"
-    if cfg.rollout_engine == "vllm" and not vllm_installed:
-        raise ConfigError("rollout_engine='vllm' but vLLM is not installed: install it (see README) "
-                          "or use rollout_engine=hf")
-    if cfg.rollout_engine == "hf" and cfg.rollout_tp_size != 1:
-        raise ConfigError(f"rollout_tp_size={cfg.rollout_tp_size} needs rollout_engine=vllm "
-                          "(the HF engine is one full model per rank)")
-    if cfg.old_logprobs == "engine" and cfg.tis_cap:
-        raise ConfigError("tis_cap corrects pi_old vs the engine; old_logprobs=engine makes them equal: set tis_cap=0")
-    if cfg.data_parallel == "ddp" and (cfg.tp_size > 1 or cfg.dtype == "bf16" or cfg.cpu_offload):
-        raise ConfigError("data_parallel=ddp (plain fp32 replicas) needs tp_size=1, dtype=fp32/auto, cpu_offload=false")
-    if cfg.attention == "masked" and cfg.packing and (error := masked_attention_error(cfg.max_tokens_per_microbatch,
-                                                                                        cfg.cp_size)):
-        raise ConfigError(error)
-    if cfg.sequence_parallel and cfg.tp_size == 1:
-        raise ConfigError("sequence_parallel=true needs tp_size > 1 (it shards activations over tp)")
+def _validate_paths(cfg: Config) -> None:
+    """Files and directories the run reads, and out_dir, which it writes."""
     if cfg.resume and cfg.resume != "auto" and not os.path.isdir(cfg.resume):
         raise ConfigError(f"resume={cfg.resume!r} does not exist: give a checkpoint dir "
                           f"(out_dir/ckpt/step_N) or 'auto'")
     if cfg.task == "gsm8k" and not os.path.isfile(cfg.prompts):
-        raise ConfigError(f"task=gsm8k needs prompts=FILE (a GSM8K-format JSONL file); {cfg.prompts!r} is not a file")
+        raise ConfigError(f"task=gsm8k needs prompts=FILE (a GSM8K-format JSONL file); "
+                          f"{cfg.prompts!r} is not a file")
     if cfg.val_prompts and not os.path.isfile(cfg.val_prompts):
         raise ConfigError(f"val_prompts={cfg.val_prompts!r} is not a file")
     if cfg.replay_rollouts and not os.path.isdir(cfg.replay_rollouts):
         raise ConfigError(f"replay_rollouts={cfg.replay_rollouts!r} is not a directory of step_N.jsonl")
-    try:  # last, so that a refused config leaves nothing behind; fail now, not in an hour
+    # last, so that a refused config leaves nothing behind; fail now, not in an hour
+    try:
         os.makedirs(cfg.out_dir, exist_ok=True)
         probe = os.path.join(cfg.out_dir, f".write_test_{os.getpid()}")
         open(probe, "w").close()
@@ -280,20 +396,49 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"out_dir={cfg.out_dir!r} is not writable ({e.strerror}): choose another out_dir")
 
 
+def validate(cfg: Config, world_size: int) -> None:
+    """Refuse impossible combinations before anything is loaded. One line each."""
+    _validate_values(cfg)
+    _validate_sizes(cfg, world_size)
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("tensorboard=true needs the tensorboard package: pip install tensorboard")
+    vllm_installed = importlib.util.find_spec("vllm") is not None
+    # "auto" is resolved here, so that config.json records what ran
+    if cfg.rollout_engine == "auto":
+        cfg.rollout_engine = "vllm" if vllm_installed else "hf"
+    if cfg.rollout_engine == "vllm" and not vllm_installed:
+        raise ConfigError("rollout_engine='vllm' but vLLM is not installed: install it (see README) "
+                          "or use rollout_engine=hf")
+    if cfg.rollout_engine == "hf" and cfg.rollout_tp_size != 1:
+        raise ConfigError(f"rollout_tp_size={cfg.rollout_tp_size} needs rollout_engine=vllm "
+                          "(the HF engine is one full model per rank)")
+    if cfg.old_logprobs == "engine" and cfg.tis_cap:
+        raise ConfigError("tis_cap corrects pi_old vs the engine; old_logprobs=engine makes them "
+                          "equal: set tis_cap=0")
+    if cfg.data_parallel == "ddp" and (cfg.tp_size > 1 or cfg.dtype == "bf16" or cfg.cpu_offload):
+        raise ConfigError("data_parallel=ddp (plain fp32 replicas) needs tp_size=1, dtype=fp32/auto, "
+                          "cpu_offload=false")
+    if cfg.attention == "masked" and cfg.packing:
+        error = masked_attention_error(cfg.max_tokens_per_microbatch, cfg.cp_size)
+        if error:
+            raise ConfigError(error)
+    if cfg.sequence_parallel and cfg.tp_size == 1:
+        raise ConfigError("sequence_parallel=true needs tp_size > 1 (it shards activations over tp)")
+    _validate_paths(cfg)
+
+
 def load(argv: list, world_size: int) -> Config:
     """The entry point: parse, validate, or print one line and exit(2)."""
     if "--help" in argv or "-h" in argv:
         if os.environ.get("RANK", "0") == "0":
-            docs = field_docs()
-            print(__doc__)
-            for f in dataclasses.fields(Config):
-                print(f"  {'--' + f.name + '=' + repr(f.default):<38} {docs.get(f.name, '')}")
+            print_help()
         sys.exit(0)
     try:
         cfg = parse_args(argv)
         validate(cfg, world_size)
     except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":  # every rank refuses; one of them says why
+        # every rank refuses; one of them says why
+        if os.environ.get("RANK", "0") == "0":
             print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
     return cfg

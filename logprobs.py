@@ -1,33 +1,42 @@
 """Per-token log-probabilities and entropy from logits sharded on vocab (tp) and sequence (cp).
 
-The policy's lm_head is column-parallel: each tp rank holds the logits of one vocab slice and no rank ever
-materialises the full (B, S, V) tensor; under context parallelism each cp rank also holds only its zigzag share of the
-positions. This module turns those shards into the (B, S) per-token numbers PPO needs, aligned as in train_ppo.py's
-docstring: out[:, i] scores x_i from the logits at i-1, and out[:, 0] = 0 (also at every packed sequence start).
+The policy's lm_head is column-parallel, so each tp rank holds the logits of one slice of the
+vocabulary and no rank ever materialises the full (B, S, V) tensor; under context parallelism each
+cp rank also holds only its zigzag share of the positions. This module turns those shards into the
+(B, S) per-token numbers PPO needs, aligned as in train_ppo.py's docstring: out[:, i] scores x_i
+from the logits at i-1, and out[:, 0] = 0 (also at every packed sequence start).
 
-    lp  = token_logprobs(logits, input_ids, tp_group=tp, cp_group=cp, chunk_size=1024, temperature=0.8)
+    lp = token_logprobs(logits, input_ids, tp_group=tp, cp_group=cp, chunk_size=1024,
+                        temperature=0.8)
     lp, ent = token_logprobs(logits, input_ids, tp_group=tp, cp_group=cp, with_entropy=True)
 
-Logits arrive in the compute dtype (bf16 on GPU), upcast to fp32 and divided by the temperature chunk_size tokens at a
-time (chunk_size 0: one chunk, an fp32 copy twice the bf16 logits, whose softmax is kept unless entropy is asked).
+Logits arrive in the compute dtype (bf16 on GPU) and are upcast to fp32 and divided by the
+temperature one chunk of chunk_size tokens at a time. chunk_size 0 makes all tokens one chunk: a
+full fp32 copy, twice the size of the bf16 logits, whose softmax is kept for the backward unless
+the entropy is asked for too.
 
 Where the ideas come from (the code and prose are our own):
-1. Vocab-parallel log-softmax: max and sum of exponentials all-reduced over tp, the target's logit from the one rank
-   that owns it (Megatron-LM's vocab-parallel cross entropy, Shoeybi et al. 2019, sec. 3).
-2. A hand-written backward, grad = (one_hot - softmax) * grad_out: autograd keeps no graph of the softmax (ibid.).
-3. Chunking over tokens, the softmax recomputed in the backward: extra memory O(chunk * V/tp) (NeMo-RL's and verl's
-   chunked logprob computation).
-4. Zigzag context parallelism, rank r keeping chunks r and 2cp-1-r of 2*cp: the load-balanced CP of Megatron-LM /
-   TransformerEngine, and zhuzilin/ring-flash-attention's zigzag ring attention (Liu et al. 2023).
+1. Vocab-parallel log-softmax: the max and the sum of exponentials are all-reduced over tp, and
+   the target's logit comes from the one rank that owns it (Megatron-LM's vocab-parallel cross
+   entropy, Shoeybi et al. 2019, "Megatron-LM", sec. 3).
+2. A hand-written backward, grad = (one_hot - softmax) * grad_out, so autograd keeps no graph of
+   the softmax (also Megatron-LM's cross entropy).
+3. Chunking over tokens with the softmax recomputed in the backward, so the extra memory is
+   O(chunk * V/tp) (NeMo-RL's and verl's chunked logprob computation).
+4. Zigzag context parallelism, rank r keeping chunks r and 2cp-1-r of 2*cp: the load-balanced CP
+   of Megatron-LM / TransformerEngine, and zhuzilin/ring-flash-attention's zigzag ring attention
+   (Liu et al. 2023).
 
-Left out: a fused kernel that never materialises even one chunk (liger-kernel style), and logits sharded on the
-sequence by SP (ours arrive sharded on vocab only). Logits must be finite (a -inf logit makes the entropy 0*inf = nan).
+Deliberately left out: a fused kernel that never materialises even one chunk (liger-kernel style),
+and logits sharded on the sequence by SP (ours arrive sharded on vocab only). Logits must be
+finite (a -inf logit makes the entropy 0 * inf = nan).
 """
 import torch
 import torch.distributed as dist
 
 # ----------------------------------------------------------------------------
-# process groups: None = "this dim is not parallel": tp = cp = 1 runs this code, no collective or init_process_group
+# process groups: None means "this dim is not parallel", so tp = cp = 1 runs the very same code
+# below, with every collective skipped and no init_process_group needed.
 
 def _size(group):
     return 1 if group is None else dist.get_world_size(group)
@@ -45,7 +54,8 @@ def _all_reduce_(tensor, op, group):
 
 
 def _math_dtype(dtype):
-    # fp32 even for bf16 logits (8 mantissa bits: a sum of 150k exps loses small probabilities); fp64 for gradcheck
+    # softmax math in fp32 even for bf16 logits (bf16 keeps 8 bits of mantissa: exp and the sum
+    # over a 150k vocab would lose the small probabilities); fp64 stays fp64 for gradcheck
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -59,16 +69,20 @@ def zigzag_positions(seq_len, cp_size, cp_rank):
     if seq_len % (2 * cp_size) != 0:
         raise ValueError(f"seq_len={seq_len} must be a multiple of 2*cp_size={2 * cp_size}")
     chunk = seq_len // (2 * cp_size)
-    # causal mask: late positions attend to more keys, so chunk r plus its mirror 2cp-1-r evens out the attention work
+    # under a causal mask late positions attend to more keys; pairing chunk r with its mirror
+    # 2cp-1-r gives every rank one cheap and one costly chunk, hence equal attention work
     late = 2 * cp_size - 1 - cp_rank
-    return torch.cat([torch.arange(r * chunk, (r + 1) * chunk) for r in (cp_rank, late)])  # (S/cp,)  2 x (S/2cp,)
+    early_pos = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)  # (S/2cp,)
+    late_pos = torch.arange(late * chunk, (late + 1) * chunk)  # (S/2cp,)
+    return torch.cat([early_pos, late_pos])  # (S/cp,)
 
 
 def zigzag_split(x, cp_size, cp_rank, dim=1):
     """This cp rank's zigzag part of x along dim (differentiable; x itself when cp = 1)."""
     if cp_size == 1:
         return x
-    return x.index_select(dim, zigzag_positions(x.shape[dim], cp_size, cp_rank).to(x.device))  # (..., S/cp, ...)
+    positions = zigzag_positions(x.shape[dim], cp_size, cp_rank).to(x.device)  # (S/cp,)
+    return x.index_select(dim, positions)  # (..., S/cp, ...)
 
 
 class _CPGather(torch.autograd.Function):
@@ -88,20 +102,23 @@ class _CPGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_full):
-        # Every cp rank computes the same loss from the same gathered tensor, so d loss / d x_local is this rank's
-        # entries of grad_full: summing over cp would count the loss cp times (FSDP's sum over dp*cp adds them up).
+        # Every cp rank computes the same loss from the same gathered tensor, so d loss / d x_local
+        # is this rank's entries of grad_full; summing over cp would count the loss cp times.
+        # (FSDP later sums parameter gradients over dp*cp: the cp ranks' tokens add up there.)
         cp_size, cp_rank = _size(ctx.cp_group), _rank(ctx.cp_group)
         return zigzag_split(grad_full, cp_size, cp_rank, ctx.dim), None, None  # (..., S/cp, ...)
 
 
 def cp_gather(x_local, cp_group, dim=1):
-    """Collective over cp. Full tensor in natural order along dim from each cp rank's zigzag part (cp=1: x)."""
+    """Collective over cp. Full tensor in natural order along dim from each cp rank's zigzag part
+    (x itself when cp = 1)."""
     return x_local if _size(cp_group) == 1 else _CPGather.apply(x_local, cp_group, dim)
 
 
 def shift_right(per_position, cu_seqlens):
-    """(B, S) values computed at logits position g (about token g+1) -> aligned at g+1. Position 0, and with packing
-    every sequence start, has no prediction of its own: it gets 0. The last value (past the end) is dropped."""
+    """(B, S) values computed at logits position g (about token g+1) -> aligned at position g+1.
+    Position 0, and with packing every sequence start, has no prediction of its own: it gets 0.
+    The last position's value (it would score a token past the end) is dropped."""
     batch = per_position.shape[0]
     out = torch.cat([per_position.new_zeros(batch, 1), per_position[:, :-1]], dim=1)  # (B, S)
     if cu_seqlens is not None:
@@ -116,8 +133,10 @@ def shift_right(per_position, cu_seqlens):
 # vocab-parallel log-softmax with a hand-written backward (Megatron-LM, Shoeybi et al. 2019)
 
 def _vocab_range(logits, tp_group):
-    """Collective over tp. (first vocab id of this rank's shard, model vocab size: may exceed the tokenizer's). DTensor
-    shards like torch.chunk (510 over 4 ranks: 128/128/128/126): offsets are the gathered real sizes, never V // tp."""
+    """Collective over tp. (first vocab id of this rank's shard, model vocab size) from the real
+    shard sizes. DTensor shards like torch.chunk (510 over 4 ranks is 128/128/128/126), and the
+    model's vocab may exceed the tokenizer's, so offsets are never derived from V // tp: we gather
+    the real sizes."""
     local_vocab = logits.shape[-1]
     if _size(tp_group) == 1:
         return 0, local_vocab
@@ -130,20 +149,27 @@ def _vocab_range(logits, tp_group):
 
 
 def _logprob_chunk(x, local_target, owned, tp_group, temperature, with_entropy=False):
-    """Collective over tp. log p(target) for n tokens whose vocab is split over tp, p = softmax(x / T).
-    x: (n, V/tp) logits in their own dtype (bf16 or fp32); local_target: (n,) target id within this shard (clamped);
-    owned: (n,) whether this rank's shard holds the target. Returns, in the math dtype: logprob (n,), logsumexp (n,) =
-    log sum_v exp(x_v / T), exps (n, V/tp) = exp((x - max) / T), their sum (n,), and the entropy (n,) or None."""
+    """Collective over tp. log p(target) for n tokens whose vocab is split over tp,
+    p = softmax(x / T).
+
+    x: (n, V/tp) logits in their own dtype (bf16 or fp32); local_target: (n,) target id within
+    this shard (clamped into range); owned: (n,) whether this rank's shard holds the target.
+    Returns, in the math dtype: logprob (n,), logsumexp (n,) = log sum_v exp(x_v / T),
+    exps (n, V/tp) = exp((x - max) / T), the sum of exps (n,), and the entropy (n,) if asked
+    (else None)."""
     math_dtype = _math_dtype(x.dtype)
-    # all-reduce 1 (MAX): log-softmax is shift-invariant, and subtracting the global max keeps every exp() <= 1
+    # all-reduce 1 (MAX): log-softmax does not change when a constant is subtracted from every
+    # logit; subtracting the global max keeps every exp() <= 1, so the sum cannot overflow
     max_logit = x.max(dim=-1).values.to(math_dtype)  # (n,)
     _all_reduce_(max_logit, dist.ReduceOp.MAX, tp_group)
-    # s = x/T - max/T in one fused add, exp in place; bf16 x promotes here: the block's one fp32 buffer (two with H)
+    # s = x/T - max/T as one fused pass (add with alpha), then exp in place; bf16 x plus an fp32
+    # shift promotes to fp32: this is the block's one fp32 buffer (two with the entropy)
     shifted = torch.add(-max_logit[:, None] / temperature, x, alpha=1 / temperature)  # (n, V/tp)
     exps = shifted.exp() if with_entropy else shifted.exp_()  # (n, V/tp)
     target_logit = x.gather(1, local_target[:, None]).squeeze(1).to(math_dtype) / temperature  # (n,)
-    # all-reduce 2 (SUM), per-token numbers in one message: the terms of Z from every shard, the target's logit (only
-    # its owner contributes), and for the entropy sum_v exp(s_v) s_v (a row-wise dot product, no (n, V/tp) temporary)
+    # all-reduce 2 (SUM), numbers per token in one message: the partition function's terms Z from
+    # every shard, the target's logit, which only the rank owning it contributes, and for the
+    # entropy sum_v exp(s_v) s_v (a row-wise dot product, no (n, V/tp) temporary)
     sums = [exps.sum(dim=-1), torch.where(owned, target_logit, 0.0)]
     if with_entropy:
         sums.append(torch.bmm(exps[:, None, :], shifted[:, :, None]).view(-1))  # (n,)
@@ -154,10 +180,14 @@ def _logprob_chunk(x, local_target, owned, tp_group, temperature, with_entropy=F
     return sums[1] - logsumexp, logsumexp, exps, sums[0], entropy
 
 
-def _logprob_forward(logits, local_target, owned, tp_group, chunk_size, keep_probs, temperature, with_entropy=False):
-    """Collective over tp. Loop _logprob_chunk over blocks of chunk_size tokens (one if chunk_size is 0). Every tp
-    rank holds the same tokens, so all ranks cut the same blocks and their collectives pair up. keep_probs (unchunked
-    training only) returns the full softmax for the backward; with_entropy: each token's entropy (else None)."""
+def _logprob_forward(logits, local_target, owned, tp_group, chunk_size, keep_probs, temperature,
+                     with_entropy=False):
+    """Collective over tp. Loop _logprob_chunk over blocks of chunk_size tokens (one block if
+    chunk_size is 0).
+
+    Every tp rank holds the same tokens, so all ranks cut the same blocks and their collectives
+    pair up. keep_probs (unchunked training only) returns the full softmax for the backward;
+    with_entropy also returns each token's entropy (else None)."""
     num_tokens, math_dtype = logits.shape[0], _math_dtype(logits.dtype)
     step = chunk_size if chunk_size > 0 else max(num_tokens, 1)
     logprob = logits.new_empty(num_tokens, dtype=math_dtype)  # (N,)
@@ -171,13 +201,14 @@ def _logprob_forward(logits, local_target, owned, tp_group, chunk_size, keep_pro
         if with_entropy:
             entropy[rows] = block_entropy
         if keep_probs:
-            probs = exps.div_(sum_exps[:, None])  # (N, V/tp)  softmax over the whole vocab
+            # one block (chunk_size 0): its exps become the softmax over the whole vocab
+            probs = exps.div_(sum_exps[:, None])  # (N, V/tp)
     return logprob, logsumexp, probs, entropy
 
 
 def _grad_from_probs_(probs, coef, grad_logprob, local_target, owned):
-    """In place: probs (n, V/tp) becomes grad_logprob * one_hot(target) - probs * coef, this rank's slice of
-    d loss / d x (see _VocabParallelLogprob); coef is (n, 1) or (n, V/tp)."""
+    """In place: probs (n, V/tp) becomes grad_logprob * one_hot(target) - probs * coef, this
+    rank's slice of d loss / d x (see _VocabParallelLogprob); coef is (n, 1) or (n, V/tp)."""
     probs.mul_(-coef)  # (n, V/tp)
     # the one-hot lives on the rank owning the target; elsewhere we add 0 at a clamped column
     probs.scatter_add_(1, local_target[:, None], torch.where(owned, grad_logprob, 0.0)[:, None])
@@ -185,24 +216,33 @@ def _grad_from_probs_(probs, coef, grad_logprob, local_target, owned):
 
 
 class _VocabParallelLogprob(torch.autograd.Function):
-    """log p(target) from vocab-sharded logits (N, V/tp) -> (N,), and the entropy H (N,) if asked, for p = softmax(x)
-    with x = logits / T. Backward, derived (d/dx_v log sum exp = p_v, sum_v p_v = 1):
+    """log p(target) from vocab-sharded logits (N, V/tp) -> (N,), and the entropy H (N,) if asked,
+    for p = softmax(x) with x = logits / T.
+
+    Backward, derived (d/dx_v log sum exp = p_v, sum_v p_v = 1):
         log p_t = x_t - log sum_v exp(x_v)    =>  d log p_t / d x_v = 1[v == t] - p_v
         H = -sum_u p_u log p_u                =>  d H / d x_v       = -p_v (log p_v + H)
-        grad_x = g one_hot(t) - p * (g + h (log p + H)),  grad_logits = grad_x / T  (g, h: upstream gradients)
-    Every tp rank backpropagates the same loss with p and H already all-reduced, so each computes its own vocab
-    columns with no communication. The max drops out of the derivative (shift invariance): no gradient for it."""
+    so with upstream gradients g (logprob) and h (entropy)
+        grad_x = g one_hot(t) - p * (g + h (log p + H)),   grad_logits = grad_x / T.
+    Every tp rank backpropagates the same loss, and its p and H already carry the all-reduced
+    sums, so each rank computes its own vocab columns of this with no communication. The max
+    drops out of the derivative (shift invariance), hence its all-reduce without a gradient."""
 
     @staticmethod
     def forward(ctx, logits, local_target, owned, tp_group, chunk_size, temperature, with_entropy):
         keep_probs = chunk_size == 0 and not with_entropy
-        logprob, logsumexp, probs, entropy = _logprob_forward(logits, local_target, owned, tp_group,
-                                                              chunk_size, keep_probs, temperature, with_entropy)
-        ctx.keep_probs, ctx.logits_dtype, ctx.temperature = keep_probs, logits.dtype, temperature
+        logprob, logsumexp, probs, entropy = _logprob_forward(
+            logits, local_target, owned, tp_group, chunk_size, keep_probs, temperature, with_entropy)
+        ctx.keep_probs = keep_probs
+        ctx.logits_dtype = logits.dtype
+        ctx.temperature = temperature
         ctx.chunk_size = chunk_size if chunk_size > 0 else max(logits.shape[0], 1)
-        if keep_probs:  # unchunked logprobs only: keep the softmax (N, V/tp); the logits themselves may be freed
+        if keep_probs:
+            # unchunked logprobs only: keep the softmax (N, V/tp); the logits may then be freed
             ctx.save_for_backward(probs, local_target, owned)
-        else:  # keep the caller's logits and a few numbers per token; the backward rebuilds log p block by block
+        else:
+            # keep only the logits the caller already has plus a few numbers per token, and
+            # rebuild log p = x/T - logsumexp block by block in the backward
             ctx.save_for_backward(logits, local_target, owned, logsumexp, entropy)
         return logprob, entropy  # (N,), (N,) or None
 
@@ -211,36 +251,47 @@ class _VocabParallelLogprob(torch.autograd.Function):
         grad_logprob = grad_logprob / ctx.temperature  # (N,)  d/dlogits = d/dx / T
         if ctx.keep_probs:
             probs, local_target, owned = ctx.saved_tensors  # (N, V/tp), (N,), (N,)
-            # a fresh buffer, not probs in place: a second backward (retain_graph, gradcheck) needs the softmax intact
+            # a fresh buffer, not probs in place: a second backward (retain_graph, gradcheck)
+            # must still find the softmax intact
             grad = _grad_from_probs_(probs.clone(), grad_logprob[:, None], grad_logprob, local_target, owned)
             return grad.to(ctx.logits_dtype), None, None, None, None, None, None  # (N, V/tp)
         logits, local_target, owned, logsumexp, entropy = ctx.saved_tensors  # (N, V/tp), (N,) x3 or x4
-        grad_entropy = grad_entropy / ctx.temperature if grad_entropy is not None else None  # (N,)
-        grad = torch.empty_like(logits)  # (N, V/tp)  in the logits' dtype: the only full-size buffer
+        if grad_entropy is not None:
+            grad_entropy = grad_entropy / ctx.temperature  # (N,)
+        # in the logits' dtype: the backward's only full-size buffer
+        grad = torch.empty_like(logits)  # (N, V/tp)
         for start in range(0, logits.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
-            # log p = x/T - lse in one fused add, written into grad for fp32 logits (bf16 ones promote to an fp32 block)
+            # log p = x/T - lse as one fused add (as in the forward), built straight into grad
+            # when the logits are fp32; bf16 logits promote to one fp32 block
             same_dtype = grad.dtype == logsumexp.dtype
             log_probs = torch.add(-logsumexp[rows, None], logits[rows], alpha=1 / ctx.temperature,
                                   out=grad[rows] if same_dtype else None)  # (n, V/tp)
-            coef = grad_logprob[rows, None]  # (n, 1)  g, or g + h (log p + H): one more block
+            # what multiplies p in grad_x: g, or with the entropy g + h (log p + H), one more block
+            coef = grad_logprob[rows, None]  # (n, 1)
             if grad_entropy is not None:
-                coef = (log_probs + entropy[rows, None]).mul_(grad_entropy[rows, None]).add_(coef)  # (n, V/tp)
-            block = _grad_from_probs_(log_probs.exp_(), coef, grad_logprob[rows], local_target[rows], owned[rows])
+                log_p_plus_h = log_probs + entropy[rows, None]  # (n, V/tp)
+                coef = log_p_plus_h.mul_(grad_entropy[rows, None]).add_(coef)  # (n, V/tp)
+            probs = log_probs.exp_()  # (n, V/tp)  p, in place of log p
+            block = _grad_from_probs_(probs, coef, grad_logprob[rows], local_target[rows], owned[rows])
             if not same_dtype:
-                grad[rows] = block  # (n, V/tp)  cast to the logits' dtype on the store
+                grad[rows] = block  # (n, V/tp)  cast to the logits' dtype
         return grad, None, None, None, None, None, None
 
 
 def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlens=None, chunk_size=0,
                    temperature=1.0, with_entropy=False):
-    """Collective over tp and cp. log pi(x_i | x_<i), pi = softmax(logits / temperature), at every position i.
+    """Collective over tp and cp. log pi(x_i | x_<i) at every position i of input_ids, from this
+    rank's logits, for the distribution pi = softmax(logits / temperature).
+
     logits: (B, S/cp, V/tp), this rank's vocab shard at its zigzag positions (B=1 when packed).
     input_ids: (B, S) the full token ids, held by every tp and cp rank.
-    Returns (B, S) in fp32 (fp64 for fp64 logits), identical on every rank, differentiable w.r.t. logits (hand-written
-    backward); out[:, 0] = 0 and, with cu_seqlens, 0 at every sequence start.
-    chunk_size > 0: blocks of chunk_size tokens, softmax recomputed in the backward. with_entropy: returns (logprobs,
-    entropy), the entropy of the distribution each x_i was drawn from: same softmax pass, aligned and differentiable."""
+    Returns (B, S) in fp32 (fp64 for fp64 logits), identical on every rank; out[:, 0] = 0 and,
+    with cu_seqlens, 0 at every sequence start. Differentiable w.r.t. logits (hand-written
+    backward).
+    chunk_size > 0: tokens go through in blocks of chunk_size, softmax recomputed in the backward.
+    with_entropy: returns (logprobs, entropy), the entropy of the distribution each x_i was drawn
+    from, aligned like the logprobs, from the same softmax pass and differentiable as well."""
     batch, seq_len = input_ids.shape
     cp_size, cp_rank = _size(cp_group), _rank(cp_group)
     if logits.shape[:2] != (batch, seq_len // cp_size) or seq_len % cp_size:
@@ -251,9 +302,10 @@ def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlen
     if input_ids.min() < 0 or input_ids.max() >= vocab_size:
         raise ValueError(f"input_ids must lie in [0, {vocab_size}) (the model's vocab), got "
                          f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-    # Each local row of logits sits at global position g and predicts token g+1: score that token here, gather the
-    # scores over cp in natural order, shift right by one (g = S-1 has no next token: clamped, its score dropped).
+    # Each local row of logits sits at global position g and predicts token g+1. We score that
+    # next token here, gather the scores over cp in natural order, and shift right by one.
     positions = zigzag_positions(seq_len, cp_size, cp_rank).to(input_ids.device)  # (S/cp,)
+    # (g = S-1 has no next token: clamped here, its score dropped by the shift)
     next_ids = input_ids[:, (positions + 1).clamp(max=seq_len - 1)]  # (B, S/cp)
     local_ids = next_ids.reshape(-1).to(logits.device) - vocab_start  # (N,)  N = B*S/cp
     owned = (local_ids >= 0) & (local_ids < logits.shape[-1])  # (N,)  target in this shard?
@@ -262,21 +314,26 @@ def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlen
     if torch.is_grad_enabled() and logits.requires_grad:
         logprob, entropy = _VocabParallelLogprob.apply(flat_logits, local_ids, owned, tp_group, chunk_size,
                                                        temperature, with_entropy)  # (N,), (N,) or None
-    else:  # inference (old/reference policy): same math, nothing saved, chunking still bounds temps
+    else:
+        # inference (old/reference policy): same math, nothing saved, chunking still bounds temps
         logprob, _, _, entropy = _logprob_forward(flat_logits, local_ids, owned, tp_group, chunk_size, False,
                                                   temperature, with_entropy)  # (N,), (N,) or None
 
-    def align(per_row):  # (N,) at this rank's rows -> (B, S): gathered over cp, shifted right by one
+    def align(per_row):
+        """(N,) at this rank's rows -> (B, S): gathered over cp, shifted right by one."""
         return shift_right(cp_gather(per_row.view(batch, -1), cp_group, dim=1), cu_seqlens)
-    return (align(logprob), align(entropy)) if with_entropy else align(logprob)  # (B, S), or (B, S) x2
+
+    if with_entropy:
+        return align(logprob), align(entropy)  # (B, S), (B, S)
+    return align(logprob)  # (B, S)
 
 
 # ----------------------------------------------------------------------------
 # packed rows back to one sequence per row
 
 def unpack_packed(packed, cu_seqlens, seq_len):
-    """(1, T) packed row -> (n, seq_len): sequence k left-aligned in row k, zero-padded. Pure indexing, so it is
-    differentiable and works for ids, logprobs and masks alike."""
+    """(1, T) packed row -> (n, seq_len): sequence k at row k, left-aligned, zero-padded.
+    Pure indexing, so it is differentiable and works for ids, logprobs and masks alike."""
     starts = cu_seqlens[:-1].long().to(packed.device)  # (n,)
     lengths = cu_seqlens[1:].long().to(packed.device) - starts  # (n,)
     if int(lengths.max()) > seq_len:

@@ -126,14 +126,19 @@ torch.optim.AdamW(policy.parameters(), lr=1e-2).step()  # (refit wakes the engin
 def recorded_refit(named_full_tensors, bucket_mb):
     """rollout.refit, noting the names and byte sizes of every bucket the engine is handed."""
     buckets, load_weights = [], engine.load_weights
-    engine.load_weights = lambda named: (buckets.append([(n, t.numel() * t.element_size()) for n, t in named]),
-                                         load_weights(named))
+
+    def recording_load_weights(named):
+        buckets.append([(n, t.numel() * t.element_size()) for n, t in named])
+        load_weights(named)
+
+    engine.load_weights = recording_load_weights
     t0 = time.perf_counter()
     try:
         stats = rollout.refit(engine, named_full_tensors, bucket_mb=bucket_mb)
     finally:
         engine.load_weights = load_weights
-    return dict(stats, buckets=buckets, bucket_limit_bytes=bucket_mb * 2**20, seconds=time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    return dict(stats, buckets=buckets, bucket_limit_bytes=bucket_mb * 2**20, seconds=seconds)
 
 
 measured["refit"] = recorded_refit(model_parallel.iter_full_params(policy), BUCKET_MB)
@@ -143,7 +148,8 @@ measured["param_bytes"] = {n: p.numel() * p.element_size() for n, p in plain.nam
 after = generate(prompts, seeds)
 ids, lens, mask, engine_lp = rows(after)
 with torch.no_grad():
-    trainer_lp, _ = model_parallel.forward_policy(policy, ids, lens, mesh, cfg, temperature=TEMPERATURE)  # (b, S)
+    # (b, S)
+    trainer_lp, _ = model_parallel.forward_policy(policy, ids, lens, mesh, cfg, temperature=TEMPERATURE)
 measured["diff_after_refit_vs_trainer"] = (engine_lp - trainer_lp)[mask].abs().mean().item()
 # the update must have moved these logprobs far more than the tolerance, or step 4 proves nothing
 measured["diff_trained_vs_initial"] = (trainer_lp - hf_logprobs(ids, lens))[mask].abs().mean().item()
@@ -154,7 +160,8 @@ measured["samples_changed_by_refit"] = sum(a != b for a, b in zip(tokens(after),
 measured["refit_back"] = recorded_refit(plain.named_parameters(), SMALL_BUCKET_MB)
 back = generate(prompts, seeds)
 measured["refit_back_same_samples"] = tokens(back) == tokens(first)
-measured["refit_back_max_logprob_diff"] = max(abs(a - b) for (_, la), (_, lb) in zip(back, first)
+measured["refit_back_max_logprob_diff"] = max(abs(a - b)
+                                              for (_, la), (_, lb) in zip(back, first)
                                               for a, b in zip(la, lb))
 
 # ---- 6. a second stop token (Qwen2.5's <|endoftext|> beside <|im_end|>) ends a response too: the
@@ -162,7 +169,8 @@ measured["refit_back_max_logprob_diff"] = max(abs(a - b) for (_, la), (_, lb) in
 free = tokens(engine.generate(prompts[:1], [0], MAX_NEW_TOKENS, 0.0))[0]
 k = next((i for i in range(1, len(free)) if free[i] not in free[:i] + stop_ids), 0)
 engine.stop_ids = stop_ids + [free[k]]
-measured["second_stop"] = dict(free=free, k=k, stopped=tokens(engine.generate(prompts[:1], [0], MAX_NEW_TOKENS, 0.0))[0])
+stopped = tokens(engine.generate(prompts[:1], [0], MAX_NEW_TOKENS, 0.0))[0]
+measured["second_stop"] = dict(free=free, k=k, stopped=stopped)
 engine.stop_ids = stop_ids
 
 # ---- gather to rank 0, then shut the engine down: last, it destroys the process group --------
@@ -172,6 +180,7 @@ if rank == 0:
     with open(os.path.join(args.dir, "results.json"), "w") as f:
         json.dump(gathered, f, indent=1)
     for m in gathered:
-        print(json.dumps({k: v for k, v in m.items() if k not in ("refit", "refit_back", "param_bytes")}), flush=True)
+        summary = {k: v for k, v in m.items() if k not in ("refit", "refit_back", "param_bytes")}
+        print(json.dumps(summary), flush=True)
 dist.barrier()
 engine.shutdown()

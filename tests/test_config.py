@@ -1,4 +1,5 @@
 """config.py: parsing, precedence, and bad input refused with one line naming the key."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -44,7 +45,8 @@ def test_every_field_has_a_doc_and_sizes_say_per_rank_or_global():
     (["--data_parallel=ddp", "--dtype=bf16"], 2, "data_parallel=ddp"),  # bf16 is FSDP2's mixed precision
     (["--data_parallel=ddp", "--cpu_offload=true"], 2, "data_parallel=ddp"),  # offload is FSDP2's
     (["--data_parallel=zero3"], 1, "data_parallel"),
-    (["--advantage_estimator=grpo", "--samples_per_prompt=1"], 1, "samples_per_prompt >= 2"),  # NaN advantages
+    # one sample per prompt: its group's std is 0, the advantages NaN
+    (["--advantage_estimator=grpo", "--samples_per_prompt=1"], 1, "samples_per_prompt >= 2"),
     (["--clip_ratio_c=0.5"], 1, "clip_ratio_c"),            # a dual clip below 1 would cap every ratio
     (["--attention=masked", "--packing=true", "--max_tokens_per_microbatch=8192"], 1, "attention=varlen"),
 ])
@@ -53,8 +55,10 @@ def test_bad_config_names_the_key(argv, world, key, tmp_path):
         config.validate(config.parse_args(argv + [f"--out_dir={tmp_path}"]), world)
 
 
-@pytest.mark.parametrize("argv, key", [(["--micro_batch_size=5"], "micro_batch_size"),
-                                       (["--advantage_estimator=grpo", "--samples_per_prompt=1"], "samples_per_prompt")])
+@pytest.mark.parametrize("argv, key", [
+    (["--micro_batch_size=5"], "micro_batch_size"),
+    (["--advantage_estimator=grpo", "--samples_per_prompt=1"], "samples_per_prompt"),
+])
 def test_cli_bad_config_exits_nonzero_fast_with_one_line(argv, key, tmp_path):
     t0 = time.time()
     proc = subprocess.run([sys.executable, "train_ppo.py", *argv, f"--out_dir={tmp_path}"], cwd=ROOT,
@@ -69,10 +73,13 @@ def test_cli_bad_config_exits_nonzero_fast_with_one_line(argv, key, tmp_path):
 
 def test_tensorboard_without_its_package_is_refused_naming_it(monkeypatch, tmp_path):
     find_spec = config.importlib.util.find_spec
-    monkeypatch.setattr(config.importlib.util, "find_spec", lambda name: None if name == "tensorboard" else find_spec(name))
-    with pytest.raises(config.ConfigError, match=r"tensorboard=true needs the tensorboard package: pip install tensorboard"):
+    monkeypatch.setattr(config.importlib.util, "find_spec",
+                        lambda name: None if name == "tensorboard" else find_spec(name))
+    message = r"tensorboard=true needs the tensorboard package: pip install tensorboard"
+    with pytest.raises(config.ConfigError, match=message):
         config.validate(config.parse_args(["--tensorboard=true", f"--out_dir={tmp_path}"]), 1)
-    config.validate(config.parse_args(["--tensorboard=false", f"--out_dir={tmp_path}"]), 1)  # off: nothing needed
+    # off: nothing needed
+    config.validate(config.parse_args(["--tensorboard=false", f"--out_dir={tmp_path}"]), 1)
 
 
 def test_every_config_comment_says_what_its_values_give():
@@ -91,11 +98,74 @@ def test_every_config_comment_says_what_its_values_give():
     assert checked >= 3  # the demo and both GSM8K recipes say it
 
 
-def test_cli_help_lists_every_field():
-    out = subprocess.run([sys.executable, "train_ppo.py", "--help"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60).stdout
+def _help_text():
+    return subprocess.run([sys.executable, "train_ppo.py", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60).stdout
+
+
+def test_cli_help_lists_every_field_with_a_doc_under_it():
+    lines = _help_text().splitlines()
     for name in config.Config.__dataclass_fields__:
-        assert f"--{name}=" in out
+        at = [i for i, line in enumerate(lines) if line.startswith(f"  --{name}=")]
+        assert len(at) == 1, name
+        # the doc: the indented lines under the field, up to the next field
+        doc = []
+        for line in lines[at[0] + 1:]:
+            if not line.startswith("      "):
+                break
+            doc.append(line.strip())
+        assert " ".join(doc).strip(), f"--help shows no doc for {name}"
+
+
+def _comment_lines_above(name):
+    """The comment lines directly above a field in config.py, read here with plain string
+    handling (not with config.field_docs)."""
+    lines = open(os.path.join(ROOT, "config.py"), encoding="utf-8").read().splitlines()
+    row = next(i for i, line in enumerate(lines) if line.startswith(f"    {name}: "))
+    above = []
+    while lines[row - 1].strip().startswith("# "):
+        row -= 1
+        above.insert(0, lines[row].strip()[2:])
+    return above
+
+
+@pytest.mark.parametrize("name", ["reshard_after_forward", "old_logprobs", "vllm_gpu_memory_utilization"])
+def test_cli_help_prints_a_multi_line_doc_whole(name):
+    above = _comment_lines_above(name)
+    assert len(above) >= 3, f"{name}'s doc is no longer multi-line: pick another field"
+    words = " ".join(" ".join(above).split())
+    assert words in " ".join(_help_text().split()), f"--help cuts {name}'s doc"
+
+
+def test_field_docs_on_a_hand_written_class():
+    """Headings (banners) and group notes (a comment, then a blank line) are no field's doc."""
+
+    @dataclasses.dataclass
+    class Fake:
+        # ---- first group ----
+        a: int = 1  # a's trailing doc
+        # b's doc, first line
+        # b's doc, second line
+        b: int = 2
+        # ---- second group ----
+        # a note on the second group
+
+        # c's doc above
+        c: str = "#"  # and after
+        d: int = 4
+
+    assert config.field_docs(Fake) == {"a": "a's trailing doc",
+                                       "b": "b's doc, first line b's doc, second line",
+                                       "c": "c's doc above and after",
+                                       "d": ""}
+
+
+def test_config_headings_are_not_field_docs():
+    docs = config.field_docs()
+    assert not any("----" in doc for doc in docs.values())
+    # the fields right under a heading with a group note
+    assert "worth improving" not in docs["sft_steps"]
+    assert "verl" not in docs["advantage_estimator"]
 
 
 def test_every_shipped_config_parses():

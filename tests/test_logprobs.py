@@ -287,10 +287,11 @@ def test_temperature_is_applied_per_chunk_in_fp32():
             (grad,) = torch.autograd.grad((out * weights).sum(), logits)
             assert grad.dtype == dtype
             torch.testing.assert_close(grad.float(), want_grad, atol=grad_tol, rtol=grad_tol)
+            entropy_args = dict(chunk_size=chunk_size, temperature=0.7, with_entropy=True)
             with torch.no_grad():
-                _, ent = token_logprobs(logits, ids, chunk_size=chunk_size, temperature=0.7, with_entropy=True)
+                _, ent = token_logprobs(logits, ids, **entropy_args)
             torch.testing.assert_close(ent, want_ent.detach(), **TOL)
-            _, ent = token_logprobs(logits, ids, chunk_size=chunk_size, temperature=0.7, with_entropy=True)
+            _, ent = token_logprobs(logits, ids, **entropy_args)
             (grad,) = torch.autograd.grad((ent * weights).sum(), logits)
             assert grad.dtype == dtype
             torch.testing.assert_close(grad.float(), want_ent_grad, atol=grad_tol, rtol=grad_tol)

@@ -44,7 +44,8 @@ def check_buckets(refit, param_bytes):
         assert size <= limit or len(bucket) == 1, f"an oversized bucket holds several tensors: {bucket}"
     sent = [name for bucket in refit["buckets"] for name, _ in bucket]
     assert sorted(sent) == sorted(param_bytes), "refit must send each checkpoint parameter exactly once"
-    assert {name: nbytes for bucket in refit["buckets"] for name, nbytes in bucket} == param_bytes  # full, fp32
+    # each tensor whole, in fp32
+    assert {name: nbytes for bucket in refit["buckets"] for name, nbytes in bucket} == param_bytes
     assert refit["refit_bytes"] == sum(param_bytes.values())
     return sizes
 
@@ -61,20 +62,23 @@ def check_engine(results):
         # the engine's logprobs are log softmax(logits / T) of the checkpoint's model
         assert m["diff_before_refit_vs_hf"] <= TOLERANCE, m["diff_before_refit_vs_hf"]
         # after one training step and refit: the engine computes with the trainer's weights
-        assert m["diff_trained_vs_initial"] > 10 * TOLERANCE, "the update must move logprobs far beyond the tolerance"
+        assert m["diff_trained_vs_initial"] > 10 * TOLERANCE, \
+            "the update must move logprobs far beyond the tolerance"
         assert m["diff_after_refit_vs_trainer"] <= TOLERANCE, m["diff_after_refit_vs_trainer"]
-        # the same seeds sample something else after refit (without refit they repeat exactly). The
-        # update made these very samples likelier, so many stay the same (one of 6 changed in the tp=2
-        # case): one is enough to show that sampling uses the new weights
+        # the same seeds sample something else after refit (without refit they repeat exactly).
+        # The update made these very samples likelier, so many stay the same (one of 6 changed in
+        # the tp=2 case): one is enough to show that sampling uses the new weights
         assert m["samples_changed_by_refit"] >= 1, m["samples_changed_by_refit"]
         check_buckets(m["refit"], m["param_bytes"])
         # initial weights back, in buckets smaller than some tensors: the first samples come back
         sizes = check_buckets(m["refit_back"], m["param_bytes"])
-        assert max(sizes) > m["refit_back"]["bucket_limit_bytes"], "a tensor larger than a bucket must occur"
+        assert max(sizes) > m["refit_back"]["bucket_limit_bytes"], \
+            "a tensor larger than a bucket must occur"
         assert m["refit_back_same_samples"] and m["refit_back_max_logprob_diff"] <= 1e-6
         # the engine stops at every id of its stop set, not only the first (the token is kept)
         free, k, stopped = (m["second_stop"][key] for key in ("free", "k", "stopped"))
-        assert stopped == free[:k + 1] and free[k] not in free[:k] + [256], m["second_stop"]  # 256: the toy EOS
+        # 256: the toy EOS
+        assert stopped == free[:k + 1] and free[k] not in free[:k] + [256], m["second_stop"]
     # the same request gives the same sample on every rank, whichever engine serves it
     assert results[0]["shared_sample"] == results[1]["shared_sample"]
     print({m["rank"]: {k: m[k] for k in ("init_s", "first_generate_s", "diff_before_refit_vs_hf",
