@@ -154,8 +154,12 @@ class Config:
     # ---- PPO ----
     # The defaults are verl's PPO defaults (ppo_trainer.yaml), made for pretrained models.
 
-    # gae: a learned critic + GAE (PPO); grpo: group-normalized scores, no critic (DeepSeekMath)
+    # gae: a learned critic + GAE (PPO). grpo: each response's score against its prompt group's
+    # mean (and std), no critic (DeepSeekMath). rloo: against the mean of the group's other
+    # responses, no critic (Ahmadian et al., 2024). docs/losses.md compares them.
     advantage_estimator: str = "gae"
+    # grpo: divide by the group's std (GRPO); false subtracts the group mean only (Dr. GRPO)
+    grpo_norm_by_std: bool = True
     lr: float = 1e-6  # policy AdamW learning rate
     critic_lr: float = 1e-5  # critic AdamW learning rate
     # linear LR warm-up (in PPO steps) for policy and critic
@@ -169,7 +173,10 @@ class Config:
     kl_estimator: str = "k1"
     gamma: float = 1.0  # GAE discount
     lam: float = 1.0  # GAE lambda
-    clip_ratio: float = 0.2  # PPO policy ratio clip epsilon
+    # PPO policy ratio clip epsilon: the ratio is kept in [1 - clip_ratio, 1 + clip_ratio_high]
+    clip_ratio: float = 0.2
+    # the upper clip (DAPO's clip-higher, e.g. 0.28); 0 = clip_ratio (symmetric)
+    clip_ratio_high: float = 0.0
     # dual clip: for A < 0 cap the loss at -A * c (c > 1; 0 = off)
     clip_ratio_c: float = 3.0
     # clip of the value update around the old values (0 = no clipping)
@@ -181,6 +188,13 @@ class Config:
     # optimizer steps per epoch; each is a global minibatch
     num_minibatches: int = 1
     whiten_advantages: bool = True  # normalize advantages over the global batch
+    # how the per-token losses of a global minibatch become one number (docs/losses.md):
+    # token-mean (every response token weighs the same), seq-mean-token-sum, seq-mean-token-mean
+    # (every response weighs the same), seq-mean-token-sum-norm (Dr. GRPO: token sums over a
+    # constant). Every count is global, so the mesh never changes the loss.
+    loss_agg_mode: str = "token-mean"
+    # seq-mean-token-sum-norm's constant; 0 = max_new_tokens
+    loss_agg_norm: int = 0
 
     @property
     def global_batch_size(self) -> int:
@@ -195,7 +209,8 @@ CHOICES = {
     "task": ("toy_add", "gsm8k"),
     "dtype": ("auto", "bf16", "fp32"),
     "attention": ("auto", "masked", "varlen"),
-    "advantage_estimator": ("gae", "grpo"),
+    "advantage_estimator": ("gae", "grpo", "rloo"),
+    "loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "old_logprobs": ("trainer", "engine"),
     "data_parallel": ("fsdp", "ddp"),
     "export_dtype": ("auto", "bf16", "fp32"),
@@ -209,20 +224,23 @@ POSITIVE = ("steps", "tp_size", "cp_size", "max_tokens_per_microbatch", "micro_b
 NON_NEGATIVE = ("kl_coef", "tis_cap", "clip_ratio_c", "eval_every", "format_reward", "clip_ratio",
                 "value_clip", "lr", "entropy_coef", "max_grad_norm", "critic_lr", "sft_lr",
                 "weight_decay", "sft_steps", "warmup_steps", "save_every", "plot_every",
-                "logprob_chunk_size", "keep_checkpoints", "max_skipped_steps")
+                "logprob_chunk_size", "keep_checkpoints", "max_skipped_steps", "clip_ratio_high",
+                "loss_agg_norm")
 
 
-# attention=masked builds a (T/cp, T) mask per row, and SDPA a score tensor of that size per
-# head: past a 4096-token row that is O(T^2) memory and FLOPs spent across documents (varlen
-# skips them).
+# attention=masked builds a (B, T/cp, T) mask for a microbatch of B rows, and SDPA a score tensor
+# of that size per head: past 4096 x 4096 entries (one 4096-token row, or 16 rows of 1024) that is
+# O(B T^2) memory and FLOPs, mostly spent across documents or on padding (varlen skips both).
 MASK_LIMIT = 4096 * 4096
 
 
-def masked_attention_error(row_tokens: int, cp_size: int):
-    """The refusal of a masked-attention row above MASK_LIMIT, or None."""
-    if row_tokens ** 2 // cp_size > MASK_LIMIT:
-        return (f"attention=masked would build a dense {row_tokens // cp_size}x{row_tokens} mask "
-                f"per row (limit 4096x4096): use attention=varlen")
+def masked_attention_error(row_tokens: int, cp_size: int, rows: int = 1):
+    """The refusal of a masked-attention microbatch of `rows` rows of `row_tokens` tokens above
+    MASK_LIMIT, or None. The batch counts: 32 rows of 1024 tokens cost as much as one of 5800."""
+    if rows * row_tokens ** 2 // cp_size > MASK_LIMIT:
+        return (f"attention=masked would build a dense {rows}x{row_tokens // cp_size}x{row_tokens} "
+                f"mask per microbatch (limit 4096x4096 entries): use attention=varlen, or lower "
+                f"micro_batch_size or max_model_len")
     return None
 
 
@@ -340,10 +358,10 @@ def _validate_values(cfg: Config) -> None:
     if 0 < cfg.clip_ratio_c <= 1:
         raise ConfigError(f"clip_ratio_c={cfg.clip_ratio_c} must be > 1 (verl's default 3.0) "
                           f"or 0 for no dual clip")
-    if cfg.advantage_estimator == "grpo" and cfg.samples_per_prompt < 2:
-        raise ConfigError(f"advantage_estimator=grpo needs samples_per_prompt >= 2 (got "
-                          f"{cfg.samples_per_prompt}): its advantage is a response's score against "
-                          f"its prompt group's mean and std")
+    if cfg.advantage_estimator in ("grpo", "rloo") and cfg.samples_per_prompt < 2:
+        raise ConfigError(f"advantage_estimator={cfg.advantage_estimator} needs samples_per_prompt "
+                          f">= 2 (got {cfg.samples_per_prompt}): its advantage is a response's score "
+                          f"against the other responses to its prompt")
     if not (0.0 <= cfg.gamma <= 1.0 and 0.0 <= cfg.lam <= 1.0):
         raise ConfigError(f"gamma={cfg.gamma} and lam={cfg.lam} must lie in [0, 1]")
 
@@ -418,10 +436,22 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.data_parallel == "ddp" and (cfg.tp_size > 1 or cfg.dtype == "bf16" or cfg.cpu_offload):
         raise ConfigError("data_parallel=ddp (plain fp32 replicas) needs tp_size=1, dtype=fp32/auto, "
                           "cpu_offload=false")
+    # refused now, not at the first long rollout hours in: a packed row is at most
+    # max_tokens_per_microbatch; an unpacked microbatch is micro_batch_size rows of at most
+    # max_model_len (prompt + response)
     if cfg.attention == "masked" and cfg.packing:
         error = masked_attention_error(cfg.max_tokens_per_microbatch, cfg.cp_size)
         if error:
             raise ConfigError(error)
+    if cfg.attention == "masked" and not cfg.packing:
+        error = masked_attention_error(cfg.max_model_len, cfg.cp_size, cfg.micro_batch_size)
+        if error:
+            raise ConfigError(error)
+    # FSDP2's CPU offload keeps parameters, gradients and hence AdamW's moments on the host already;
+    # moving the moments to the GPU for the update would meet CPU gradients there
+    if cfg.offload_optimizer and cfg.cpu_offload:
+        raise ConfigError("offload_optimizer=true with cpu_offload=true: cpu_offload already keeps "
+                          "AdamW's state in host memory; set offload_optimizer=false")
     if cfg.sequence_parallel and cfg.tp_size == 1:
         raise ConfigError("sequence_parallel=true needs tp_size > 1 (it shards activations over tp)")
     _validate_paths(cfg)

@@ -148,18 +148,22 @@ def math_reward(response_text: str, reference: str, format_weight: float = 0.0) 
 
 
 def stop_token_ids(model_dir: str, eos_id) -> list:
-    """Every token that ends a response: the task's EOS and each eos_token_id of the checkpoint's
-    generation_config.json (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama 3: three). vLLM
-    stops at all of these by itself, so the HF engine, `finished`, the reward and the dumps must
-    know them too. [] when eos_id is None: every response runs to max_new_tokens."""
+    """Every token that ends a response: the task's EOS, and each eos_token_id of the checkpoint's
+    generation_config.json (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama 3: three) and of
+    its config.json. vLLM stops at those by itself (config.json's when the checkpoint has no
+    generation_config.json), so the HF engine, `finished`, the reward and the dumps must know them
+    too; both engines are handed this whole set. [] when eos_id is None: every response runs to
+    max_new_tokens."""
     if eos_id is None:
         return []
     ids = {eos_id}
-    path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(path):
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            continue
         with open(path) as f:
             eos = json.load(f).get("eos_token_id")
-        # generation_config.json holds one id, a list of them, or none
+        # a file holds one id, a list of them, or none
         ids.update([eos] if isinstance(eos, int) else eos or [])
     return sorted(ids)
 

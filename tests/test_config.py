@@ -49,6 +49,17 @@ def test_every_field_has_a_doc_and_sizes_say_per_rank_or_global():
     (["--advantage_estimator=grpo", "--samples_per_prompt=1"], 1, "samples_per_prompt >= 2"),
     (["--clip_ratio_c=0.5"], 1, "clip_ratio_c"),            # a dual clip below 1 would cap every ratio
     (["--attention=masked", "--packing=true", "--max_tokens_per_microbatch=8192"], 1, "attention=varlen"),
+    # issue 28: unpacked rows are max_model_len long at most, micro_batch_size of them at a time:
+    # refused at start, not at the first long rollout (one 8192-token row; 16 rows of 2048)
+    (["--attention=masked", "--max_model_len=8192", "--micro_batch_size=1",
+      "--prompts_per_step=1", "--samples_per_prompt=1"], 1, "attention=varlen"),
+    (["--attention=masked", "--max_model_len=2048", "--micro_batch_size=16"], 1, "attention=varlen"),
+    # issue 28: cpu_offload keeps AdamW's state on the host; moving it to the GPU crashed the update
+    (["--offload_optimizer=true", "--cpu_offload=true"], 1, "offload_optimizer"),
+    # issue 29
+    (["--advantage_estimator=rloo", "--samples_per_prompt=1"], 1, "samples_per_prompt >= 2"),
+    (["--loss_agg_mode=seq-mean"], 1, "loss_agg_mode"),
+    (["--clip_ratio_high=-0.1"], 1, "clip_ratio_high"),
 ])
 def test_bad_config_names_the_key(argv, world, key, tmp_path):
     with pytest.raises(config.ConfigError, match=key):

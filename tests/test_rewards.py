@@ -1,6 +1,9 @@
 """Rewards: the toy task's rule, and math answer extraction on tricky strings."""
+import json
+
 import pytest
 
+import rollout
 from rollout import extract_answer, math_reward, toy_prompts, toy_reward
 
 # (model output, the number a careful human grader would read as its final answer)
@@ -57,3 +60,16 @@ def test_toy_task():
     assert toy_reward("7", "7", finished=True) == 1.0
     assert toy_reward("7", "7", finished=False) == 0.0       # did not stop
     assert toy_reward("77", "7", finished=True) == 0.0
+
+
+def test_stop_tokens_without_generation_config_include_config_json_eos(tmp_path):
+    """Issue 28: a checkpoint with no generation_config.json. vLLM then stops at config.json's
+    eos_token_id; the trainer's set must hold it too, or a response that ended there is counted
+    unfinished and scored 0. A generation_config.json adds its ids to config.json's."""
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"model_type": "llama", "eos_token_id": 7}, f)
+    assert rollout.stop_token_ids(str(tmp_path), 3) == [3, 7]
+    with open(tmp_path / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": [9, 7]}, f)
+    assert rollout.stop_token_ids(str(tmp_path), 3) == [3, 7, 9]
+    assert rollout.stop_token_ids(str(tmp_path), None) == []
