@@ -1,8 +1,9 @@
 """Would torch.compile make our CPU step faster? Eager against compiled decoder layers, one thread.
 
-    .venv/bin/python bench/compiled_layers.py              # ~2 min (the compile is most of it)
-    .venv/bin/python bench/compiled_layers.py --smoke      # one 64-wide layer, 2 x 16 tokens, 1 repeat: the same
-                                                           # compile path (~25 s cold, ~8 s with inductor's cache warm)
+    .venv/bin/python bench/compiled_layers.py          # ~2 min (the compile is most of it)
+    .venv/bin/python bench/compiled_layers.py --smoke  # one 64-wide layer, 2 x 16 tokens, 1 repeat:
+                                                       # the same compile path (~25 s cold, ~8 s
+                                                       # with inductor's cache warm)
 
 bench/peer_trl.py's 2-process step spends two thirds of its update and ~77% of its no-grad passes in
 `aten::mm` (docs/performance.md); the rest is mostly element-wise work (RMSNorm, RoPE, SiLU x up,
@@ -49,7 +50,8 @@ def main():
         rows, tokens = 8, 130  # one rank's microbatch
         shape = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                      vocab_size=49152)
-    config = LlamaConfig(**shape, num_hidden_layers=args.layers, tie_word_embeddings=True, attn_implementation="sdpa")
+    config = LlamaConfig(**shape, num_hidden_layers=args.layers, tie_word_embeddings=True,
+                         attn_implementation="sdpa")
     torch.manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (rows, tokens))
     figures = {}

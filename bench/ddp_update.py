@@ -1,8 +1,9 @@
 """Three per-step overheads of the data_parallel=ddp update, each before and after its change,
 measured in the same run (2 processes over gloo, 1 thread each, as bench/peer_trl.py's ours_2p).
 
-    .venv/bin/python bench/ddp_update.py            # ~3 min on a quiet 2-core machine
-    .venv/bin/python bench/ddp_update.py --smoke    # a 2-layer 64-wide model, one timed call each: seconds
+    .venv/bin/python bench/ddp_update.py          # ~3 min on a quiet 2-core machine
+    .venv/bin/python bench/ddp_update.py --smoke  # a 2-layer 64-wide model, one timed call each:
+                                                  # seconds
 
 1. DDP's gradient buckets. By default DDP copies every gradient into its 25 MB buckets before the
    all-reduce and the result back out; with gradient_as_bucket_view=True the .grad tensors then
@@ -45,10 +46,12 @@ SMOKE = dict(hidden=64, mlp=128, heads=2, kv_heads=1, vocab=512, ddp_layers=2, s
 
 
 def llama_shapes(s):
-    """Every parameter shape of a tied Llama: embedding, then per layer q, o, k, v, gate, up, down, 2 norms."""
+    """Every parameter shape of a tied Llama: embedding, then per layer q, o, k, v, gate, up, down,
+    2 norms."""
     head_dim, layers = s["hidden"] // s["heads"], s["shape_layers"]
     kv = s["kv_heads"] * head_dim
-    return ([(s["vocab"], s["hidden"])] + [(s["hidden"], s["hidden"])] * 2 * layers + [(kv, s["hidden"])] * 2 * layers
+    return ([(s["vocab"], s["hidden"])]
+            + [(s["hidden"], s["hidden"])] * 2 * layers + [(kv, s["hidden"])] * 2 * layers
             + [(s["mlp"], s["hidden"])] * 2 * layers + [(s["hidden"], s["mlp"])] * layers
             + [(s["hidden"],)] * (2 * layers + 1))
 
@@ -73,15 +76,16 @@ def worker(s):
     dist.init_process_group("gloo")
     torch.manual_seed(0)
 
-    config = LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["mlp"], num_hidden_layers=s["ddp_layers"],
-                         num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], vocab_size=s["vocab"],
-                         tie_word_embeddings=True)
+    config = LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["mlp"],
+                         num_hidden_layers=s["ddp_layers"], num_attention_heads=s["heads"],
+                         num_key_value_heads=s["kv_heads"], vocab_size=s["vocab"], tie_word_embeddings=True)
     ids = torch.randint(0, config.vocab_size, (s["rows"], s["tokens"]))
     steps = {}
     for view in (False, True):
         model = AutoModelForCausalLM.from_config(config)
         # as model_parallel._build does, except the bucket-view flag under test
-        replicate(model, process_group=dist.group.WORLD, forward_sync_buffers=False, gradient_as_bucket_view=view)
+        replicate(model, process_group=dist.group.WORLD, forward_sync_buffers=False,
+                  gradient_as_bucket_view=view)
         model.register_comm_hook(dist.group.WORLD, mp._sum_hook)  # the trainer's SUM
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
@@ -100,7 +104,8 @@ def worker(s):
             steps[view]()
             if it:  # the first of each is warm-up
                 times[view].append(time.perf_counter() - start)
-    figures = dict(ddp_step_copy_s=statistics.median(times[False]), ddp_step_view_s=statistics.median(times[True]))
+    figures = dict(ddp_step_copy_s=statistics.median(times[False]),
+                   ddp_step_view_s=statistics.median(times[True]))
     if dist.get_rank() == 0:  # the single-process parts, on rank 0 while rank 1 waits
         # "after": the trainer's own functions on a module of plain CPU parameters (as under ddp)
         holder = torch.nn.Module()
@@ -119,29 +124,34 @@ def worker(s):
                 pass
         reps = s["reps"]
         figures.update(swap_copy_s=median_time(swap_copy, reps), swap_trade_s=median_time(swap_trade, reps))
-        figures.update(norm_pow_sum_s=median_time(lambda: sum(p.grad.float().pow(2).sum() for p in params), reps),
-                       norm_rows_s=median_time(lambda: mp.clip_grad_norm(params, max_norm=0), reps))
+        figures.update(
+            norm_pow_sum_s=median_time(lambda: sum(p.grad.float().pow(2).sum() for p in params), reps),
+            norm_rows_s=median_time(lambda: mp.clip_grad_norm(params, max_norm=0), reps))
         emb = params[0]  # the largest tensor: the embedding (28M elements at 135M)
         n_model, n_emb = sum(p.numel() for p in params) / 1e6, emb.numel() / 1e6
         exact = emb.grad.double().pow(2).sum().item()
         whole = torch.linalg.vector_norm(emb.grad, dtype=torch.float32).square().item()
         figures.update(norm_rows_rel_err=abs(mp.clip_grad_norm([emb], max_norm=0) ** 2 / exact - 1),
                        norm_whole_rel_err=abs(whole / exact - 1))
-        print(f"DDP step ({s['ddp_layers']}-layer Llama, {s['rows']} x {s['tokens']} tokens per rank): bucket copies "
-              f"{figures['ddp_step_copy_s']:.2f} s, bucket views {figures['ddp_step_view_s']:.2f} s")
+        print(f"DDP step ({s['ddp_layers']}-layer Llama, {s['rows']} x {s['tokens']} tokens per rank): "
+              f"bucket copies {figures['ddp_step_copy_s']:.2f} s, "
+              f"bucket views {figures['ddp_step_view_s']:.2f} s")
         print(f"reference swap, {n_model:.1f}M fp32: copies {figures['swap_copy_s']:.3f} s, "
               f"trade {figures['swap_trade_s']:.4f} s")
         print(f"grad-norm squares, {n_model:.1f}M fp32: pow(2).sum() {figures['norm_pow_sum_s']:.3f} s, "
-              f"per-row norms {figures['norm_rows_s']:.3f} s; error vs fp64 on {n_emb:.1f}M elements: per row "
-              f"{figures['norm_rows_rel_err']:.1e}, one vector_norm {figures['norm_whole_rel_err']:.1e}")
-        print("RESULT " + " ".join(f"{k}={v:.1e}" if k.endswith("_err") else f"{k}={v:.4f}" for k, v in figures.items()))
+              f"per-row norms {figures['norm_rows_s']:.3f} s; "
+              f"error vs fp64 on {n_emb:.1f}M elements: per row {figures['norm_rows_rel_err']:.1e}, "
+              f"one vector_norm {figures['norm_whole_rel_err']:.1e}")
+        print("RESULT " + " ".join(f"{k}={v:.1e}" if k.endswith("_err") else f"{k}={v:.4f}"
+                                   for k, v in figures.items()))
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="a tiny model, one timed call each (a fast test runs this)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny model, one timed call each (a fast test runs this)")
     args = parser.parse_args()
     if os.environ.get("PPO_DDP_BENCH_WORKER"):  # a rank, started by torchrun below
         return worker(SMOKE if args.smoke else FULL)

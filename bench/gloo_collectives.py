@@ -1,7 +1,8 @@
 """What one collective costs on gloo (CPU), for the choice between FSDP2 and DDP on small models.
 
-    .venv/bin/python bench/gloo_collectives.py            # 2 processes on this machine (~20 s)
-    .venv/bin/python bench/gloo_collectives.py --smoke    # 14 kB and 112 kB, 2 calls: the same code, seconds
+    .venv/bin/python bench/gloo_collectives.py          # 2 processes on this machine (~20 s)
+    .venv/bin/python bench/gloo_collectives.py --smoke  # 14 kB and 112 kB, 2 calls: the same code,
+                                                        # seconds
 
 FSDP2 all-gathers each layer's parameters before its forward (and, with reshard_after_forward,
 again before its backward) and reduce-scatters its gradients after the backward; DDP keeps whole
@@ -56,7 +57,8 @@ def worker(smoke):
             ar = figures[f"all_reduce_{label}_ms"]
             figures[f"rs_over_ar_{label}"] = figures[f"reduce_scatter_{label}_ms"] / ar
             figures[f"ag_over_ar_{label}"] = figures[f"all_gather_{label}_ms"] / ar
-        print("RESULT " + " ".join(f"{k}={v:.2f}" if "_over_" in k else f"{k}={v:.1f}" for k, v in figures.items()))
+        print("RESULT " + " ".join(f"{k}={v:.2f}" if "_over_" in k else f"{k}={v:.1f}"
+                                   for k, v in figures.items()))
     dist.destroy_process_group()
 
 

@@ -2,7 +2,8 @@
 
     python bench/gpu_step.py --config configs/gsm8k_qwen2.5_0.5b_1gpu.toml --nproc 1
     python bench/gpu_step.py --config configs/gsm8k_qwen2.5_1.5b_8gpu.toml --nproc 8
-    python bench/gpu_step.py --smoke    # no GPU needed: this code on CPU, tiny-llama, HF engine (seconds)
+    python bench/gpu_step.py --smoke    # no GPU needed: this code on CPU, tiny-llama, HF engine
+                                        # (seconds)
 
 Runs the real trainer (torchrun train_ppo.py) for --steps steps, skips the first (vLLM and
 CUDA warm-up), and reports the median over the rest of, from metrics.jsonl:
@@ -70,8 +71,8 @@ def main():
     else:
         import torch
         if not torch.cuda.is_available():
-            sys.exit("bench/gpu_step.py needs CUDA GPUs (none found); on CPU use --smoke, or bench/peer_trl.py, "
-                     "bench/refit.py, bench/logprob_memory.py or bench/packing.py")
+            sys.exit("bench/gpu_step.py needs CUDA GPUs (none found); on CPU use --smoke, or "
+                     "bench/peer_trl.py, bench/refit.py, bench/logprob_memory.py or bench/packing.py")
     scratch = tempfile.TemporaryDirectory(prefix="gpu_step_smoke_") if args.smoke else None  # removed at exit
     out = scratch.name if scratch else tempfile.mkdtemp(prefix="gpu_step_")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")

@@ -42,7 +42,8 @@ TIMED = ("plain", "ours", "chunked")
 
 def make_inputs(batch, seq, vocab, dtype=torch.float32):
     gen = torch.Generator().manual_seed(0)
-    logits = torch.empty(batch, seq, vocab, dtype=dtype).normal_(generator=gen).requires_grad_(True)  # (B, S, V)
+    logits = torch.empty(batch, seq, vocab, dtype=dtype).normal_(generator=gen)  # (B, S, V)
+    logits.requires_grad_(True)
     ids = torch.randint(0, vocab, (batch, seq), generator=gen)  # (B, S)
     weights = torch.randn(batch, seq, generator=gen)  # (B, S)
     return logits, ids, weights
@@ -103,8 +104,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (median reported)")
     parser.add_argument("--variant", choices=VARIANTS, help="internal: one variant's memory")
     parser.add_argument("--time", action="store_true", help="internal: time all variants")
-    parser.add_argument("--smoke", action="store_true", help="B=1 S=128 V=65536, chunk 32, 1 round (a fast test "
-                        "runs this); the buffers stay >= 32 MiB, so the peaks still follow them (see above)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="B=1 S=128 V=65536, chunk 32, 1 round (a fast test runs this); the buffers "
+                        "stay >= 32 MiB, so the peaks still follow them (see above)")
     args = parser.parse_args()
     if args.smoke:
         args.batch, args.seq, args.vocab, args.chunk_size, args.rounds = 1, 128, 65536, 32, 1

@@ -1,7 +1,9 @@
-"""Per-rank peak memory of a PPO step, as a formula: the plan for model sizes no machine here can hold.
+"""Per-rank peak memory of a PPO step, as a formula: the plan for model sizes no machine here
+can hold.
 
-    python bench/memory_model.py            # the table of docs/gpus.md: Qwen2.5 0.5B-32B on 1, 8, 16 GPUs
-    python bench/memory_model.py --smoke    # one row
+    python bench/memory_model.py          # the table of docs/gpus.md:
+                                          # Qwen2.5 0.5B-32B on 1, 8, 16 GPUs
+    python bench/memory_model.py --smoke  # one row
 
 bench/scale_memory.py checks the same formula against the peak resident memory of real CPU runs
 (two model sizes, two world sizes). Every term is bytes on one rank; W = world size, and FSDP2
@@ -13,17 +15,21 @@ dtype (2 for bf16, 4 for fp32). The terms, and where each comes from:
   grads       4 P / W               the policy's fp32 gradient shards, alive across its microbatches
   gathered    c (root + 2 layer)/tp FSDP2's all-gathered weights: embeddings and head for the whole
                                     pass, a layer and the one prefetched
-  activations L t (4h + 3q + 2k + 4I) c   what autograd saves per token of a decoder layer (HF Llama:
-                                    both norms' input and output, q, k, v after RoPE, SDPA's output,
-                                    o_proj's input, the MLP's gate, act(gate), up and their product),
-                                    t = tokens per microbatch / cp; with activation checkpointing
-                                    L t h c (each layer's input) plus one layer's worth
-  logits      s V/tp 2c + 8 chunk V/tp  the LM head's output and its gradient for the s scored tokens,
-                                    plus two fp32 (chunk, V/tp) blocks of logprobs.py
+  activations L t (4h + 3q + 2k + 4I) c
+                                    what autograd saves per token of a decoder layer (HF Llama:
+                                    both norms' input and output, q, k, v after RoPE, SDPA's
+                                    output, o_proj's input, the MLP's gate, act(gate), up and
+                                    their product), t = tokens per microbatch / cp; with activation
+                                    checkpointing L t h c (each layer's input) plus one layer's
+                                    worth
+  logits      s V/tp 2c + 8 chunk V/tp
+                                    the LM head's output and its gradient for the s scored
+                                    tokens, plus two fp32 (chunk, V/tp) blocks of logprobs.py
   reference   c P / W               the reference policy's shards (host memory; bf16 on GPU)
   parked      4 P / W               the live shards, parked in host memory during the reference pass
-  engine      given                 vLLM's weights + KV cache on GPU (gpu_memory_utilization x GPU),
-                                    freed by sleep mode while training; the HF engine on CPU: 4P
+  engine      given                 vLLM's weights + KV cache on GPU (gpu_memory_utilization x
+                                    GPU), freed by sleep mode while training; the HF engine on
+                                    CPU: 4P
 The training peak is the policy update's (the critic's is smaller: no LM head, Pc < P):
   device = weights + adam + grads + gathered + activations + logits, and during generation
   weights + adam (unless offloaded) + engine. On CPU everything is host memory, so one peak
@@ -50,7 +56,8 @@ def sizes(shape):
     h, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     head_dim = shape.get("head_dim") or h // shape["num_attention_heads"]
     q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
-    layer = 2 * h * q + 2 * h * kv + 3 * h * inter + 2 * h + q + 2 * kv  # (q/k/v biases: Qwen2; a rounding elsewhere)
+    # the last terms, q + 2 kv, are the q/k/v biases: Qwen2's; a rounding elsewhere
+    layer = 2 * h * q + 2 * h * kv + 3 * h * inter + 2 * h + q + 2 * kv
     embed = vocab * h
     policy = shape["num_hidden_layers"] * layer + embed * (1 if shape.get("tie_word_embeddings") else 2) + h
     critic = shape["num_hidden_layers"] * layer + embed + 2 * h + 1  # the value head instead of the LM head
@@ -78,30 +85,34 @@ def predict(shape, world, tp=1, cp=1, c=2, tokens=8192, scored=None, chunk=1024,
         engine=engine,
     )
     resident = terms["weights"] + (0 if offload_optimizer and not on_cpu else terms["adam"])
-    train = terms["weights"] + terms["adam"] + sum(terms[k] for k in ("grads", "gathered", "activations", "logits"))
+    train = (terms["weights"] + terms["adam"]
+             + sum(terms[k] for k in ("grads", "gathered", "activations", "logits")))
     host = terms["reference"] + terms["parked"] + (terms["adam"] if offload_optimizer else 0)
     if on_cpu:  # one memory: the engine and the host terms sit beside the training peak
         return dict(terms, peak=train + host + engine)
-    return dict(terms, train=train, generate=resident + engine, peak=max(train, resident + engine), host=host)
+    return dict(terms, train=train, generate=resident + engine, peak=max(train, resident + engine),
+                host=host)
 
 
 def table(names, worlds, gpu_gb=80, utilization=0.3):
     """The GSM8K recipe's settings: bf16, 8192 tokens a packed microbatch (about as many scored),
     activation checkpointing, vLLM taking utilization x the GPU while it generates."""
-    rows = ["| model | GPUs | weights + AdamW | training peak | generating | peak / 80 GB | with offload_optimizer |",
+    rows = ["| model | GPUs | weights + AdamW | training peak | generating | peak / 80 GB "
+            "| with offload_optimizer |",
             "|---|---|---|---|---|---|---|"]
     for name in names:
         for world in worlds:
             kw = dict(world=world, engine=utilization * gpu_gb * GB)
             m, off = predict(QWEN25[name], **kw), predict(QWEN25[name], offload_optimizer=True, **kw)
-            rows.append(f"| Qwen2.5-{name} | {world} | {(m['weights'] + m['adam']) / GB:.1f} GB | {m['train'] / GB:.1f} GB "
-                        f"| {m['generate'] / GB:.1f} GB | {m['peak'] / (gpu_gb * GB):.0%} | "
+            rows.append(f"| Qwen2.5-{name} | {world} | {(m['weights'] + m['adam']) / GB:.1f} GB "
+                        f"| {m['train'] / GB:.1f} GB | {m['generate'] / GB:.1f} GB "
+                        f"| {m['peak'] / (gpu_gb * GB):.0%} | "
                         f"generating {off['generate'] / GB:.1f} GB, host +{off['host'] / GB:.1f} GB |")
     return rows
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="one row (a fast test runs this)")
     args = parser.parse_args()
     names, worlds = (["0.5B"], [8]) if args.smoke else (list(QWEN25), [1, 8, 16])

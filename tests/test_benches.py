@@ -1,6 +1,7 @@
 """Every bench runs at its --smoke size (seconds, tiny models, CPU) and ends with its RESULT line,
-so that none can rot unnoticed; the figures themselves come from the full-size runs (docs/testing.md).
-Every bench/*.py is found by glob: a new bench needs a --smoke flag to pass here."""
+so that none can rot unnoticed; the figures themselves come from the full-size runs
+(docs/testing.md). Every bench/*.py is found by glob: a new bench needs a --smoke flag to pass
+here."""
 import glob
 import os
 import subprocess
@@ -21,8 +22,8 @@ def test_every_bench_is_found():
 def test_bench_smoke_prints_its_result_line(script):
     peer_venv = os.path.join(ROOT, "bench", ".venv-trl")
     had_peer_venv = os.path.exists(peer_venv)
-    proc = subprocess.run([sys.executable, os.path.join("bench", script), "--smoke"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env=cpu_env())
+    proc = subprocess.run([sys.executable, os.path.join("bench", script), "--smoke"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env=cpu_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("RESULT ") and len(last.split()) > 1, last

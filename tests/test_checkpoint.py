@@ -104,10 +104,12 @@ def test_resume_same_mesh_is_identical(straight, resumed):
 
 
 def test_resume_draws_the_prompts_the_straight_run_drew(straight, resumed):
-    """Prompts come as shuffled epochs over the task's 25 facts, each fact once an epoch: the warm-up
-    draws the first 30 x 8 = 240, PPO 4 a step from there (the stream crosses into epoch 10 at 250,
-    during step 2). The checkpoint saves the position, and the resumed runs go on from it."""
-    state = torch.load(os.path.join(resumed["out"], "ckpt", "step_2", "trainer_state_rank0.pt"), weights_only=False)
+    """Prompts come as shuffled epochs over the task's 25 facts, each fact once an epoch: the
+    warm-up draws the first 30 x 8 = 240, PPO 4 a step from there (the stream crosses into epoch
+    10 at 250, during step 2). The checkpoint saves the position, and the resumed runs go on from
+    it."""
+    state = torch.load(os.path.join(resumed["out"], "ckpt", "step_2", "trainer_state_rank0.pt"),
+                       weights_only=False)
     assert state["progress"] == {"step": 2, "prompts_drawn": 248}
     want = [prompt for prompt, _ in rollout.toy_prompts(1, 240, 16)]
     assert len(set(want[:10])) == 10 and want[:10] != want[10:]  # the rest of epoch 9, then a new order
@@ -153,9 +155,11 @@ def test_resume_under_ddp_matches_fsdp_and_its_checkpoint_loads_under_fsdp(strai
             assert close(a[k], b[k]), (a["step"], k, a[k], b[k])
     want, ddp = (load_file(os.path.join(d, "hf", "model.safetensors")) for d in (full_out, out))
     assert max((want[n] - ddp[n]).abs().max().item() for n in want) <= 1e-5
-    run_cli(2, *ARGS, f"--model={straight[1]}", "--steps=4", "--resume=auto", f"--out_dir={out}")  # fsdp, no step left
+    # data_parallel=fsdp (the default), no step left to run
+    run_cli(2, *ARGS, f"--model={straight[1]}", "--steps=4", "--resume=auto", f"--out_dir={out}")
     again = load_file(os.path.join(out, "hf", "model.safetensors"))
-    assert all(torch.equal(again[n], ddp[n]) for n in ddp), "DDP's checkpoint did not load exactly under FSDP2"
+    assert all(torch.equal(again[n], ddp[n]) for n in ddp), \
+        "DDP's checkpoint did not load exactly under FSDP2"
 
 
 def test_keep_checkpoints_and_complete_only(straight, tmp_path):
@@ -204,7 +208,8 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(straig
         assert train_ppo.load_checkpoint(os.path.join(out, "ckpt", "step_4"), parts)["step"] == 4
         with torch.no_grad():
             trainer, _ = model_parallel.forward_policy(policy, ids, lens, mesh, config.Config())  # (b, S)
-        sharded = os.path.join(out, "hf-sharded")  # the same weights in 1 MB files, as a large model's 5 GB ones
+        # the same weights in 1 MB files, as a large model's 5 GB ones
+        sharded = os.path.join(out, "hf-sharded")
         model_parallel.save_hf(policy, sharded, shard_gb=1 / 1024)
     finally:
         dist.destroy_process_group()
@@ -216,8 +221,8 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(straig
     plain = plain_logprobs(logits, ids)  # (b, S), 0 at position 0 as the trainer's
 
     def vllm_logprobs(path):
-        proc = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, path, json.dumps(seqs)], capture_output=True,
-                              text=True, timeout=300, env=cpu_env())
+        proc = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, path, json.dumps(seqs)],
+                              capture_output=True, text=True, timeout=300, env=cpu_env())
         line = [x for x in proc.stdout.splitlines() if x.startswith("LOGPROBS ")]
         assert proc.returncode == 0 and line, proc.stderr[-3000:]
         return json.loads(line[0][len("LOGPROBS "):])
@@ -228,7 +233,8 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(straig
             assert trainer[b, n - 1] != 0  # the checkpointed policy was actually run
             worst_hf = max(worst_hf, (trainer[b, 1:n] - plain[b, 1:n]).abs().max().item())
             worst_vllm = max(worst_vllm, (trainer[b, :n] - torch.tensor(vllm[b])).abs().max().item())
-    print(f"max |trainer - transformers| {worst_hf:.2e}, max |trainer - vLLM| {worst_vllm:.2e} (both exports)")
+    print(f"max |trainer - transformers| {worst_hf:.2e}, "
+          f"max |trainer - vLLM| {worst_vllm:.2e} (both exports)")
     assert worst_hf <= 1e-4 and worst_vllm <= 1e-4, (worst_hf, worst_vllm)
 
     # the model dir's tokenizer files came along and load

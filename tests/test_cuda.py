@@ -38,7 +38,8 @@ CASES = {("fp32", "fsdp", "masked", False): (1e-5, 1e-5, 1e-5),
 
 def _passes_on_gpu(rank, path, reference, case, port):
     """One process, cuda:0, NCCL: the trainer's forward_policy/forward_critic and a backward."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
     _, _, device = mp.init_distributed()
     assert device.type == "cuda"
     dtype, data_parallel, attention, packing = case
@@ -49,7 +50,8 @@ def _passes_on_gpu(rank, path, reference, case, port):
     cfg = config.Config(dtype=dtype, data_parallel=data_parallel, attention=attention, packing=packing,
                         seed=SEED, max_tokens_per_microbatch=48)
     policy, critic = mp.load_policy(path, mesh, cfg), mp.load_critic(path, mesh, cfg)
-    assert all(p.is_cuda and p.dtype == torch.float32 for p in policy.parameters()), "fp32 master weights on GPU"
+    assert all(p.is_cuda and p.dtype == torch.float32 for p in policy.parameters()), \
+        "fp32 master weights on GPU"
     ids, mask, weights = toy_batch(LENS, PROMPT_LEN)
     lp, _ = mp.forward_policy(policy, ids, LENS, mesh, cfg, TEMPERATURE, unscored=PROMPT_LEN)
     values = mp.forward_critic(critic, ids, LENS, mesh, cfg)
@@ -87,10 +89,12 @@ def test_gpu_varlen_kernels_match_the_reference_kernel(monkeypatch):
     for kernel in filter(None, kernels):
         for window in (-1, 3):
             want_in = [x.clone().requires_grad_() for x in (q, k, v)]
-            want = mp.varlen_attention_reference(*want_in, cu_q, cu_k, 10, 10, softmax_scale=0.2, window_size=(window, 0))
+            want = mp.varlen_attention_reference(*want_in, cu_q, cu_k, 10, 10, softmax_scale=0.2,
+                                                 window_size=(window, 0))
             want.backward(grad_out)
             got_in = [x.to("cuda", torch.bfloat16).requires_grad_() for x in (q, k, v)]
-            got = kernel(*got_in, cu_q.cuda(), cu_k.cuda(), 10, 10, softmax_scale=0.2, causal=True, window_size=(window, 0))
+            got = kernel(*got_in, cu_q.cuda(), cu_k.cuda(), 10, 10, softmax_scale=0.2, causal=True,
+                         window_size=(window, 0))
             got.backward(grad_out.to("cuda", torch.bfloat16))
             label = f"{kernel.__name__}, window {window}"
             assert (got.float().cpu() - want).abs().max() < 3e-2, f"{label}: output"
@@ -130,7 +134,8 @@ def test_ppo_cli_on_gpu_trains_resumes_and_exports(tmp_path):
 def _offload_on_gpu(rank, path, port):
     """One GPU: after an AdamW step, move_optimizer_state(opt, "cpu") frees the two moments' GPU
     bytes (8 a parameter) into pinned host memory; moved back they are the same numbers."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
     _, _, device = mp.init_distributed()
     mesh = mp.make_mesh(1, 1, 1, "cuda")
     policy = mp.load_policy(path, mesh, config.Config(dtype="bf16"))
@@ -139,14 +144,17 @@ def _offload_on_gpu(rank, path, port):
     mp.forward_policy(policy, ids, [5], mesh, config.Config(dtype="bf16"))[0].sum().backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    saved = {id(s): {k: mp._local(s[k]).clone() for k in ("exp_avg", "exp_avg_sq")} for s in optimizer.state.values()}
+    saved = {id(s): {k: mp._local(s[k]).clone() for k in ("exp_avg", "exp_avg_sq")}
+             for s in optimizer.state.values()}
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     mp.move_optimizer_state(optimizer, "cpu")
     torch.cuda.synchronize()
     moments = 8 * sum(mp._local(p).numel() for p in policy.parameters())
-    assert before - torch.cuda.memory_allocated() >= 0.99 * moments, (before, torch.cuda.memory_allocated(), moments)
-    assert all(mp._local(s[k]).is_pinned() for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    assert before - torch.cuda.memory_allocated() >= 0.99 * moments, \
+        (before, torch.cuda.memory_allocated(), moments)
+    assert all(mp._local(s[k]).is_pinned()
+               for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
     mp.move_optimizer_state(optimizer, device)
     for s in optimizer.state.values():
         for k in ("exp_avg", "exp_avg_sq"):

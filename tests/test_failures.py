@@ -176,8 +176,9 @@ def write_rollouts(path, steps, nan_steps, prompts_per_step=4, samples_per_promp
     tok = rollout.toy_tokenizer()
     for step in range(steps):
         samples = []
+        pairs = rollout.toy_prompts(1, step * prompts_per_step, prompts_per_step)
         for j in range(prompts_per_step * samples_per_prompt):
-            prompt, answer = rollout.toy_prompts(1, step * prompts_per_step, prompts_per_step)[j // samples_per_prompt]
+            prompt, answer = pairs[j // samples_per_prompt]
             response = tok.encode(answer if j % 3 else "9") + [256]  # some right, some wrong
             reward = float("nan") if step in nan_steps and j == 0 else float(j % 3 != 0)
             samples.append(dict(index=j, prompt=prompt, answer=answer, response=answer, reward=reward,
@@ -194,7 +195,8 @@ def test_nan_update_is_skipped_and_too_many_in_a_row_stop_the_run(tmp_path):
                        f"--replay_rollouts={tmp_path / 'rollouts'}", f"--out_dir={tmp_path / 'out'}")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=cpu_env())
     assert proc.returncode != 0
-    assert "stopping: 2 steps in a row skipped updates (NaN/inf loss or grad norm)" in proc.stdout, proc.stdout
+    stop = "stopping: 2 steps in a row skipped updates (NaN/inf loss or grad norm)"
+    assert stop in proc.stdout, proc.stdout
     rows = read_metrics(tmp_path / "out")
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]  # stopped after the 2nd bad step in a row
     # per step 2 epochs x 2 minibatches for each model: the policy skips all 4 (its advantages are
@@ -217,8 +219,8 @@ def start_run():
     def start(out_dir):
         cmd = torchrun_cmd(2, "--config", "configs/test_tiny.toml", "--rollout_engine=hf", "--sft_steps=0",
                            "--steps=50", f"--out_dir={out_dir}")
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env=cpu_env()))
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=cpu_env()))
         return procs[-1]
     yield start
     for proc in procs:
@@ -275,7 +277,8 @@ def test_a_collective_times_out_instead_of_hanging(monkeypatch):
         assert child.stdout.readline().strip() == "up"
         for key, value in dict(env, RANK="0").items():
             monkeypatch.setenv(key, value)
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # gloo, as the child (also on a GPU machine)
+        # gloo, as the child (also on a GPU machine)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
         model_parallel.init_distributed(timeout_s=3)
         t0 = time.time()
         with pytest.raises(RuntimeError, match="[Tt]imed out"):

@@ -65,7 +65,8 @@ def real_model(tmp_path_factory):
 def test_task_applies_chat_template_and_checks_inputs(real_model):
     root, path = real_model
     cfg = types.SimpleNamespace(task="gsm8k", prompts=str(root / "train.jsonl"), val_prompts="",
-                                max_new_tokens=8, max_model_len=256, seed=0, format_reward=0.0, instruction="")
+                                max_new_tokens=8, max_model_len=256, seed=0, format_reward=0.0,
+                                instruction="")
     task = rollout.make_task(cfg, path, model_vocab_size=448)
     tok = AutoTokenizer.from_pretrained(path)
     ids = task.encode(PROBLEMS[0][0])
@@ -101,8 +102,8 @@ def test_two_ppo_steps_with_vllm_and_validation(real_model, tmp_path):
     assert sample["prompt"].startswith("Tom has") and "####" in sample["answer"]
 
 
-# The real-model demo's task (scripts/smollm2.py and configs/smollm2_cpu.toml), on the tiny model: `make test`
-# never downloads or builds SmolLM2.
+# The real-model demo's task (scripts/smollm2.py and configs/smollm2_cpu.toml), on the tiny model:
+# `make test` never downloads or builds SmolLM2.
 def load_smollm2_script():
     import importlib.util
     spec = importlib.util.spec_from_file_location("smollm2", os.path.join(ROOT, "scripts", "smollm2.py"))
@@ -128,15 +129,18 @@ def test_sum_problems_are_seeded_right_and_disjoint():
 
 
 def test_sums_task_rewards_only_a_finished_right_answer(real_model, tmp_path):
-    """With the demo's config: a right answer cut off by max_new_tokens earns 0, a finished one 1, a wrong one 0."""
+    """With the demo's config: a right answer cut off by max_new_tokens earns 0, a finished one 1, a
+    wrong one 0."""
     root, path = real_model
     smollm2 = load_smollm2_script()
     train, val = smollm2.sum_problems(seed=0)
     smollm2.write_jsonl(str(tmp_path / "train.jsonl"), train)
     smollm2.write_jsonl(str(tmp_path / "val.jsonl"), val)
-    cfg = dataclasses.replace(config.parse_args(["--config", os.path.join(ROOT, "configs", "smollm2_cpu.toml")]),
-                              prompts=str(tmp_path / "train.jsonl"), val_prompts=str(tmp_path / "val.jsonl"))
-    task = rollout.make_task(cfg, path, model_vocab_size=448)  # every prompt fits max_model_len (checked there)
+    demo = config.parse_args(["--config", os.path.join(ROOT, "configs", "smollm2_cpu.toml")])
+    cfg = dataclasses.replace(demo, prompts=str(tmp_path / "train.jsonl"),
+                              val_prompts=str(tmp_path / "val.jsonl"))
+    # every prompt fits max_model_len (checked there)
+    task = rollout.make_task(cfg, path, model_vocab_size=448)
     assert AutoTokenizer.from_pretrained(path).decode(task.encode("What is 3 + 4?")).endswith(
         "What is 3 + 4? Answer with only the number.<|im_end|>\n<|im_start|>assistant\n")
     stop_ids = rollout.stop_token_ids(path, task.eos_id)

@@ -30,25 +30,29 @@ import train_ppo
 from _dist import run_ranks
 from conftest import close, read_metrics
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-               "broadcast", "reduce", "gather", "scatter", "all_to_all_single")
-MESHES = {1: [(1, 1, 1)], 2: [(2, 1, 1), (1, 1, 2), (1, 2, 1)], 4: [(2, 1, 2), (1, 2, 2)]}  # world -> (dp, cp, tp)
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "broadcast", "reduce", "gather", "scatter", "all_to_all_single")
+# world size -> its meshes, each (dp, cp, tp)
+MESHES = {1: [(1, 1, 1)], 2: [(2, 1, 1), (1, 1, 2), (1, 2, 1)], 4: [(2, 1, 2), (1, 2, 2)]}
 EOS, SECOND_EOS = 256, 258  # the toy EOS, and an id the toy tokenizer does not decode (a special token)
 
 
 class ImplicitDevice(TorchFunctionMode):
-    """Marks every tensor a factory function made without device= (it landed on the default device)."""
+    """Marks every tensor a factory function made without device= (it landed on the default
+    device)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if (func in _device_constructors() and (kwargs or {}).get("device") is None and isinstance(out, torch.Tensor)
-                and not any(out is a for a in args)):  # as_tensor(t) returns t itself
+        # and not one of the arguments: as_tensor(t) returns t itself
+        if (func in _device_constructors() and (kwargs or {}).get("device") is None
+                and isinstance(out, torch.Tensor) and not any(out is a for a in args)):
             out.made_without_device = True
         return out
 
 
 def checked_collectives(device, seen):
-    """Wrap torch.distributed's collectives: each call fails on a tensor not on `device`, or made without device=."""
+    """Wrap torch.distributed's collectives: each call fails on a tensor not on `device`, or made
+    without device=."""
     originals = {name: getattr(dist, name) for name in COLLECTIVES}
 
     def wrap(name, original):
@@ -56,7 +60,8 @@ def checked_collectives(device, seen):
             tensors = [t for a in list(args) + list(kwargs.values())
                        for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
             for t in tensors:
-                assert t.device == device, f"{name} got a tensor on {t.device}, the trainer's device is {device}"
+                assert t.device == device, \
+                    f"{name} got a tensor on {t.device}, the trainer's device is {device}"
                 assert not getattr(t, "made_without_device", False), \
                     f"{name} got a tensor made without device= (on a GPU: a CPU tensor)"
             seen[name] = seen.get(name, 0) + 1
@@ -77,14 +82,16 @@ def _meshes_body(rank, world_size, model, root):
             with pytest.raises(AssertionError, match="without device="):
                 dist.all_reduce(torch.zeros(1))
             for dp, cp, tp in MESHES[world_size]:
-                cfg = config.Config(out_dir=os.path.join(root, f"dp{dp}cp{cp}tp{tp}"), model=model, tp_size=tp,
-                                    cp_size=cp, packing=cp > 1, steps=2, prompts_per_step=4, samples_per_prompt=2,
-                                    max_new_tokens=4, micro_batch_size=2, sft_steps=20, sft_batch_size=8, lr=1e-4,
-                                    critic_lr=1e-4, ppo_epochs=2, save_every=2, rollout_engine="hf", plot_every=0,
-                                    eval_every=2)
+                cfg = config.Config(out_dir=os.path.join(root, f"dp{dp}cp{cp}tp{tp}"), model=model,
+                                    tp_size=tp, cp_size=cp, packing=cp > 1,
+                                    steps=2, prompts_per_step=4, samples_per_prompt=2, max_new_tokens=4,
+                                    micro_batch_size=2, ppo_epochs=2, lr=1e-4, critic_lr=1e-4,
+                                    sft_steps=20, sft_batch_size=8,
+                                    save_every=2, eval_every=2, plot_every=0, rollout_engine="hf")
                 config.validate(cfg, world_size)
                 task = rollout.ToyTask(cfg.seed)
-                task.val = rollout.TOY_FACTS[:6]  # greedy validation at step 0: its count is summed over ranks
+                # greedy validation at step 0: its count is summed over ranks
+                task.val = rollout.TOY_FACTS[:6]
                 train_ppo.main(cfg, task)
     finally:
         for name, original in originals.items():
@@ -122,8 +129,8 @@ def test_every_mesh_hands_collectives_device_tensors_and_splits_generation(tmp_p
 # ---- stop tokens
 
 def two_eos_checkpoint(root):
-    """tiny-llama whose generation_config.json ends a response at EOS or at SECOND_EOS (Qwen2.5-Instruct
-    has two such ids, Llama 3 three)."""
+    """tiny-llama whose generation_config.json ends a response at EOS or at SECOND_EOS
+    (Qwen2.5-Instruct has two such ids, Llama 3 three)."""
     path = mp.materialize_tiny_model("tiny-llama", str(root), seed=1)
     with open(os.path.join(path, "generation_config.json")) as f:
         generation_config = json.load(f)
@@ -139,7 +146,8 @@ def test_the_hf_engine_stops_at_every_stop_token(tmp_path):
     assert rollout.stop_token_ids(path, EOS) == [EOS, SECOND_EOS] and rollout.stop_token_ids(path, None) == []
     prompt = [[ord(c) for c in "3+4="]]
     free, _ = rollout.HFEngine(path, torch.device("cpu"), [EOS]).generate(prompt, [0], 8, 0.0)[0]
-    k = next((i for i in range(1, len(free)) if free[i] not in free[:i] + [EOS]), 0)  # a token seen there first
+    # a token seen there first
+    k = next((i for i in range(1, len(free)) if free[i] not in free[:i] + [EOS]), 0)
     assert free[k] != EOS, free
     stopped, _ = rollout.HFEngine(path, torch.device("cpu"), [EOS, free[k]]).generate(prompt, [0], 8, 0.0)[0]
     assert stopped == free[:k + 1] and rollout.finished(stopped, [EOS, free[k]])
@@ -176,6 +184,7 @@ def test_a_response_ending_in_the_second_eos_is_finished_rewarded_and_the_set_is
     model = two_eos_checkpoint(tmp_path / "model")
     out = str(tmp_path / "out")
     run_ranks(_stop_set_body, 1, model, out)
-    for saved in ("sft", "hf"):  # so the stop set does not depend on sft_steps, and vLLM serving the export agrees
+    # both: so the stop set does not depend on sft_steps, and vLLM serving the export agrees
+    for saved in ("sft", "hf"):
         with open(os.path.join(out, saved, "generation_config.json")) as f:
             assert json.load(f)["eos_token_id"] == [EOS, SECOND_EOS], saved
