@@ -1,15 +1,20 @@
 """PPO for a Hugging Face causal LM on a PyTorch device mesh. Launch:
 
-    torchrun --nproc_per_node=2 train_ppo.py --config configs/demo_cpu.toml  # CPU demo, 2 processes (`make demo`)
-    torchrun --nproc_per_node=8 train_ppo.py --config FILE --tp_size=2  # 1 node, 8 GPUs: 4 dp replicas x tp 2
+    # CPU demo, 2 processes (what `make demo` runs):
+    torchrun --nproc_per_node=2 train_ppo.py --config configs/demo_cpu.toml
+    # one node of 8 GPUs: 4 data-parallel replicas, tensor parallel 2 inside each:
+    torchrun --nproc_per_node=8 train_ppo.py --config FILE --tp_size=2
     # 2 nodes (run on each, same --rdzv_endpoint):
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train_ppo.py --config FILE
-    python train_ppo.py --help  # every option with its default and doc
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 \
+        train_ppo.py --config FILE
+    # every option with its default and doc:
+    python train_ppo.py --help
 
-The algorithm is PPO with a learned critic and GAE, as used for RLHF by InstructGPT (Ouyang et al., 2022) and
-documented in "The N+ implementation details of RLHF with PPO" (Huang et al., 2024). One step, in main()'s order:
-  1. draw the next prompts (shuffled epochs, the same on every rank); each data-parallel (dp) rank keeps its slice,
-     which the slice's tp x cp ranks generate in equal shares
+The algorithm is PPO with a learned critic and GAE, as used for RLHF by InstructGPT
+(Ouyang et al., 2022) and documented in "The N+ implementation details of RLHF with PPO"
+(Huang et al., 2024). One step, in the order of main() below:
+  1. draw the next prompts (shuffled epochs, the same on every rank); each data-parallel (dp)
+     rank keeps its slice, which the slice's cp x tp ranks generate in equal shares
   2. rollout: the engine samples responses and returns its own logprob of each token
   3. reward: a rule-based score per sequence, placed on its last response token
   4. forward passes without grad: old policy logprobs (or the engine's), reference logprobs, values
@@ -21,10 +26,11 @@ documented in "The N+ implementation details of RLHF with PPO" (Huang et al., 20
  10. metrics, rollout dump, plot; a checkpoint every save_every steps (resume=auto continues)
 advantage_estimator="grpo" swaps steps 4-6 for group-normalized scores and drops the critic.
 
-How one row lines up. Every (b, S) tensor in this file follows one convention: position i holds everything about the
-action "emit token x_i given x_<i". A model's logits at position i predict x_{i+1}, so the logprob of x_i comes from
-the logits at i-1, and the value of the state before x_i from the critic's head on the hidden state at i-1 (the right
-shift that NeMo-RL, verl, OpenRLHF and TRL all use). Prompt "2+3=", response "5<eos>":
+How one row lines up. Every (b, S) tensor in this file follows one convention: position i holds
+everything about the action "emit token x_i given x_<i". A model's logits at position i predict
+x_{i+1}, so the logprob of x_i comes from the logits at i-1, and the value of the state before
+x_i from the critic's head on the hidden state at i-1 (the right shift that NeMo-RL, verl,
+OpenRLHF and TRL all use). Prompt "2+3=", response "5<eos>":
 
     position i            0     1     2     3     4            5
     token x_i             2     +     3     =     5            <eos>
@@ -33,11 +39,12 @@ shift that NeMo-RL, verl, OpenRLHF and TRL all use). Prompt "2+3=", response "5<
     values[i]             0     .     .     .     head(h[3])   head(h[4])   (V of the state x_<i)
     rewards[i]            0     0     0     0     -kl_coef*kl  score - kl_coef*kl
 
-('.' = computed, or 0 where the LM head skips the prompt: never in a loss.) Position 0 has no prediction and holds 0,
-as does every packed sequence start; losses and statistics see the mask.
+('.' = computed, or 0 where the LM head skips the prompt: never in a loss.) Position 0 has no
+prediction and holds 0, as does every packed sequence start; losses and statistics see the mask.
 
 Deviations from the paper's PPO, on purpose:
-  1. the minibatch split is fixed across epochs (no reshuffle), so that every mesh trains on the same minibatches;
+  1. the minibatch split is fixed across epochs (no reshuffle), so that it does not depend on
+     the mesh and every mesh trains on the same minibatches;
   2. the KL penalty uses a fixed kl_coef (no adaptive KL controller);
   3. there is no reward model: the toy task's reward is a rule (as in RLVR / GSM8K).
 Deliberately left out: pretraining-loss mixing (PPO-ptx), reward normalization.
@@ -58,9 +65,10 @@ from typing import Optional
 
 import config
 
-# Fail fast: a bad config is refused here, in a fraction of a second, before importing torch and transformers (10+ s).
+# Fail fast: a bad config is refused here, in a fraction of a second, before torch and
+# transformers are imported (10 s and more). torchrun sets WORLD_SIZE.
 if __name__ == "__main__":
-    CFG = config.load(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", "1")))  # torchrun sets WORLD_SIZE
+    CFG = config.load(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", "1")))
 
 import torch  # noqa: E402  (after the config check, on purpose)
 import torch.distributed as dist  # noqa: E402
@@ -73,8 +81,10 @@ import rollout  # noqa: E402
 
 
 # -----------------------------------------------------------------------------
-# PPO math: small pure functions for tests and readers, on (B, S) tensors aligned as above; `mask` is 1 on response
-# tokens. Losses: token sums / `num_tokens`, the global minibatch's response tokens, independent of dp and microbatches.
+# PPO math: small pure functions on (B, S) tensors in the alignment above, importable by tests and
+# readers. `mask` is 1 on response tokens. Losses are sums over tokens divided by `num_tokens`, the
+# number of response tokens in the *global* minibatch, so neither dp nor the microbatch size
+# changes them.
 
 def masked_sum(x, mask):
     return (x * mask).sum()
@@ -86,13 +96,15 @@ def ratio_from_log(log_ratio):
 
 
 def kl_penalty(logprobs, ref_logprobs, kind="k1"):
-    """Per-token estimate of KL(pi || pi_ref) from the sampled token (Schulman, "Approximating KL divergence", 2020).
-    k1 = log(pi/pi_ref): unbiased, can be negative per token. k3 = (r - 1) - log r, r = pi_ref/pi: unbiased, >= 0,
-    lower variance; clamped to <= 10 as verl's low_var_kl: one collapsed token (log r = 88) would give e^88 = inf."""
+    """Per-token estimate of KL(pi || pi_ref) from the sampled token (Schulman, "Approximating KL
+    divergence", 2020). k1 = log(pi/pi_ref): unbiased, can be negative per token.
+    k3 = (r - 1) - log r with r = pi_ref/pi: unbiased, always >= 0, lower variance; clamped to
+    <= 10 as verl's low_var_kl, since one collapsed token (log r = 88) would give e^88 = inf."""
     log_ratio = logprobs - ref_logprobs  # (B, S)
     if kind == "k1":
         return log_ratio
-    if kind == "k3":  # the input clamp keeps exp (and its gradient, 0 past the clamp) finite
+    if kind == "k3":
+        # the input clamp keeps exp (and its gradient, 0 past the clamp) finite
         log_ratio = log_ratio.clamp(-20.0, 20.0)  # (B, S)
         return (torch.expm1(-log_ratio) + log_ratio).clamp(max=10.0)  # (B, S) = (r - 1) - log r
     raise ValueError(f"unknown KL estimator {kind!r}")
@@ -101,11 +113,13 @@ def kl_penalty(logprobs, ref_logprobs, kind="k1"):
 def compute_gae(rewards, values, mask, gamma, lam):
     """Generalized advantage estimation (Schulman et al., 2016, eq. 16), right to left:
         delta_t = r_t + gamma * V_next - V_t,   A_t = delta_t + gamma * lam * A_next
-    where "next" is the next *response* token of the row: positions outside the mask (the prompt, padding, or a gap
-    such as a tool's output) are skipped, and after the last response token the episode ends (V_next = 0, A_next = 0).
-    Returns (advantages, returns) with returns = A + V, both 0 outside the mask."""
+    where "next" is the next *response* token of the row: positions outside the mask (the
+    prompt, padding, or a gap such as a tool's output) are skipped, and after the last
+    response token the episode ends (V_next = 0, A_next = 0). Returns (advantages, returns)
+    with returns = A + V, both 0 outside the mask."""
     B, S = rewards.shape
-    next_value = next_adv = torch.zeros(B, dtype=values.dtype, device=values.device)  # (B,) each
+    next_value = torch.zeros(B, dtype=values.dtype, device=values.device)  # (B,)
+    next_adv = torch.zeros_like(next_value)  # (B,)
     advantages = torch.zeros_like(values)  # (B, S)
     for t in reversed(range(S)):
         is_response = mask[:, t].bool()  # (B,)
@@ -119,17 +133,21 @@ def compute_gae(rewards, values, mask, gamma, lam):
 
 
 def grpo_advantages(scores, group_size, eps=1e-4):
-    """GRPO's outcome-supervised advantage (Shao et al., 2024, DeepSeekMath, sec. 4.1.2): each response's score minus
-    the mean of its prompt's group of `group_size` responses, divided by the group's (unbiased) std; equal scores get
-    0. scores: (N,) for the *global* batch, prompt-major (response j belongs to prompt j // group_size)."""
+    """GRPO's outcome-supervised advantage (Shao et al., 2024, DeepSeekMath, sec. 4.1.2): each
+    response's score minus the mean of its prompt's group of `group_size` responses, divided
+    by the group's (unbiased) std; groups with equal scores get 0. scores: (N,) for the
+    *global* batch, prompt-major (response j belongs to prompt j // group_size)."""
     groups = scores.view(-1, group_size)  # (N/K, K)
-    normalized = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + eps)  # (N/K, K)
+    mean = groups.mean(1, keepdim=True)  # (N/K, 1)
+    std = groups.std(1, keepdim=True)  # (N/K, 1)
+    normalized = (groups - mean) / (std + eps)  # (N/K, K)
     return normalized.view(-1)  # (N,)
 
 
 def masked_whiten(x, mask, group=None, eps=1e-8):
-    """Collective over `group` (dp). (x - mean) / std over the masked tokens of the *global* batch (sum,
-    sum of squares and count all-reduced over the group), never per rank. Unbiased, as TRL's masked_whiten."""
+    """Collective over `group` (dp). (x - mean) / std over the masked tokens of the *global*
+    batch (sum, sum of squares and count all-reduced over the group), never per rank.
+    Unbiased, as TRL's masked_whiten."""
     stats = torch.stack([masked_sum(x, mask), masked_sum(x * x, mask), mask.sum()]).double()
     if group is not None:
         dist.all_reduce(stats, group=group)
@@ -143,9 +161,11 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio, num_tokens
                 clip_ratio_c=0.0):
     """Clipped surrogate (Schulman et al., 2017, eq. 7), as a loss to minimize:
         ratio = pi / pi_old,  loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1-eps, 1+eps))
-    Dual clip (Ye et al., 2020, "Mastering complex control in MOBA games"; verl's clip_ratio_c) if clip_ratio_c = c > 1:
-    where A_t < 0 the loss is also capped at -A_t * c: no token whose ratio exploded can dominate. `tis_weight` (B, S),
-    optional: truncated importance weights (engine/trainer mismatch). Returns (loss, tokens clipped either way)."""
+    Dual clip (Ye et al., 2020, "Mastering complex control in MOBA games"; verl's clip_ratio_c),
+    if clip_ratio_c = c > 1: where A_t < 0 the loss is also capped at -A_t * c, so a token whose
+    ratio has exploded cannot dominate the update. `tis_weight` (B, S), optional: truncated
+    importance weights for the engine/trainer mismatch. Returns (loss, the number of tokens
+    clipped either way)."""
     num_tokens = mask.sum() if num_tokens is None else num_tokens
     ratio = ratio_from_log(logprobs - old_logprobs)  # (B, S)
     unclipped = -advantages * ratio  # (B, S)
@@ -158,12 +178,15 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio, num_tokens
         is_clipped |= dual
     if tis_weight is not None:
         per_token = per_token * tis_weight
-    return masked_sum(per_token, mask) / num_tokens, masked_sum(is_clipped.float(), mask).detach()
+    loss = masked_sum(per_token, mask) / num_tokens
+    n_clipped = masked_sum(is_clipped.float(), mask).detach()
+    return loss, n_clipped
 
 
 def value_loss(values, old_values, returns, mask, value_clip, num_tokens=None):
-    """Clipped value loss (PPO2 baselines; "N+ details" #9); value_clip = 0 turns it off (plain 0.5 * (V - R)^2):
-        v_clip = V_old + clip(V - V_old, -c, c),  loss_t = 0.5 * max((V - R)^2, (v_clip - R)^2)"""
+    """Clipped value loss (PPO2 baselines; "N+ details" #9):
+        v_clip = V_old + clip(V - V_old, -c, c),  loss_t = 0.5 * max((V - R)^2, (v_clip - R)^2)
+    value_clip = 0 turns the clipping off (plain 0.5 * (V - R)^2)."""
     num_tokens = mask.sum() if num_tokens is None else num_tokens
     loss = (values - returns) ** 2  # (B, S)
     if value_clip > 0:
@@ -181,28 +204,35 @@ def print0(*args):
 
 
 def dp_sum(tensor, mesh):
-    """Collective over dp. In-place sum over the dp ranks (each holds a share of the global batch)."""
+    """Collective over dp. In-place sum over the dp ranks (each holds a share of the global
+    batch)."""
     dist.all_reduce(tensor, group=mesh["dp"].get_group())
     return tensor
 
 
 def local_indices(global_batch, num_minibatches, dp_size, dp_rank):
-    """Global sample indices of this dp rank, minibatch-major. Global minibatch m is the contiguous block [m*M, (m+1)*M)
-    of the step's samples on every mesh; rank r keeps its r-th slice of each block: membership does not depend on dp."""
+    """Global sample indices of this dp rank, minibatch-major. Global minibatch m is the
+    contiguous block [m*M, (m+1)*M) of the step's samples on every mesh, and rank r keeps
+    its r-th slice of each block: so minibatch membership does not depend on dp."""
     per_minibatch = global_batch // num_minibatches
     per_rank = per_minibatch // dp_size
-    return [m * per_minibatch + dp_rank * per_rank + i for m in range(num_minibatches) for i in range(per_rank)]
+    return [m * per_minibatch + dp_rank * per_rank + i
+            for m in range(num_minibatches) for i in range(per_rank)]
 
 
 def samples_of(cfg, mesh, rank=None):
-    """Global sample indices of a rank's dp slice (default: this rank's)."""
-    dp_rank = mesh["dp"].get_local_rank() if rank is None else int((mesh.mesh == rank).nonzero()[0, 0])
-    return local_indices(cfg.global_batch_size, cfg.num_minibatches, mesh["dp"].size(), dp_rank)
+    """Global sample indices of a rank's dp slice (default: this rank's). The mesh is row-major
+    over (dp, cp, tp), so the rank's dp index is rank // (cp*tp) (worked example: generated_by)."""
+    rank = dist.get_rank() if rank is None else rank
+    dp_index = rank // (mesh["cp"].size() * mesh["tp"].size())
+    return local_indices(cfg.global_batch_size, cfg.num_minibatches, mesh["dp"].size(), dp_index)
 
 
 @dataclass
 class Batch:
-    """This rank's sequences as right-padded (b, S) tensors, aligned as above; steps 4-6 fill in the Optional fields."""
+    """This rank's sequences as right-padded (b, S) tensors, in the alignment of the module
+    docstring. The no-grad passes and the advantage step (steps 4-6) fill in the fields after
+    `unscored`."""
     ids: torch.Tensor  # (b, S) prompt + response token ids, pad_id after the end
     mask: torch.Tensor  # (b, S) 1 on response tokens
     engine_lp: torch.Tensor  # (b, S) the engine's logprob of each response token
@@ -218,10 +248,12 @@ class Batch:
 
 
 def make_batch(prompts, responses, pad_id, engine_logprobs=None, device="cpu"):
-    """A Batch on `device`, where the whole step then stays, from token id lists (prompt i, response i, logprobs)."""
+    """A Batch on `device` from token id lists (prompt i, response i, its engine logprobs).
+    On a GPU the whole step then stays there: nothing goes back to the CPU in the update."""
     lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
     ids = torch.full((len(lens), max(lens)), pad_id, dtype=torch.long)  # (b, S)
-    mask, engine_lp = torch.zeros(ids.shape), torch.zeros(ids.shape)  # (b, S) each
+    mask = torch.zeros(ids.shape)  # (b, S)
+    engine_lp = torch.zeros(ids.shape)  # (b, S)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         ids[i, :lens[i]] = torch.tensor(p + r)
         mask[i, len(p):lens[i]] = 1
@@ -231,31 +263,63 @@ def make_batch(prompts, responses, pad_id, engine_logprobs=None, device="cpu"):
 
 
 def micro_rows(micro, rows):
-    """Rows of a microbatch (indices into `rows`), weight; [] is a dummy matching dp's collectives: a row, weight 0."""
-    return ([rows[i] for i in micro], 1.0) if micro else ([rows[0]], 0.0)
+    """Batch rows of a microbatch (`micro` indexes into `rows`) and its loss weight. An empty one
+    is a dummy that keeps the collectives matched across dp ranks (every rank runs as many
+    microbatches): a real row again, with weight 0, so it changes nothing."""
+    if not micro:
+        return [rows[0]], 0.0
+    return [rows[i] for i in micro], 1.0
 
 
 class StepStats:
-    """Named sums for a step's metrics: `add` this rank's share (dp-summed in totals), `add_global` a global number."""
+    """Named sums for one step's metrics, in buckets by how each becomes a global number:
+
+      shares   this rank's share of a global sum (tokens, KL, rewards, clipped tokens, ...)
+      losses   each loss term's share, summed over the step's optimizer steps
+      norms    each model's grad norm (already global), summed over its optimizer steps
+      steps    how many optimizer steps reported each loss term and norm (step_metrics divides)
+
+    shares and losses are summed over dp once, at the end (all_reduce). Nothing here names a
+    metric in advance: whatever loss terms the update reports are logged, by their names."""
 
     def __init__(self, device):
-        self.shares, self.globals, self.device = Counter(), Counter(), device  # Counter.update adds
+        self.device = device  # of the all-reduce's tensor: the trainer's (NCCL needs it on GPU)
+        # Counter: update() adds to what is there
+        self.shares = Counter()
+        self.losses = Counter()
+        self.norms = Counter()
+        self.steps = Counter()
+        self.skipped_updates = 0  # optimizer steps skipped for a NaN/inf loss or norm
 
     def add(self, **shares):
         self.shares.update({name: float(value) for name, value in shares.items()})
 
-    def add_global(self, **values):
-        self.globals.update({name: float(value) for name, value in values.items()})
+    def add_update(self, terms, norm_name, norm, skipped):
+        """One optimizer step of a model: its loss terms ({name: this rank's share}), its grad norm
+        (named `norm_name`), and whether it was skipped."""
+        self.losses.update(terms)
+        self.norms[norm_name] += float(norm)
+        self.steps.update([*terms, norm_name])  # one more optimizer step for each of these names
+        self.skipped_updates += int(skipped)
 
-    def totals(self, mesh):
-        """Every sum over the global batch: one all-reduce for all of them (collective over dp)."""
-        names = sorted(self.shares)  # on the trainer's device, as every collective's tensor (NCCL)
-        summed = dp_sum(torch.tensor([self.shares[n] for n in names], dtype=torch.float64, device=self.device), mesh)
-        return dict(zip(names, summed.tolist()), **self.globals)
+    def all_reduce(self, mesh):
+        """Collective over dp. Sum every rank's shares and loss terms into global sums, in place,
+        with one all-reduce for all of them; call it once, after the step's last add. Every rank
+        must have added the same names (the loss terms in the same order): they travel in one
+        tensor."""
+        names = sorted(self.shares)
+        # the loss terms keep the order the update reported them in: the console's and plot's order
+        terms = list(self.losses)
+        local = [self.shares[n] for n in names] + [self.losses[n] for n in terms]
+        summed = dp_sum(torch.tensor(local, dtype=torch.float64, device=self.device), mesh).tolist()
+        self.shares = Counter(dict(zip(names, summed)))
+        self.losses = Counter(dict(zip(terms, summed[len(names):])))
 
 
 def memory_used_gb():
-    """GPU: memory used by any allocator (mem_get_info, not vLLM's sleeping pool). CPU: peak RSS (ru_maxrss, KiB)."""
+    """GPU: memory in use by any allocator (mem_get_info: vLLM's sleeping pool, back with the
+    driver, would still count in max_memory_allocated). CPU: the peak resident set (ru_maxrss,
+    KiB on Linux)."""
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
         return (total - free) / 2**30
@@ -276,14 +340,33 @@ def timed(times, name):
 # -----------------------------------------------------------------------------
 # Set-up: distributed, inputs checked, models loaded (after an optional SFT warm-up).
 
+def start_run(cfg):
+    """Collective (every rank). Join the process group, resolve the "auto" options, build the
+    (dp, cp, tp) mesh; rank 0 makes out_dir and saves the resolved config there. Returns
+    (device, mesh)."""
+    rollout.quiet_third_party_output()
+    rank, world_size, device = model_parallel.init_distributed(cfg.collective_timeout_s)
+    kernel = model_parallel.resolve_auto(cfg, device.type)  # dtype, attention: what runs here
+    mesh = model_parallel.make_mesh(world_size, cfg.tp_size, cfg.cp_size, device.type)
+    if rank == 0:
+        os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
+        config.save(cfg, os.path.join(cfg.out_dir, "config.json"))
+    print0(f"mesh dp={mesh['dp'].size()} cp={cfg.cp_size} tp={cfg.tp_size} on {world_size} x {device.type}, "
+           f"{cfg.dtype}, {'packed' if cfg.packing else 'padded'} rows, attention: {kernel}, "
+           f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine")
+    return device, mesh
+
+
 def prepare_inputs(cfg, task):
-    """Model dir (tiny presets become real HF checkpoints), checkpoint to resume, task. Bad input: one line, exit 2."""
+    """Model dir (a tiny preset is written as a real HF checkpoint), the checkpoint to resume
+    from, and the task. Bad input is refused here, before any heavy work: one line, exit 2."""
     model_dir = cfg.model
     if model_dir in model_parallel.TINY_PRESETS:
         model_dir = model_parallel.materialize_tiny_model(cfg.model, cfg.out_dir, cfg.seed)
     try:
-        for path in filter(None, (model_dir, cfg.critic_model)):
-            model_parallel.check_hf_dir(path, cfg.tp_size)
+        for path in (model_dir, cfg.critic_model):
+            if path:  # no critic_model: the critic starts from the policy's checkpoint
+                model_parallel.check_hf_dir(path, cfg.tp_size)
         resume_dir = find_checkpoint(cfg.resume, cfg.out_dir)
         if task is None:
             task = rollout.make_task(cfg, model_dir, AutoConfig.from_pretrained(model_dir).vocab_size)
@@ -294,8 +377,9 @@ def prepare_inputs(cfg, task):
 
 
 def sft_warmup(model_dir, task, cfg, mesh):
-    """Collective (every rank). A short supervised warm-up on the task's reference answers (RLHF's usual first stage):
-    PPO should start from a policy that knows the format and is sometimes right. Returns out_dir/sft (kept, reused)."""
+    """Collective (every rank). Supervised warm-up on the task's reference answers, the usual
+    first stage of RLHF, kept short on purpose: PPO should start from a policy that knows the
+    format and is right sometimes. Saved as out_dir/sft (reused when present); returns that dir."""
     sft_dir = os.path.join(cfg.out_dir, "sft")
     if os.path.isfile(os.path.join(sft_dir, "config.json")):
         return sft_dir
@@ -303,35 +387,46 @@ def sft_warmup(model_dir, task, cfg, mesh):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft_lr, weight_decay=0.0, fused=True)
     per_rank = cfg.sft_batch_size // mesh["dp"].size()
     for it in range(cfg.sft_steps):
-        pairs = task.prompts(it * cfg.sft_batch_size, cfg.sft_batch_size)  # the start of the prompt stream
-        mine = pairs[mesh["dp"].get_local_rank() * per_rank:][:per_rank]
+        pairs = task.prompts(it * cfg.sft_batch_size, cfg.sft_batch_size)  # the start of the stream
+        first = mesh["dp"].get_local_rank() * per_rank
+        mine = pairs[first:first + per_rank]
         batch = make_batch([task.encode(p) for p, _ in mine], [task.target(a) for _, a in mine], task.pad_id,
                            device=mesh.device_type)
         num_tokens = dp_sum(batch.mask.sum(), mesh)  # global answer tokens
 
-        def nll(idx):  # mean negative log-likelihood of the answers
-            lp, _ = model_parallel.forward_policy(policy, batch.ids[idx], [batch.lens[i] for i in idx], mesh, cfg)
-            return -masked_sum(lp, batch.mask[idx]) / num_tokens, {}
+        def nll(idx):
+            """The mean negative log-likelihood of the answers, the one loss term; no counts."""
+            lens = [batch.lens[i] for i in idx]
+            lp, _ = model_parallel.forward_policy(policy, batch.ids[idx], lens, mesh, cfg)
+            return {"sft_loss": -masked_sum(lp, batch.mask[idx]) / num_tokens}, {}
+
         minibatch_update(policy, optimizer, nll, list(range(len(mine))), batch, cfg, mesh)
         if it % 10 == 0 or it == cfg.sft_steps - 1:
             print0(f"sft {it + 1}/{cfg.sft_steps}")
-    model_parallel.save_hf(policy, sft_dir, copy_from=model_dir)  # + tokenizer, generation_config (stop ids)
+    # + the tokenizer and generation_config (the stop ids) of model_dir
+    model_parallel.save_hf(policy, sft_dir, copy_from=model_dir)
     return sft_dir
 
 
 def build_models(model_dir, cfg, mesh):
-    """Collective (every rank). {name: (model, AdamW, LR schedule)} for the policy and (gae only) the critic, the
-    content of a checkpoint; and the reference policy: a copy of the policy's initial shards."""
+    """Collective (every rank). {name: (model, AdamW, LR schedule)} for the policy and (gae only)
+    the critic, which is what a checkpoint holds; and the reference policy: a copy of the
+    policy's initial shards."""
     policy = model_parallel.load_policy(model_dir, mesh, cfg)
     reference = model_parallel.snapshot_weights(policy, torch.bfloat16 if cfg.dtype == "bf16" else None)
     models = {"policy": (policy, cfg.lr)}
     if cfg.advantage_estimator == "gae":  # GRPO has no critic: none is loaded, trained or saved
-        models["critic"] = (model_parallel.load_critic(cfg.critic_model or model_dir, mesh, cfg), cfg.critic_lr)
+        critic = model_parallel.load_critic(cfg.critic_model or model_dir, mesh, cfg)
+        models["critic"] = (critic, cfg.critic_lr)
+
+    def warmup(step):  # the LR's factor: linear up to 1 over warmup_steps, then 1
+        return min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+
     parts = {}
     for name, (model, lr) in models.items():
-        # fused: one kernel for all parameters, 20x faster here on CPU than the default loop; float ops in another order
+        # fused: one kernel over every parameter (torch's default on CPU is a per-tensor loop,
+        # 20x slower here); the same math, in a different order of float operations
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=True)
-        warmup = lambda step: min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0  # noqa: E731
         parts[name] = (model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup))
     return parts, reference
 
@@ -340,40 +435,73 @@ def build_models(model_dir, cfg, mesh):
 # Steps 1-3: prompts, rollout, reward.
 
 def generated_by(cfg, mesh, rank):
-    """Global indices of the samples `rank` generates: its dp slice split (not repeated) in equal tp x cp shares."""
-    members = mesh.mesh[int((mesh.mesh == rank).nonzero()[0, 0])].flatten().tolist()  # its dp slice's ranks
-    slice_, mine, k = samples_of(cfg, mesh, rank), members.index(rank), len(members)
-    return slice_[mine * len(slice_) // k:(mine + 1) * len(slice_) // k]
+    """Global indices of the samples `rank` generates. A dp slice's samples are split (not
+    repeated) in equal shares over the slice's cp x tp ranks; all of them then train on the whole
+    slice, which the all-gather in rollouts hands them.
+
+    init_device_mesh lays the ranks out row-major over (dp, cp, tp): the mesh is
+    arange(world).view(dp, cp, tp), so dp slice d is the cp*tp consecutive ranks from d*cp*tp on.
+    A rank's dp index is rank // (cp*tp), its place among its slice's ranks rank % (cp*tp), and its
+    share is that place's part of the slice. Example: 8 ranks, (dp, cp, tp) = (2, 2, 2),
+    global_batch_size 16 in 2 minibatches: each dp slice holds 8 samples (local_indices: 4 of
+    each minibatch), 2 for each of its 4 ranks:
+
+        rank            0      1      2      3        4      5      6        7
+        dp index        0      0      0      0        1      1      1        1
+        place           0      1      2      3        0      1      2        3
+        dp slice        0-3 and 8-11                  4-7 and 12-15
+        generates       0, 1   2, 3   8, 9   10, 11   4, 5   6, 7   12, 13   14, 15
+    """
+    ranks_per_slice = mesh["cp"].size() * mesh["tp"].size()
+    place = rank % ranks_per_slice
+    slice_ = samples_of(cfg, mesh, rank)
+    # (a slice with fewer samples than ranks leaves some ranks an empty share)
+    start = place * len(slice_) // ranks_per_slice
+    end = (place + 1) * len(slice_) // ranks_per_slice
+    return slice_[start:end]
 
 
 def generate(engine, task, cfg, step, start, mesh):
-    """Collective over each vLLM group. Draw the step's prompts (from position `start` of the task's stream); sample and
-    score this rank's share of the responses. A vLLM tensor-parallel group (rollout_tp_size consecutive ranks) must get
-    identical requests: it generates all its members' shares; each keeps its own. Returns (samples, count generated)."""
-    rank, K, prompts = dist.get_rank(), cfg.samples_per_prompt, task.prompts(start, cfg.prompts_per_step)
-    group = range(rank - rank % cfg.rollout_tp_size, rank - rank % cfg.rollout_tp_size + cfg.rollout_tp_size)
-    wanted = sorted({j for member in group for j in generated_by(cfg, mesh, member)})
+    """Collective over each vLLM group. Draw the step's prompts (from position `start` of the
+    task's stream), sample this rank's share of the responses (generated_by) and score them.
+    The ranks of one vLLM tensor-parallel group (rollout_tp_size consecutive ranks) must pass
+    identical requests: the group generates the shares of all its members, and each keeps its
+    own. Returns (samples, number generated)."""
+    rank = dist.get_rank()
+    K = cfg.samples_per_prompt  # sample j is the (j % K)-th response to prompt j // K
+    prompts = task.prompts(start, cfg.prompts_per_step)
     prompt_ids = [task.encode(p) for p, _ in prompts]  # (chat template applied)
-    seeds = [rollout.sample_seed(cfg.seed, step, j // K, j % K) for j in wanted]
-    outs = engine.generate([prompt_ids[j // K] for j in wanted], seeds, cfg.max_new_tokens, cfg.temperature) \
-        if wanted else []  # (none wanted: the slice has fewer samples than tp x cp ranks)
-    by_index, samples = dict(zip(wanted, outs)), []
+    first = rank - rank % cfg.rollout_tp_size  # the first rank of this rank's vLLM group
+    group = range(first, first + cfg.rollout_tp_size)
+    wanted = sorted({j for member in group for j in generated_by(cfg, mesh, member)})
+    outs = []  # none wanted: the dp slice has fewer samples than cp x tp ranks
+    if wanted:
+        seeds = [rollout.sample_seed(cfg.seed, step, j // K, j % K) for j in wanted]
+        requests = [prompt_ids[j // K] for j in wanted]
+        outs = engine.generate(requests, seeds, cfg.max_new_tokens, cfg.temperature)
+    by_index = dict(zip(wanted, outs))
+    samples = []
     for j in generated_by(cfg, mesh, rank):
-        (response, lps), (prompt, answer) = by_index[j], prompts[j // K]
-        text, finished = task.decode(response), rollout.finished(response, engine.stop_ids)
-        samples.append(dict(index=j, prompt=prompt, response=text, answer=answer, prompt_ids=prompt_ids[j // K],
-                            response_ids=response, engine_logprobs=lps, finished=finished,
-                            reward=task.reward(text, answer, finished)))
+        response, lps = by_index[j]
+        prompt, answer = prompts[j // K]
+        text = task.decode(response)
+        finished = rollout.finished(response, engine.stop_ids)
+        samples.append(dict(index=j, prompt=prompt, response=text, answer=answer,
+                            prompt_ids=prompt_ids[j // K], response_ids=response, engine_logprobs=lps,
+                            finished=finished, reward=task.reward(text, answer, finished)))
     return samples, len(wanted)
 
 
 def rollouts(engine, task, cfg, step, start, mesh):
-    """Collective (every rank). This rank's dp slice of samples, all rewards by global index, and how many samples this
-    rank's engine generated. Each sample is drawn once, by the rank it is generated_by (vLLM is not bit-identical across
-    GPUs: tp x cp ranks must not mix copies); one all-gather hands each rank its slice, rank 0 all (for the dump)."""
+    """Collective (every rank). This rank's dp slice of samples, every sample's reward by global
+    index, and how many samples this rank's engine generated. Each sample exists once, drawn by
+    the rank it is generated_by (vLLM's sampling is not bit-identical across GPUs, so cp x tp
+    ranks must not mix copies); one all-gather hands every rank its slice, and rank 0 the whole
+    batch for the dump."""
     if cfg.replay_rollouts:
         dumped = rollout.load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
-        mine, generated = [dumped[j] for j in generated_by(cfg, mesh, dist.get_rank())], 0
+        mine = [dumped[j] for j in generated_by(cfg, mesh, dist.get_rank())]
+        generated = 0
     else:
         mine, generated = generate(engine, task, cfg, step, start, mesh)
         engine.sleep()  # GPU: vLLM frees its memory for training
@@ -381,22 +509,26 @@ def rollouts(engine, task, cfg, step, start, mesh):
     dist.all_gather_object(gathered, mine)  # collective: every rank's share on every rank
     every = {s["index"]: s for share in gathered for s in share}
     if dist.get_rank() == 0:
-        rollout.dump_rollouts(os.path.join(cfg.out_dir, "rollouts", f"step_{step}.jsonl"), list(every.values()))
+        dump = os.path.join(cfg.out_dir, "rollouts", f"step_{step}.jsonl")
+        rollout.dump_rollouts(dump, list(every.values()))
     samples = [every[j] for j in samples_of(cfg, mesh)]
-    return samples, [every[j]["reward"] for j in range(cfg.global_batch_size)], generated
+    all_rewards = [every[j]["reward"] for j in range(cfg.global_batch_size)]
+    return samples, all_rewards, generated
 
 
 # -----------------------------------------------------------------------------
 # Steps 4-6: no-grad forward passes, per-token rewards, advantages.
 
 def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
-    """Collective over the mesh. `forward(model, ids, lens, mesh, cfg, **kwargs)` (a tensor or a tuple of (rows, S)
-    tensors) over every microbatch, dummies included; full (b, S) tensors in row order (packing reorders rows)."""
+    """Collective over the mesh. `forward(model, ids, lens, mesh, cfg, **kwargs)` (a tensor or a
+    tuple of (rows, S) tensors) over every microbatch, dummies included (they keep the
+    collectives matched); full (b, S) tensors in row order (packing reorders rows)."""
     outs = None
     for micro in model_parallel.microbatches(batch.lens, cfg, mesh):
         idx, _ = micro_rows(micro, list(range(len(batch.lens))))
         result = forward(model, batch.ids[idx], [batch.lens[i] for i in idx], mesh, cfg, **kwargs)
-        result = result if isinstance(result, tuple) else (result,)
+        if not isinstance(result, tuple):
+            result = (result,)
         if outs is None:
             outs = [None if r is None else r.new_zeros(batch.ids.shape) for r in result]
         for out, r in zip(outs, result):
@@ -407,10 +539,13 @@ def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
 
 @torch.no_grad()
 def score(policy, reference, critic, batch, cfg, mesh):
-    """Collective over the mesh. Step 4: the old policy's logprobs and entropy (or the engine's logprobs), the
-    reference's logprobs (the initial weights swapped into the same module), and the critic's values."""
-    batch.old_lp, batch.entropy = batch.engine_lp, None  # old_logprobs=engine: one policy forward fewer
-    if cfg.old_logprobs == "trainer":  # pi_old as the trainer computes it, whatever the engine computed
+    """Collective over the mesh. Step 4: the old policy's logprobs and entropy (or the engine's
+    logprobs), the reference's logprobs (the initial weights swapped into the same module), and
+    the critic's values."""
+    # old_logprobs=engine: the engine's logprobs stand for pi_old, one policy forward fewer
+    batch.old_lp = batch.engine_lp
+    batch.entropy = None
+    if cfg.old_logprobs == "trainer":  # pi_old as the trainer computes it
         batch.old_lp, batch.entropy = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
                                                     temperature=cfg.temperature, with_entropy=cfg.log_entropy,
                                                     unscored=batch.unscored)
@@ -424,20 +559,26 @@ def score(policy, reference, critic, batch, cfg, mesh):
 
 @torch.no_grad()
 def compute_advantages(batch, scores, all_scores, cfg, mesh):
-    """Collective over dp (whitening). Steps 5-6. gae: reward -kl_coef * KL per response token, + the score on the last;
-    GAE; whitened over the global batch. grpo: the group-normalized score on every response token (KL: a loss term)."""
-    rows, last = torch.arange(len(batch.lens)), torch.tensor(batch.lens) - 1  # (b,), (b,)
+    """Collective over dp (the whitening). Steps 5-6. gae: per-token reward = -kl_coef * KL at
+    every response token, + the score on the last one; GAE; whitened over the global batch.
+    grpo: the group-normalized score on every response token (its KL is a loss term instead, in
+    policy_loss_terms)."""
     if cfg.advantage_estimator == "grpo":
-        group_adv = grpo_advantages(torch.tensor(all_scores), cfg.samples_per_prompt)[samples_of(cfg, mesh)]  # (b,)
-        batch.advantages = group_adv.to(batch.mask.device)[:, None] * batch.mask  # (b, S)
+        # from the whole batch's scores: a prompt's group may be split across dp ranks
+        every_adv = grpo_advantages(torch.tensor(all_scores), cfg.samples_per_prompt)  # (N,)
+        mine = every_adv[samples_of(cfg, mesh)]  # (b,)
+        batch.advantages = mine.to(batch.mask.device)[:, None] * batch.mask  # (b, S)
     else:
-        rewards = -cfg.kl_coef * kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator) * batch.mask  # (b, S)
-        rewards[rows, last] += scores
+        kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
+        rewards = -cfg.kl_coef * kl * batch.mask  # (b, S)
+        last = torch.tensor(batch.lens) - 1  # (b,) each row's last response token
+        rewards[torch.arange(len(batch.lens)), last] += scores
         batch.advantages, batch.returns = compute_gae(rewards, batch.values, batch.mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:
             batch.advantages = masked_whiten(batch.advantages, batch.mask, group=mesh["dp"].get_group())
-    # Truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings you off-policy RL
-    # training", 2025): the engine sampled from pi_engine, not the trainer's pi_old; weight min(pi_old/pi_engine, cap).
+    # Truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings
+    # you off-policy RL training", 2025): the engine sampled from pi_engine, not from the
+    # trainer's pi_old; weight each token by min(pi_old / pi_engine, cap).
     batch.tis = torch.clamp(ratio_from_log(batch.old_lp - batch.engine_lp), max=cfg.tis_cap) * batch.mask
 
 
@@ -445,18 +586,27 @@ def compute_advantages(batch, scores, all_scores, cfg, mesh):
 # Steps 7-8: the update, one optimizer step per minibatch and model.
 
 def minibatch_update(model, optimizer, loss_fn, rows, batch, cfg, mesh, stats=None, norm_name="grad_norm"):
-    """Collective over the mesh. Forward + backward of `loss_fn(batch rows) -> (loss, {name: number})` over the
-    microbatches of `rows`, clip the global grad norm and step, unless the norm or loss on some dp rank is NaN/inf: then
-    skip, weights and AdamW state untouched (as Megatron-LM). The numbers (weighted), norm and skip go to `stats`."""
-    loss_share, sums = 0.0, Counter()
+    """Collective over the mesh. One optimizer step of `model` on the batch rows `rows`.
+
+    `loss_fn(idx)` gives, for the rows idx of one microbatch, (terms, counts): the loss as named
+    terms {name: scalar tensor}, minimized as their sum, and numbers to count {name: number}.
+    Forward + backward over the microbatches of `rows` (the gradients add up), then clip the
+    global grad norm and step, unless the norm or the loss on some dp rank is NaN/inf: then skip,
+    weights and AdamW state untouched, as Megatron-LM does. `stats` gets the terms and counts
+    (weighted: a dummy microbatch's are 0), the norm (as `norm_name`) and the skip."""
+    loss_share = 0.0
+    term_sums = Counter()
+    count_sums = Counter()
     micros = model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh)
     for i, micro in enumerate(micros):
         model_parallel.sync_gradients(model, sync=i == len(micros) - 1)
         idx, weight = micro_rows(micro, rows)
-        loss, parts = loss_fn(idx)
+        terms, counts = loss_fn(idx)
+        loss = sum(terms.values())
         (weight * loss).backward()
         loss_share += weight * float(loss.detach())
-        sums.update({name: weight * float(value) for name, value in parts.items()})
+        term_sums.update({name: weight * float(term.detach()) for name, term in terms.items()})
+        count_sums.update({name: weight * float(count) for name, count in counts.items()})
     norm = model_parallel.clip_grad_norm(list(model.parameters()), cfg.max_grad_norm)
     finite = torch.tensor([float(math.isfinite(norm) and math.isfinite(loss_share))], device=batch.ids.device)
     dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=mesh["dp"].get_group())
@@ -464,58 +614,109 @@ def minibatch_update(model, optimizer, loss_fn, rows, batch, cfg, mesh, stats=No
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if stats is not None:
-        stats.add(**sums)
-        stats.add_global(**{norm_name: norm}, skipped_updates=not finite.item())
+        stats.add(**count_sums)
+        stats.add_update(term_sums, norm_name, norm, skipped=not finite.item())
 
 
 def update(parts, batch, cfg, mesh, stats, device):
-    """Collective over the mesh. Steps 7-8 on the fixed minibatches, then LR schedules; returns memory use (~peak)."""
-    for _, optimizer, _ in parts.values() if cfg.offload_optimizer else ():  # AdamW's state back from host memory
-        model_parallel.move_optimizer_state(optimizer, device)
+    """Collective over the mesh. Steps 7-8: ppo_epochs passes over the step's fixed minibatches,
+    one optimizer step per minibatch and model, then the LR schedules. Returns this rank's memory
+    use (about its peak)."""
+    if cfg.offload_optimizer:  # AdamW's state back from host memory
+        for _, optimizer, _ in parts.values():
+            model_parallel.move_optimizer_state(optimizer, device)
+    policy, policy_optimizer, _ = parts["policy"]
     per_minibatch = cfg.global_batch_size // cfg.num_minibatches // mesh["dp"].size()  # rows per rank
     for epoch in range(cfg.ppo_epochs):
         for first in range(0, cfg.num_minibatches * per_minibatch, per_minibatch):
             rows = list(range(first, first + per_minibatch))
             num_tokens = dp_sum(batch.mask[rows].sum(), mesh)  # global response tokens
-            update_policy(*parts["policy"][:2], batch, rows, num_tokens, cfg, mesh, stats)
+            update_policy(policy, policy_optimizer, batch, rows, num_tokens, cfg, mesh, stats)
             if "critic" in parts:
-                update_critic(*parts["critic"][:2], batch, rows, num_tokens, cfg, mesh, stats)
+                critic, critic_optimizer, _ = parts["critic"]
+                update_critic(critic, critic_optimizer, batch, rows, num_tokens, cfg, mesh, stats)
     for _, _, schedule in parts.values():
         schedule.step()
     used = memory_used_gb()
-    for _, optimizer, _ in parts.values() if cfg.offload_optimizer else ():  # and out: the engine gets the room
-        model_parallel.move_optimizer_state(optimizer, "cpu")
+    if cfg.offload_optimizer:  # and out again: the engine gets the room
+        for _, optimizer, _ in parts.values():
+            model_parallel.move_optimizer_state(optimizer, "cpu")
     return used
 
 
+def policy_loss_terms(lp, entropy, batch, idx, num_tokens, cfg):
+    """The policy's loss on the batch rows `idx`, as named terms: update_policy minimizes their
+    sum, and step_metrics logs each under its name (a mean over the step's optimizer steps).
+
+      policy_loss     the clipped surrogate (policy_loss), with truncated importance weights
+                      if tis_cap > 0
+      entropy_bonus   -entropy_coef * mean entropy, if entropy_coef > 0 (negative: a bonus, so
+                      minimizing the loss raises the entropy)
+      kl_loss         GRPO's kl_coef * KL(pi || pi_ref), if advantage_estimator = "grpo" and
+                      kl_coef > 0 (gae puts the KL in the reward instead)
+
+    `lp`, `entropy`: (rows, S) of the current policy on batch.ids[idx] (entropy: None unless
+    entropy_coef > 0). Each term is a sum over this rank's tokens / `num_tokens`, the global
+    minibatch's, so that dp sums them. Returns (terms, tokens the surrogate clipped: clip_frac).
+
+    A fork adds a term by wrapping this function; update_policy looks it up at each call, so the
+    term is trained and logged:
+
+        base = train_ppo.policy_loss_terms
+
+        def with_ratio_penalty(lp, entropy, batch, idx, num_tokens, cfg):
+            terms, clipped = base(lp, entropy, batch, idx, num_tokens, cfg)
+            drift = (lp - batch.old_lp[idx]) ** 2  # (rows, S)
+            terms["ratio_penalty"] = 0.1 * train_ppo.masked_sum(drift, batch.mask[idx]) / num_tokens
+            return terms, clipped
+
+        train_ppo.policy_loss_terms = with_ratio_penalty
+
+    Every rank must return the same names in the same order (their sums are all-reduced as one
+    tensor: StepStats.all_reduce)."""
+    mask = batch.mask[idx]  # (rows, S)
+    tis = batch.tis[idx] if cfg.tis_cap else None  # (rows, S)
+    surrogate, clipped = policy_loss(lp, batch.old_lp[idx], batch.advantages[idx], mask, cfg.clip_ratio,
+                                     num_tokens, tis, cfg.clip_ratio_c)
+    terms = {"policy_loss": surrogate}
+    if cfg.entropy_coef > 0:
+        terms["entropy_bonus"] = -cfg.entropy_coef * masked_sum(entropy, mask) / num_tokens
+    if cfg.advantage_estimator == "grpo" and cfg.kl_coef > 0:
+        # DeepSeekMath eq. 3-4: beta * KL(pi || pi_ref) in the loss, k3 on the current policy.
+        # Like the surrogate, it is a token mean over the global minibatch (DAPO, Yu et al. 2025;
+        # Dr. GRPO, Liu et al. 2025), not eq. 3's mean over responses of per-response means,
+        # which weights a short response's tokens more than a long one's.
+        kl = kl_penalty(lp, batch.ref_lp[idx], "k3")  # (rows, S)
+        terms["kl_loss"] = cfg.kl_coef * masked_sum(kl, mask) / num_tokens
+    return terms, clipped
+
+
 def update_policy(policy, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
-    """Collective over the mesh. One minibatch of the clipped surrogate (+ entropy bonus; + GRPO's KL loss)."""
+    """Collective over the mesh. One minibatch of the policy's loss, the sum of
+    policy_loss_terms."""
     def loss_fn(idx):
-        lp, entropy = model_parallel.forward_policy(policy, batch.ids[idx], [batch.lens[i] for i in idx], mesh, cfg,
-                                                    temperature=cfg.temperature, with_entropy=cfg.entropy_coef > 0,
+        lens = [batch.lens[i] for i in idx]
+        lp, entropy = model_parallel.forward_policy(policy, batch.ids[idx], lens, mesh, cfg,
+                                                    temperature=cfg.temperature,
+                                                    with_entropy=cfg.entropy_coef > 0,
                                                     unscored=batch.unscored)
-        mask = batch.mask[idx]
-        pg_loss, n_clipped = policy_loss(lp, batch.old_lp[idx], batch.advantages[idx], mask, cfg.clip_ratio,
-                                         num_tokens, batch.tis[idx] if cfg.tis_cap else None, cfg.clip_ratio_c)
-        loss, parts = pg_loss, dict(policy_loss=pg_loss.detach(), clipped_tokens=n_clipped)
-        if cfg.entropy_coef > 0:  # a bonus: maximize entropy
-            bonus = cfg.entropy_coef * masked_sum(entropy, mask) / num_tokens
-            loss, parts["entropy_bonus"] = loss - bonus, bonus.detach()
-        if cfg.advantage_estimator == "grpo":
-            # DeepSeekMath eq. 3-4: beta * KL(pi || pi_ref), k3, in the loss; a token mean over the global minibatch as
-            # DAPO (Yu et al. 2025), Dr. GRPO (Liu et al. 2025), not eq. 3's mean of per-response means (favours short)
-            kl = cfg.kl_coef * masked_sum(kl_penalty(lp, batch.ref_lp[idx], "k3"), mask) / num_tokens
-            loss, parts["kl_loss"] = loss + kl, kl.detach()
-        return loss, parts
+        # the module's name, looked up now: a fork's replacement of it is what trains
+        terms, clipped = policy_loss_terms(lp, entropy, batch, idx, num_tokens, cfg)
+        return terms, {"clipped_tokens": clipped}
+
     minibatch_update(policy, optimizer, loss_fn, rows, batch, cfg, mesh, stats)
 
 
 def update_critic(critic, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
-    """Collective over the mesh. One minibatch of the clipped value loss."""
+    """Collective over the mesh. One minibatch of the clipped value loss, one term:
+    "value_loss"."""
     def loss_fn(idx):
-        values = model_parallel.forward_critic(critic, batch.ids[idx], [batch.lens[i] for i in idx], mesh, cfg)
-        loss = value_loss(values, batch.values[idx], batch.returns[idx], batch.mask[idx], cfg.value_clip, num_tokens)
-        return loss, {"value_loss": loss.detach()}
+        lens = [batch.lens[i] for i in idx]
+        values = model_parallel.forward_critic(critic, batch.ids[idx], lens, mesh, cfg)
+        loss = value_loss(values, batch.values[idx], batch.returns[idx], batch.mask[idx], cfg.value_clip,
+                          num_tokens)
+        return {"value_loss": loss}, {}
+
     minibatch_update(critic, optimizer, loss_fn, rows, batch, cfg, mesh, stats, "critic_grad_norm")
 
 
@@ -524,69 +725,92 @@ def update_critic(critic, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
 
 def batch_stats(batch, scores, cfg, stats):
     """This rank's shares of the per-token and per-sequence sums that the metrics need."""
-    mask, kl = batch.mask, kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # kl: (b, S)
+    mask = batch.mask
+    kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
     mismatch = (batch.old_lp - batch.engine_lp).abs()  # (b, S)
     if batch.entropy is not None:  # none with old_logprobs=engine or log_entropy=false
         stats.add(entropy=masked_sum(batch.entropy, mask))
     stats.add(tokens=mask.sum(), kl=masked_sum(kl, mask), mismatch=masked_sum(mismatch, mask),
               mult_prob_error=masked_sum(torch.exp(mismatch), mask), sequences=len(batch.lens),
               all_tokens=sum(batch.lens), reward=scores.sum(), reward_sq=(scores ** 2).sum())
-    if batch.returns is not None:  # explained variance = 1 - Var(R - V) / Var(R), over response tokens
+    if batch.returns is not None:
+        # for the explained variance 1 - Var(R - V) / Var(R), over response tokens
         err = (batch.returns - batch.values) * mask  # (b, S)
-        stats.add(ret=batch.returns.sum(), ret_sq=(batch.returns ** 2).sum(), err=err.sum(), err_sq=(err ** 2).sum())
+        stats.add(ret=batch.returns.sum(), ret_sq=(batch.returns ** 2).sum(),
+                  err=err.sum(), err_sq=(err ** 2).sum())
 
 
-def step_metrics(sums, cfg):
-    """Named means from the global sums (see README, "What is logged")."""
-    n_tok, n_seq, n_updates = sums["tokens"], sums["sequences"], cfg.ppo_epochs * cfg.num_minibatches
+def step_metrics(stats, times, cfg):
+    """The step's named numbers (see README, "What is logged"), from `stats` once all-reduced and
+    the step's wall times. Every loss term and grad norm the update reported is logged under its
+    own name, as a mean over the optimizer steps that reported it."""
+    sums = stats.shares
+    n_tok = sums["tokens"]
+    n_seq = sums["sequences"]
     reward_mean = sums["reward"] / n_seq
-    m = dict(reward_mean=reward_mean, reward_std=math.sqrt(max(sums["reward_sq"] / n_seq - reward_mean ** 2, 0.0)),
-             kl=sums["kl"] / n_tok, response_len_mean=n_tok / n_seq,
-             logprob_mismatch=sums["mismatch"] / n_tok, token_mult_prob_error=sums["mult_prob_error"] / n_tok,
-             clip_frac=sums["clipped_tokens"] / (n_tok * cfg.ppo_epochs), skipped_updates=int(sums["skipped_updates"]))
+    reward_var = max(sums["reward_sq"] / n_seq - reward_mean ** 2, 0.0)
+    m = dict(reward_mean=reward_mean, reward_std=math.sqrt(reward_var), kl=sums["kl"] / n_tok,
+             response_len_mean=n_tok / n_seq, logprob_mismatch=sums["mismatch"] / n_tok,
+             token_mult_prob_error=sums["mult_prob_error"] / n_tok,
+             # each epoch's update sees all n_tok tokens again
+             clip_frac=sums["clipped_tokens"] / (n_tok * cfg.ppo_epochs),
+             skipped_updates=stats.skipped_updates)
     if "entropy" in sums:
         m["entropy"] = sums["entropy"] / n_tok
-    for name in ("policy_loss", "entropy_bonus", "kl_loss", "value_loss", "grad_norm", "critic_grad_norm"):
-        if name in sums:
-            m[name] = sums[name] / n_updates
+    for bucket in (stats.losses, stats.norms):
+        for name, total in bucket.items():
+            m[name] = total / stats.steps[name]
     if "ret" in sums:
         var_ret = sums["ret_sq"] / n_tok - (sums["ret"] / n_tok) ** 2
         var_err = sums["err_sq"] / n_tok - (sums["err"] / n_tok) ** 2
         m["value_explained_var"] = 1 - var_err / max(var_ret, 1e-12)
+    m.update(times)
+    m["tokens"] = int(sums["all_tokens"])  # prompt + response tokens of the global batch
+    m["tokens_per_s"] = sums["all_tokens"] / times["time_step_s"]
     return m
 
 
-def log_step(step, metrics, cfg, t_start, start_step, tensorboard):
-    """Append the row to metrics.jsonl (and TensorBoard's scalars), print one line, redraw the plot (rank 0)."""
+def log_step(step, metrics, loss_names, cfg, t_start, start_step, tensorboard):
+    """Rank 0: append the row to metrics.jsonl (and TensorBoard's scalars), print one line,
+    redraw the plot. `loss_names`: the loss terms the update reported, in its order; the console
+    line and the plot show those and no others."""
     if dist.get_rank() != 0:
         return
-    with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
+    path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    with open(path, "a") as f:
         f.write(json.dumps(metrics) + "\n")
-    for name, value in metrics.items() if tensorboard else ():  # metrics.jsonl stays the record
-        tensorboard.add_scalar(name, value, step)
-    if tensorboard:
+    if tensorboard:  # a copy: metrics.jsonl stays the record
+        for name, value in metrics.items():
+            tensorboard.add_scalar(name, value, step)
         tensorboard.flush()
     elapsed = time.time() - t_start
     eta = elapsed / (step + 1 - start_step) * (cfg.steps - step - 1)
-    loss = f"vf {metrics['value_loss']:.4f}" if "value_loss" in metrics else f"kl_loss {metrics['kl_loss']:.4f}"
-    print(f"step {step + 1}/{cfg.steps} | reward {metrics['reward_mean']:.3f} | kl {metrics['kl']:.4f} | "
-          f"pg {metrics['policy_loss']:+.4f} | {loss} | len {metrics['response_len_mean']:.1f} | "
-          f"{metrics['time_step_s']:.1f}s/step | elapsed {elapsed:.0f}s | eta {eta:.0f}s", flush=True)
+    fields = [f"step {step + 1}/{cfg.steps}", f"reward {metrics['reward_mean']:.3f}",
+              f"kl {metrics['kl']:.4f}"]
+    fields += [f"{name} {metrics[name]:+.4f}" for name in loss_names]
+    fields += [f"len {metrics['response_len_mean']:.1f}", f"{metrics['time_step_s']:.1f}s/step",
+               f"elapsed {elapsed:.0f}s", f"eta {eta:.0f}s"]
+    print(" | ".join(fields), flush=True)
     if cfg.plot_every and ((step + 1) % cfg.plot_every == 0 or step + 1 == cfg.steps):
-        plot_curves(os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "curves.png"))
+        plot_curves(path, os.path.join(cfg.out_dir, "curves.png"), loss_names)
 
 
-def plot_curves(metrics_path, png_path):
-    """reward, KL and the two losses against step, from metrics.jsonl (rank 0)."""
+def plot_curves(metrics_path, png_path, loss_names):
+    """Rank 0: reward, KL and each loss term in `loss_names` against step, a panel each, from
+    metrics.jsonl. A curve skips the rows without its key (a run resumed with another set)."""
     import matplotlib
     matplotlib.use("Agg")  # no display on a training node
     import matplotlib.pyplot as plt
     rows = [json.loads(line) for line in open(metrics_path)]
-    keys = ("reward_mean", "kl", "policy_loss", "value_loss" if "value_loss" in rows[0] else "kl_loss")
-    fig, axes = plt.subplots(2, 2, figsize=(9, 6))
+    keys = ["reward_mean", "kl", *loss_names]
+    n_rows = math.ceil(len(keys) / 2)
+    fig, axes = plt.subplots(n_rows, 2, figsize=(9, 3 * n_rows), squeeze=False)
     for ax, key in zip(axes.flat, keys):
-        ax.plot([r["step"] for r in rows], [r[key] for r in rows])
+        having = [r for r in rows if key in r]
+        ax.plot([r["step"] for r in having], [r[key] for r in having])
         ax.set(title=key, xlabel="step")
+    for ax in axes.flat[len(keys):]:  # an odd number of panels
+        ax.axis("off")
     fig.tight_layout()
     fig.savefig(png_path + ".tmp.png")
     plt.close(fig)
@@ -594,23 +818,36 @@ def plot_curves(metrics_path, png_path):
 
 
 def summary(cfg, seconds, stopped):
-    """The run's last line (rank 0): steps, time, first and last reward, first and last val_accuracy, files written."""
+    """The run's last line (rank 0): steps, time, reward at the start and at the end (means of
+    the first and the last 5 steps), validation accuracy first -> last (and the best), and where
+    the run wrote what."""
     rows = [json.loads(line) for line in open(os.path.join(cfg.out_dir, "metrics.jsonl"))]
-    first, last = (sum(r["reward_mean"] for r in part) / max(len(part), 1) for part in (rows[:5], rows[-5:]))
+    head, tail = rows[:5], rows[-5:]
+    first = sum(r["reward_mean"] for r in head) / max(len(head), 1)
+    last = sum(r["reward_mean"] for r in tail) / max(len(tail), 1)
     val = [r[k] for r in rows for k in ("val_accuracy", "final_val_accuracy") if k in r]
-    wrote = [f"metrics.jsonl{', curves.png' * bool(cfg.plot_every)}", "rollouts/"] + ["tensorboard/"] * cfg.tensorboard
-    wrote += [f"ckpt/step_{steps[-1]}"] if (steps := _complete_steps(os.path.join(cfg.out_dir, "ckpt"))) else []
-    wrote += ["hf/ (the policy, for transformers and vLLM)"] if cfg.export_hf and not stopped else []
+    wrote = ["metrics.jsonl"]
+    if cfg.plot_every:
+        wrote.append("curves.png")
+    wrote.append("rollouts/")
+    if cfg.tensorboard:
+        wrote.append("tensorboard/")
+    steps = _complete_steps(os.path.join(cfg.out_dir, "ckpt"))
+    if steps:
+        wrote.append(f"ckpt/step_{steps[-1]}")
+    if cfg.export_hf and not stopped:
+        wrote.append("hf/ (the policy, for transformers and vLLM)")
     val_text = f" | val_accuracy {val[0]:.3f} -> {val[-1]:.3f} (best {max(val):.3f})" if val else ""
-    return (f"done: {len(rows)} steps in {seconds / 60:.1f} min | reward {first:.3f} (first 5 steps) -> {last:.3f} "
-            f"(last 5){val_text} | in {cfg.out_dir}: {', '.join(wrote)}")
+    return (f"done: {len(rows)} steps in {seconds / 60:.1f} min | reward {first:.3f} (first 5 steps) "
+            f"-> {last:.3f} (last 5){val_text} | in {cfg.out_dir}: {', '.join(wrote)}")
 
 
 def tensorboard_writer(cfg):
     """TensorBoard's writer into out_dir/tensorboard on rank 0 with tensorboard=true, else None."""
     if not (cfg.tensorboard and dist.get_rank() == 0):
         return None
-    from torch.utils.tensorboard import SummaryWriter  # here: the package is optional (config checks it)
+    # imported here: the package is optional (config refuses tensorboard=true without it)
+    from torch.utils.tensorboard import SummaryWriter
     return SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
 
 
@@ -621,11 +858,13 @@ def install_stop_handler(device):
 
     def handler(signum, frame):
         got[0] = 1.0
-        signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signum, signal.SIG_DFL)  # the next one kills
+
     def stop_requested():
         flag = torch.tensor(got, device=device)  # ranks may get the signal at different steps
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
     return stop_requested
@@ -635,37 +874,49 @@ def start_metrics_log(cfg, start_step):
     """A fresh run starts a fresh metrics.jsonl; a resumed one keeps the rows before its step."""
     path = os.path.join(cfg.out_dir, "metrics.jsonl")
     if dist.get_rank() == 0 and os.path.exists(path):
-        kept = [line for line in open(path) if json.loads(line)["step"] < start_step]  # (read before "w" truncates)
+        # read before open(path, "w") empties the file
+        kept = [line for line in open(path) if json.loads(line)["step"] < start_step]
         open(path, "w").writelines(kept)
 
 
 # -----------------------------------------------------------------------------
-# Training checkpoints (torchtitan's recipe): DCP writes one file per rank with each shard's global offsets and reads
-# back what the loading mesh needs; get/set_state_dict name all by module FQN, so a dp=2 checkpoint loads at tp=2. Each
-# rank torch.saves its trainer state beside it (progress, schedulers, RNGs). `parts`: {name: (model, optimizer, LR)}.
+# Training checkpoints (torchtitan's recipe): torch.distributed.checkpoint (DCP) writes one file
+# per rank with each shard's global offsets, and reads back whatever pieces the loading mesh's
+# shards need. get_state_dict/set_state_dict name everything by the plain module FQN, so a
+# checkpoint saved at dp=2 loads at tp=2 (or dp=1, cp=2, ...). Beside it, every rank saves its
+# small trainer state (progress, LR schedulers, RNG states) with torch.save.
+# `parts` is {name: (model, optimizer, LR scheduler)}, the same names when saving and loading.
 
 def _is_complete(path):
-    """Complete: renamed from .tmp, with DCP's .metadata (written last, by rank 0) and rank 0's trainer state in it."""
+    """A checkpoint dir is complete once renamed from .tmp: DCP's .metadata (written last, by
+    rank 0) and rank 0's trainer state are both in it."""
     return (not path.rstrip("/").endswith(".tmp") and os.path.isfile(os.path.join(path, ".metadata"))
             and os.path.isfile(os.path.join(path, "trainer_state_rank0.pt")))
 
 
 def _complete_steps(root):
-    names = os.listdir(root) if os.path.isdir(root) else []
-    return sorted(int(m[1]) for m in map(re.compile(r"step_(\d+)").fullmatch, names)
-                  if m and _is_complete(os.path.join(root, m[0])))
+    """The N of every complete root/step_N, in increasing order."""
+    if not os.path.isdir(root):
+        return []
+    steps = []
+    for name in os.listdir(root):
+        match = re.fullmatch(r"step_(\d+)", name)
+        if match and _is_complete(os.path.join(root, name)):
+            steps.append(int(match[1]))
+    return sorted(steps)
 
 
 def find_checkpoint(resume, out_dir):
-    """The checkpoint dir to resume from, or None (fresh run). resume="auto": the newest complete out_dir/ckpt/step_N
-    (None if none yet: one command line starts and restarts a preemptible job); a path: that dir, if complete."""
+    """The checkpoint dir to resume from, or None for a fresh run. resume="auto": the newest
+    complete out_dir/ckpt/step_N (None if there is none yet: the same command line starts and
+    restarts a preemptible job); a path: that dir, refused unless complete."""
     if resume == "auto":
         steps = _complete_steps(os.path.join(out_dir, "ckpt"))
         return os.path.join(out_dir, "ckpt", f"step_{steps[-1]}") if steps else None
     if resume and not _is_complete(resume):
-        raise model_parallel.CheckpointError(f"resume={resume!r} is not a complete checkpoint (a step_N dir with "
-                                             ".metadata and trainer_state_rank0.pt): give out_dir/ckpt/step_N, "
-                                             "or resume=auto")
+        raise model_parallel.CheckpointError(f"resume={resume!r} is not a complete checkpoint (a step_N "
+                                             "dir with .metadata and trainer_state_rank0.pt): give "
+                                             "out_dir/ckpt/step_N, or resume=auto")
     return resume or None
 
 
@@ -679,9 +930,12 @@ def _sharded_state(parts):
 
 
 def save_checkpoint(root, parts, keep, progress):
-    """Collective (every rank). Save parts, counters `progress` ({"step": steps done, ...}), RNG states in root/step_N
-    via step_N.tmp, renamed once all ranks are done: step_N is always complete. Keeps the newest `keep` (0: all)."""
-    rank, path = dist.get_rank(), os.path.join(root, f"step_{progress['step']}")
+    """Collective (every rank). Save parts, the trainer's counters `progress` ({"step": steps
+    done, ...}) and every RNG state as root/step_N. Written to step_N.tmp and renamed once every
+    rank is done, so a dir named step_N is always complete (resume ignores .tmp dirs); then only
+    the newest `keep` remain (0 = all)."""
+    rank = dist.get_rank()
+    path = os.path.join(root, f"step_{progress['step']}")
     if rank == 0:
         shutil.rmtree(path + ".tmp", ignore_errors=True)  # left by a run killed while saving
         os.makedirs(path + ".tmp")
@@ -695,69 +949,95 @@ def save_checkpoint(root, parts, keep, progress):
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)
         os.replace(path + ".tmp", path)  # atomic on one file system
-        for old in _complete_steps(root)[:-keep] if keep else []:
-            shutil.rmtree(os.path.join(root, f"step_{old}"))
-        for name in [n for n in os.listdir(root) if n.endswith(".tmp")]:  # saves killed before their rename
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        if keep:
+            for old in _complete_steps(root)[:-keep]:
+                shutil.rmtree(os.path.join(root, f"step_{old}"))
+        for name in os.listdir(root):  # saves that were killed before their rename
+            if name.endswith(".tmp"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     dist.barrier()
     return path
 
 
 def load_checkpoint(path, parts):
-    """Collective (every rank). Load a save_checkpoint dir into parts (any mesh) and this rank's RNG states; return
-    the saved `progress` dict. A rank the saving run did not have takes rank 0's RNG states."""
+    """Collective (every rank). Load a save_checkpoint dir into parts (on any mesh) and this
+    rank's RNG states; return the saved `progress` dict. A rank the saving run did not have
+    takes rank 0's RNG states."""
     state = _sharded_state(parts)
     dcp.load(state, checkpoint_id=path)  # collective: each rank reads the pieces its shards cover
     for name, (model, optimizer, _) in parts.items():
-        set_state_dict(model, optimizer, model_state_dict=state[name], optim_state_dict=state[name + "_optimizer"])
-    own = os.path.join(path, f"trainer_state_rank{dist.get_rank()}.pt")
-    trainer_state = torch.load(own if os.path.isfile(own) else os.path.join(path, "trainer_state_rank0.pt"),
-                               weights_only=False)  # our own file: numpy RNG state is not a tensor
+        set_state_dict(model, optimizer, model_state_dict=state[name],
+                       optim_state_dict=state[name + "_optimizer"])
+    state_file = os.path.join(path, f"trainer_state_rank{dist.get_rank()}.pt")
+    if not os.path.isfile(state_file):  # a rank the saving run did not have
+        state_file = os.path.join(path, "trainer_state_rank0.pt")
+    # our own file, so weights_only=False: numpy's RNG state is not a tensor
+    trainer_state = torch.load(state_file, weights_only=False)
     rollout.set_rng_states(trainer_state["rng"])
     for name, (_, _, scheduler) in parts.items():
         scheduler.load_state_dict(trainer_state["schedulers"][name])
-    return trainer_state.get("progress", {"step": trainer_state.get("step")})  # (older checkpoints: the step)
+    # older checkpoints saved the step alone
+    return trainer_state.get("progress", {"step": trainer_state.get("step")})
 
 
 # -----------------------------------------------------------------------------
 
+def finish_run(cfg, policy, model_dir, engine, mesh, t_start, stopped):
+    """Collective (every rank). The end of a run: the HF export (not after a stop signal: the run
+    is not done), the summary line, then the engine, the process group and the mesh let go."""
+    dist.barrier()
+    if cfg.export_hf and not stopped:
+        dtype = torch.bfloat16 if cfg.export_dtype == "bf16" else torch.float32
+        # + the tokenizer files and generation_config of the dir we loaded
+        model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"), dtype, copy_from=model_dir)
+    if dist.get_rank() == 0:
+        print(summary(cfg, time.time() - t_start, stopped), flush=True)
+    if engine is not None:
+        engine.shutdown()  # vLLM destroys the process group itself, so this comes last
+    elif dist.is_initialized():
+        dist.destroy_process_group()
+    model_parallel.release_mesh(mesh)
+
+
 def main(cfg, task=None):
     """Train with PPO. `task`: any rollout.Task (default: the config's toy_add or gsm8k)."""
-    rollout.quiet_third_party_output()
-    rank, world_size, device = model_parallel.init_distributed(cfg.collective_timeout_s)
-    kernel = model_parallel.resolve_auto(cfg, device.type)  # dtype, attention: "auto" -> what runs here
-    mesh = model_parallel.make_mesh(world_size, cfg.tp_size, cfg.cp_size, device.type)
-    if rank == 0:
-        os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
-        config.save(cfg, os.path.join(cfg.out_dir, "config.json"))
-    print0(f"mesh dp={mesh['dp'].size()} cp={cfg.cp_size} tp={cfg.tp_size} on {world_size} x {device.type}, "
-           f"{cfg.dtype}, {'packed' if cfg.packing else 'padded'} rows, attention: {kernel}, "
-           f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine")
+    device, mesh = start_run(cfg)
     model_dir, resume_dir, task = prepare_inputs(cfg, task)
-    model_dir = sft_warmup(model_dir, task, cfg, mesh) if cfg.sft_steps else model_dir
+    if cfg.sft_steps:
+        model_dir = sft_warmup(model_dir, task, cfg, mesh)
     parts, reference = build_models(model_dir, cfg, mesh)
-    policy, critic = parts["policy"][0], parts.get("critic", (None,))[0]
-    progress = load_checkpoint(resume_dir, parts) if resume_dir else {"step": 0}  # SFT drew the first prompts; then PPO
-    progress.setdefault("prompts_drawn", cfg.sft_steps * cfg.sft_batch_size + progress["step"] * cfg.prompts_per_step)
+    policy = parts["policy"][0]
+    critic = parts["critic"][0] if "critic" in parts else None
+    progress = load_checkpoint(resume_dir, parts) if resume_dir else {"step": 0}
+    # the prompt stream: the SFT warm-up drew its first sft_steps * sft_batch_size prompts, PPO goes
+    # on from there (older checkpoints did not save the position)
+    sft_prompts = cfg.sft_steps * cfg.sft_batch_size
+    progress.setdefault("prompts_drawn", sft_prompts + progress["step"] * cfg.prompts_per_step)
     start_step = progress["step"]
     print0(f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir else "fresh start")
-    stop_ids = rollout.stop_token_ids(model_dir, task.eos_id)  # the engine's `finished` is the trainer's
+    stop_ids = rollout.stop_token_ids(model_dir, task.eos_id)  # the engine's `finished` is ours
     engine = None if cfg.replay_rollouts else rollout.make_engine(cfg, model_dir, device, stop_ids)
     if engine is not None and start_step:  # the engine loaded model_dir: give it the resumed policy
         rollout.refit(engine, model_parallel.iter_full_params(policy), cfg.refit_bucket_mb)
     start_metrics_log(cfg, start_step)
-    stop_requested, t_start, bad_steps, stopped = install_stop_handler(device), time.time(), 0, False
+    stop_requested = install_stop_handler(device)
+    t_start = time.time()
     tensorboard = tensorboard_writer(cfg)  # None unless tensorboard=true (rank 0)
     evaluate = engine is not None and bool(task.val) and cfg.eval_every > 0
+    bad_steps = 0  # steps in a row with a skipped update
+    stopped = False
 
     for step in range(start_step, cfg.steps):
-        metrics, times, stats = {"step": step}, {}, StepStats(device)
+        metrics = {"step": step}
+        times = {}
+        stats = StepStats(device)
         with timed(times, "time_step_s"):
             if evaluate and step % cfg.eval_every == 0:  # before the step's update
                 metrics["val_accuracy"] = rollout.validation_accuracy(engine, task, cfg, device)
             with timed(times, "time_rollout_s"):  # 1-3. prompts, rollout, reward
-                samples, all_scores, metrics["rollout_samples"] = rollouts(engine, task, cfg, step,
-                                                                           progress["prompts_drawn"], mesh)
+                start = progress["prompts_drawn"]  # the prompt stream's position
+                samples, all_scores, generated = rollouts(engine, task, cfg, step, start, mesh)
+                metrics["rollout_samples"] = generated
                 batch = make_batch([s["prompt_ids"] for s in samples], [s["response_ids"] for s in samples],
                                    task.pad_id, [s["engine_logprobs"] for s in samples], device)
                 scores = torch.tensor([s["reward"] for s in samples], device=device)  # (b,)
@@ -767,38 +1047,32 @@ def main(cfg, task=None):
             with timed(times, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches
                 metrics["mem_used_gb"] = update(parts, batch, cfg, mesh, stats, device)
             with timed(times, "time_refit_s"):  # 9. push the policy into the engine (a collective)
-                if engine is not None:  # also after skipped updates: on GPU the engine dropped its weights
-                    metrics.update(rollout.refit(engine, model_parallel.iter_full_params(policy), cfg.refit_bucket_mb))
+                # also after skipped updates: on GPU the engine dropped its weights
+                if engine is not None:
+                    full_params = model_parallel.iter_full_params(policy)
+                    metrics.update(rollout.refit(engine, full_params, cfg.refit_bucket_mb))
             if evaluate and step + 1 == cfg.steps:  # the policy that is exported: after the last update
                 metrics["final_val_accuracy"] = rollout.validation_accuracy(engine, task, cfg, device)
             batch_stats(batch, scores, cfg, stats)  # 10. metrics: one all-reduce, then named means
-            sums = stats.totals(mesh)
-        metrics.update(step_metrics(sums, cfg), **times, tokens=int(sums["all_tokens"]),
-                       tokens_per_s=sums["all_tokens"] / times["time_step_s"])
-        log_step(step, metrics, cfg, t_start, start_step, tensorboard)
-        bad_steps = bad_steps + 1 if metrics["skipped_updates"] else 0  # steps in a row with a skipped update
+            stats.all_reduce(mesh)
+        metrics.update(step_metrics(stats, times, cfg))
+        log_step(step, metrics, list(stats.losses), cfg, t_start, start_step, tensorboard)
+        bad_steps = bad_steps + 1 if metrics["skipped_updates"] else 0
         if cfg.max_skipped_steps and bad_steps >= cfg.max_skipped_steps:
             print0(f"stopping: {bad_steps} steps in a row skipped updates (NaN/inf loss or grad norm): "
                    "lower lr or check the rewards")
             sys.exit(1)
         progress.update(step=step + 1, prompts_drawn=progress["prompts_drawn"] + cfg.prompts_per_step)
-        if (stopped := stop_requested()) or (cfg.save_every and (step + 1) % cfg.save_every == 0) or \
-                (cfg.save_every and step + 1 == cfg.steps):
+        stopped = stop_requested()  # collective: the same answer on every rank
+        # with save_every: every save_every steps and after the last; a stopped run saves too, so
+        # that resume=auto goes on from there
+        periodic = cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps)
+        if stopped or periodic:
             save_checkpoint(os.path.join(cfg.out_dir, "ckpt"), parts, cfg.keep_checkpoints, progress)
         if stopped:
             print0(f"stopped by a signal after step {step + 1}: checkpoint saved; --resume=auto goes on")
             break
-    dist.barrier()
-    if cfg.export_hf and not stopped:  # + the tokenizer files and generation_config of the dir we loaded
-        model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"),
-                               torch.bfloat16 if cfg.export_dtype == "bf16" else torch.float32, copy_from=model_dir)
-    if rank == 0:
-        print(summary(cfg, time.time() - t_start, stopped), flush=True)
-    if engine is not None:
-        engine.shutdown()  # vLLM destroys the process group itself, so this comes last
-    elif dist.is_initialized():
-        dist.destroy_process_group()
-    model_parallel.release_mesh(mesh)
+    finish_run(cfg, policy, model_dir, engine, mesh, t_start, stopped)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ def test_demo_learns(tmp_path):
     proc = run_cli(2, "--config", "configs/demo_cpu.toml", f"--out_dir={tmp_path}", timeout=1200, env=env)
     rows = read_metrics(tmp_path)
     # the console: a few lines besides progress, the last one the run's summary
-    extra = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip() and not PROGRESS.match(line)]
+    extra = [line for line in (proc.stdout + proc.stderr).splitlines()
+             if line.strip() and not PROGRESS.match(line)]
     assert len(extra) <= 10, "\n".join(extra)
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("done: 50 steps in ") and f"in {tmp_path}: metrics.jsonl, curves.png" in last, last

@@ -1,9 +1,14 @@
 """The trainer's loop (train_ppo.main) run in-process on spawned gloo ranks: GRPO without a
 critic and its advantages by hand (plus the spawn helper's closing barrier, which that check
-once lost a race without); and small defects a GPU review found that a CPU can test
-(log-ratio clamp, GSM8K reward needs EOS, gpu_step's FLOP count), plus the README's recipe.
-The engine-call order of a GPU run is in tests/test_gpu_paths.py."""
+once lost a race without); a fork's extra loss term trained and logged, with GRPO and no KL
+term; the metrics, console line, plot and summary of such a run against hand-computed means;
+the generation shares of generated_by's worked example; and small defects a GPU review found
+that a CPU can test (log-ratio clamp, GSM8K reward needs EOS, gpu_step's FLOP count), plus the
+README's recipe. The engine-call order of a GPU run is in tests/test_gpu_paths.py."""
+import contextlib
+import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -23,7 +28,8 @@ from conftest import ROOT, cpu_env, torchrun_cmd
 def _grpo_body(rank, world_size):
     """2 prompts x 4 samples, 2 minibatches, dp=2: rank 0 holds samples 0,1,4,5 and rank 1
     holds 2,3,6,7, so each prompt's group of 4 is split across the two ranks."""
-    cfg = config.Config(prompts_per_step=2, samples_per_prompt=4, num_minibatches=2, advantage_estimator="grpo")
+    cfg = config.Config(prompts_per_step=2, samples_per_prompt=4, num_minibatches=2,
+                        advantage_estimator="grpo")
     mesh = model_parallel.make_mesh(world_size, 1, 1, "cpu")
     scores = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0]  # global, prompt-major
     # by hand: group 0 has mean 1/4 and unbiased std sqrt((.75^2 + 3 * .25^2) / 3) = 1/2, so
@@ -77,14 +83,143 @@ def test_grpo_runs_without_a_critic(tmp_path):
     assert any(k.startswith("policy.") for k in keys) and not any(k.startswith("critic") for k in keys)
 
 
+def _fork_term_body(rank, world_size, out_dir):
+    rollout.HFEngine.shutdown = lambda self: None  # keep the process group: the spawn helper ends it
+    base = train_ppo.policy_loss_terms
+    grads, values = [], []
+
+    def with_ratio_penalty(lp, entropy, batch, idx, num_tokens, cfg):  # policy_loss_terms' example
+        terms, clipped = base(lp, entropy, batch, idx, num_tokens, cfg)
+        drift = (lp - batch.old_lp[idx]) ** 2  # (rows, S)
+        penalty = 0.1 * train_ppo.masked_sum(drift, batch.mask[idx]) / num_tokens
+        penalty.register_hook(grads.append)  # runs in the backward only if the loss holds the term
+        values.append(float(penalty.detach()))
+        terms["ratio_penalty"] = penalty
+        return terms, clipped
+
+    train_ppo.policy_loss_terms = with_ratio_penalty
+    cfg = config.Config(out_dir=out_dir, advantage_estimator="grpo", kl_coef=0.0, lr=1e-3, steps=2,
+                        entropy_coef=0.1, prompts_per_step=2, samples_per_prompt=4, num_minibatches=2,
+                        ppo_epochs=2, max_new_tokens=4, micro_batch_size=4, rollout_engine="hf",
+                        export_hf=False, plot_every=1)
+    config.validate(cfg, world_size)
+    console = io.StringIO()
+    with contextlib.redirect_stdout(console):
+        train_ppo.main(cfg)
+
+    # one microbatch per minibatch: 2 epochs x 2 minibatches = 4 optimizer steps a PPO step, each
+    # with the term in its loss at weight 1
+    assert len(values) == 2 * 4 and [float(g) for g in grads] == [1.0] * 8
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    for row, mine in zip(rows, (values[:4], values[4:])):
+        assert not {"kl_loss", "value_loss", "critic_grad_norm"} & set(row), row
+        assert row["ratio_penalty"] == pytest.approx(sum(mine) / 4, rel=1e-6, abs=1e-12)
+    # each PPO step's first optimizer step starts at pi_old (no drift); the entropy bonus moves the
+    # policy even where GRPO's advantages are 0, so the later ones have some
+    assert values[0] < 1e-9 and values[4] < 1e-9 and min(values[1:4] + values[5:]) > 0, values
+    lines = console.getvalue().splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == 2, lines
+    assert all("| policy_loss " in line and "| ratio_penalty " in line for line in steps), lines
+    assert not any("kl_loss" in line for line in lines) and lines[-1].startswith("done: 2 steps in ")
+    assert os.path.getsize(os.path.join(out_dir, "curves.png")) > 1000
+
+
+def test_a_forks_loss_term_is_trained_and_logged_with_grpo_and_no_kl_term(tmp_path):
+    """policy_loss_terms wrapped as its docstring shows: the new term is in every backward and in
+    metrics.jsonl (the mean of what the wrapper returned over each step's optimizer steps), the
+    console and the plot; kl_coef=0 leaves GRPO with no kl_loss, and nothing expects one."""
+    run_ranks(_fork_term_body, 1, str(tmp_path))
+
+
+def test_step_metrics_console_plot_and_summary_follow_the_loss_terms(tmp_path, monkeypatch, capsys):
+    """GRPO with kl_coef=0: no kl_loss, no critic; an entropy bonus and a made-up "ratio_penalty"
+    instead. One rank (dp_sum is the identity), 2 epochs x 2 minibatches = 4 optimizer steps, the
+    third skipped. Every number by hand."""
+    import matplotlib.figure
+    monkeypatch.setattr(train_ppo, "dp_sum", lambda tensor, mesh: tensor)
+    monkeypatch.setattr(train_ppo.dist, "get_rank", lambda: 0)  # no process group here
+    cfg = config.Config(out_dir=str(tmp_path), advantage_estimator="grpo", kl_coef=0.0,
+                        entropy_coef=0.01, ppo_epochs=2, num_minibatches=2, steps=2, plot_every=1,
+                        export_hf=False)
+    stats = train_ppo.StepStats("cpu")
+    # 4 sequences of 10 prompt + 5 response tokens, rewards 1, 1, 1, 0
+    stats.add(tokens=20, sequences=4, all_tokens=60, reward=3, reward_sq=3, kl=0.2, mismatch=0.0,
+              mult_prob_error=20, clipped_tokens=8)
+    updates = [(0.1, -0.004, 0.01, 1.0, False), (-0.3, -0.002, 0.02, 2.0, False),
+               (0.2, -0.002, 0.03, 3.0, True), (0.4, -0.004, 0.06, 6.0, False)]
+    for pg, bonus, penalty, norm, skipped in updates:
+        terms = {"policy_loss": pg, "entropy_bonus": bonus, "ratio_penalty": penalty}
+        stats.add_update(terms, "grad_norm", norm, skipped)
+    stats.all_reduce(mesh=None)
+    metrics = {"step": 0, **train_ppo.step_metrics(stats, {"time_step_s": 2.0}, cfg)}
+    # means over the 4 optimizer steps, skipped one included; clip_frac over 2 epochs of 20 tokens
+    by_hand = dict(step=0, reward_mean=0.75, reward_std=math.sqrt(0.75 - 0.75 ** 2), kl=0.01,
+                   response_len_mean=5.0, logprob_mismatch=0.0, token_mult_prob_error=1.0, clip_frac=0.2,
+                   skipped_updates=1, policy_loss=0.1, entropy_bonus=-0.003, ratio_penalty=0.03,
+                   grad_norm=3.0, time_step_s=2.0, tokens=60, tokens_per_s=30.0)
+    assert metrics == pytest.approx(by_hand)  # the same keys, and these values
+
+    titles = []
+    savefig = matplotlib.figure.Figure.savefig
+
+    def recording_savefig(fig, *args, **kwargs):
+        titles.append([ax.get_title() for ax in fig.axes if ax.axison])
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", recording_savefig)
+    for step in (0, 1):
+        train_ppo.log_step(step, dict(metrics, step=step), list(stats.losses), cfg, time.time(), 0, None)
+    first, second = capsys.readouterr().out.splitlines()
+    fields = first.split(" | ")
+    assert fields[:7] == ["step 1/2", "reward 0.750", "kl 0.0100", "policy_loss +0.1000",
+                          "entropy_bonus -0.0030", "ratio_penalty +0.0300", "len 5.0"], first
+    assert fields[7] == "2.0s/step" and fields[8].startswith("elapsed ") and fields[9].startswith("eta ")
+    assert len(fields) == 10, first
+    assert second.startswith("step 2/2 | ")
+    # 5 panels (a 3 x 2 grid, the sixth turned off), redrawn after each step (plot_every=1)
+    assert titles == [["reward_mean", "kl", "policy_loss", "entropy_bonus", "ratio_penalty"]] * 2
+    assert os.path.getsize(tmp_path / "curves.png") > 1000
+    assert [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] == [metrics, dict(metrics, step=1)]
+    last = train_ppo.summary(cfg, 90.0, stopped=False)
+    assert last == ("done: 2 steps in 1.5 min | reward 0.750 (first 5 steps) -> 0.750 (last 5) | "
+                    f"in {tmp_path}: metrics.jsonl, curves.png, rollouts/")
+
+
+class _Dim:
+    """A mesh dimension, as generated_by and samples_of use one: its size."""
+
+    def __init__(self, size):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+
+def test_generation_shares_of_the_worked_example():
+    """generated_by's example by hand: 8 ranks at (dp, cp, tp) = (2, 2, 2), 16 samples in 2
+    minibatches of 8. dp slice 0 (ranks 0-3) holds the first 4 of each minibatch, 0-3 and 8-11,
+    slice 1 (ranks 4-7) the others; each rank generates the next 2 of its slice. Then 3 samples
+    over cp x tp = 4 ranks: one rank has none, each sample is drawn once."""
+    mesh = {"dp": _Dim(2), "cp": _Dim(2), "tp": _Dim(2)}
+    cfg = config.Config(prompts_per_step=8, samples_per_prompt=2, num_minibatches=2)
+    by_hand = [[0, 1], [2, 3], [8, 9], [10, 11], [4, 5], [6, 7], [12, 13], [14, 15]]
+    assert [train_ppo.generated_by(cfg, mesh, rank) for rank in range(8)] == by_hand
+    assert train_ppo.samples_of(cfg, mesh, 6) == [4, 5, 6, 7, 12, 13, 14, 15]
+    mesh = {"dp": _Dim(1), "cp": _Dim(2), "tp": _Dim(2)}
+    cfg = config.Config(prompts_per_step=3, samples_per_prompt=1, num_minibatches=1)
+    assert [train_ppo.generated_by(cfg, mesh, rank) for rank in range(4)] == [[], [0], [1], [2]]
+
+
 def _old_logprobs_body(rank, world_size, out_dir):
     rollout.HFEngine.shutdown = lambda self: None  # keep the process group for the second run
     # the engine run under DDP: its policy's first forward is then the reference pass, so DDP is
     # built inside the weight swap; and FSDP2 and DDP must train alike
     for source, data_parallel in (("trainer", "fsdp"), ("engine", "ddp")):
-        cfg = config.Config(out_dir=os.path.join(out_dir, source), old_logprobs=source, data_parallel=data_parallel,
-                            steps=2, prompts_per_step=2, samples_per_prompt=4, num_minibatches=2, ppo_epochs=2,
-                            max_new_tokens=4, micro_batch_size=2, rollout_engine="hf", export_hf=False, plot_every=0)
+        cfg = config.Config(out_dir=os.path.join(out_dir, source), old_logprobs=source,
+                            data_parallel=data_parallel, steps=2, prompts_per_step=2, samples_per_prompt=4,
+                            num_minibatches=2, ppo_epochs=2, max_new_tokens=4, micro_batch_size=2,
+                            rollout_engine="hf", export_hf=False, plot_every=0)
         config.validate(cfg, world_size)
         train_ppo.main(cfg)
 
@@ -100,7 +235,8 @@ def test_engine_logprobs_as_old_policy_train_the_same_in_fp32(tmp_path):
     for a, b in zip(trainer, engine):
         assert "entropy" in a and "entropy" not in b and b["logprob_mismatch"] == 0.0
         assert a["logprob_mismatch"] < 1e-5  # what makes the engine's logprobs usable here
-        for key in ("reward_mean", "kl", "policy_loss", "value_loss", "grad_norm", "critic_grad_norm", "clip_frac"):
+        for key in ("reward_mean", "kl", "policy_loss", "value_loss", "grad_norm", "critic_grad_norm",
+                    "clip_frac"):
             assert abs(a[key] - b[key]) <= 1e-4 * max(abs(a[key]), 1e-2), (key, a[key], b[key])
 
 
@@ -108,8 +244,9 @@ def _offload_body(rank, world_size, out_dir):
     rollout.HFEngine.shutdown = lambda self: None  # keep the process group for the second run
     for offload in (False, True):
         cfg = config.Config(out_dir=os.path.join(out_dir, str(offload)), offload_optimizer=offload, steps=3,
-                            prompts_per_step=2, samples_per_prompt=4, num_minibatches=2, ppo_epochs=2, lr=1e-4,
-                            max_new_tokens=4, micro_batch_size=2, rollout_engine="hf", export_hf=False, plot_every=0)
+                            prompts_per_step=2, samples_per_prompt=4, num_minibatches=2, ppo_epochs=2,
+                            lr=1e-4, max_new_tokens=4, micro_batch_size=2, rollout_engine="hf",
+                            export_hf=False, plot_every=0)
         config.validate(cfg, world_size)
         train_ppo.main(cfg)
 
@@ -130,7 +267,8 @@ def test_optimizer_state_moved_out_and_back_trains_the_same(tmp_path):
 def _tensorboard_body(rank, world_size, out_dir):
     rollout.HFEngine.shutdown = lambda self: None  # keep the process group: the spawn helper ends it
     cfg = config.Config(out_dir=out_dir, tensorboard=True, steps=2, prompts_per_step=2, samples_per_prompt=2,
-                        max_new_tokens=4, micro_batch_size=2, rollout_engine="hf", export_hf=False, plot_every=0)
+                        max_new_tokens=4, micro_batch_size=2, rollout_engine="hf", export_hf=False,
+                        plot_every=0)
     config.validate(cfg, world_size)
     train_ppo.main(cfg)
 
@@ -170,7 +308,8 @@ def test_readme_recipe_for_your_own_task_runs_as_written(tmp_path):
     launched the way its first line says (smaller: test_tiny, 2 steps)."""
     readme = open(os.path.join(ROOT, "README.md")).read()
     section = readme[readme.index("### Your own task and reward"):]
-    recipe = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
+    start = section.index("```python\n") + len("```python\n")
+    recipe = section[start:section.index("```\n", start)]
     script = tmp_path / "my_task.py"
     script.write_text(recipe)
     proc = subprocess.run(torchrun_cmd(2, "--config", "configs/test_tiny.toml", "--steps=2",
@@ -199,5 +338,7 @@ def test_gpu_step_bench_counts_matmul_weights_once():
     model_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     layer = 2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 512 + 2 * 256
     policy, critic = 2 * layer + 262 * 256, 2 * layer + 256  # LM head once (tied); value head 256 x 1
-    assert gpu_step.update_flops(model_config, tokens=10, ppo_epochs=2, with_critic=True) == 6 * (policy + critic) * 10 * 2
-    assert gpu_step.update_flops(model_config, tokens=10, ppo_epochs=2, with_critic=False) == 6 * policy * 10 * 2
+    with_critic = gpu_step.update_flops(model_config, tokens=10, ppo_epochs=2, with_critic=True)
+    assert with_critic == 6 * (policy + critic) * 10 * 2
+    without = gpu_step.update_flops(model_config, tokens=10, ppo_epochs=2, with_critic=False)
+    assert without == 6 * policy * 10 * 2
