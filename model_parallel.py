@@ -1,17 +1,27 @@
-"""Everything about where tensors live: the (dp, cp, tp) mesh, loading an HF checkpoint into sharded modules
-(FSDP2 + tensor parallel), context-parallel and packed attention, the critic, the reference-weight swap, the
-global grad norm and HF export. train_ppo.py asks for "logprobs of these rows" and never sees a shard.
+"""Everything about where tensors live: the (dp, cp, tp) mesh, loading an HF checkpoint into
+sharded modules (FSDP2 + tensor parallel), context-parallel and packed attention, the critic, the
+reference-weight swap, the global grad norm and HF export. train_ppo.py asks for "logprobs of these
+rows" and never sees a shard.
 
     torchrun --nproc_per_node=4 train_ppo.py --tp_size=2 --cp_size=1   # dp = 4 / (2*1) = 2
 
-One forward, in order: rows -> (packed) layout -> this rank's zigzag share of the tokens -> HF model with our
-attention function -> this rank's vocab shard of the logits -> logprobs.py.
+One forward, in order: rows -> (packed) layout -> this rank's zigzag share of the tokens -> HF model
+with our attention function -> this rank's vocab shard of the logits -> logprobs.py.
+
+Sections, in order: distributed set-up; attention (the kernels and the Layout they read); model
+families and their tiny presets; tensor-parallel plans; loading (build, shard, allocate, read);
+forward (microbatches, layout, policy and critic); the reference policy's weight swap; the global
+grad norm; full weights (refit and HF export).
 
 Where the ideas come from (code and prose are our own):
-1. FSDP2 per decoder layer then the root, one TP plan dict per family, the degree check: torchtitan (parallelize_llama).
-2. Column/row-parallel linears: Megatron-LM (Shoeybi et al. 2019); sequence-parallel norms: Korthikanti et al. 2022.
-3. Zigzag (load-balanced) CP, all-gathered K/V: Megatron-LM/TransformerEngine, ring-flash-attention (Liu et al. 2023).
-4. First-fit-decreasing packing, block-diagonal attention: Krell et al. 2021; verl / NeMo-RL sequence packing."""
+1. FSDP2 per decoder layer then the root, one TP plan dict per family, the degree check naming every
+   factor: torchtitan (parallelize_llama).
+2. Column/row-parallel linears with one all-reduce per block: Megatron-LM (Shoeybi et al. 2019);
+   sequence-parallel norms: Korthikanti et al. 2022, "Reducing activation recomputation".
+3. Zigzag (load-balanced) context parallelism with all-gathered K/V: Megatron-LM/TransformerEngine
+   CP and the zigzag ring attention of ring-flash-attention (Liu et al. 2023).
+4. First-fit-decreasing packing with block-diagonal attention: Krell et al. 2021, "Efficient
+   sequence packing without cross-contamination"; verl / NeMo-RL sequence packing."""
 import contextlib
 import copy
 import datetime
@@ -30,7 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed._composable.replicate import DDP, replicate
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+                                    fully_shard)
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
@@ -39,13 +50,15 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from config import masked_attention_error
 from logprobs import cp_gather, shift_right, token_logprobs, unpack_packed, zigzag_positions
 
-try:  # GPU only: flash-attn's varlen kernel skips the masked-out blocks of a packed row
+# GPU only: flash-attn's varlen kernel skips the masked-out blocks of a packed row
+try:
     from flash_attn import flash_attn_varlen_func
 except ImportError:
     flash_attn_varlen_func = None
-try:  # GPU only, without flash-attn: PyTorch's own FlashAttention-2 varlen kernel
+# GPU only, without flash-attn: PyTorch's own FlashAttention-2 varlen kernel
+try:
     from torch.nn.attention.varlen import varlen_attn
-    VARLEN_ARGS = inspect.signature(varlen_attn).parameters  # window_size since torch 2.11, enable_gqa 2.13
+    VARLEN_ARGS = inspect.signature(varlen_attn).parameters  # window_size since 2.11, enable_gqa 2.13
 except ImportError:
     varlen_attn, VARLEN_ARGS = None, {}
 
@@ -54,71 +67,96 @@ except ImportError:
 # Distributed set-up: one code path for `python train_ppo.py` (a world of one) and torchrun.
 
 def init_distributed(timeout_s=1800):
-    """(rank, world_size, device), initializing the process group once; a collective stuck past timeout_s raises."""
+    """(rank, world_size, device), initializing the default process group once. A collective that
+    waits more than timeout_s raises instead of blocking forever (a dead or stuck rank); when a rank
+    dies, torchrun also stops the others (SIGTERM, then SIGKILL after 30 s)."""
     device = torch.device("cpu")
-    if torch.cuda.is_available():  # GPU only: pick this rank's GPU *before* NCCL starts, so its communicators
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # and buffers are not all on GPU 0
+    if torch.cuda.is_available():
+        # GPU only: pick this rank's GPU *before* NCCL starts, so that its communicators and
+        # buffers are not all created on GPU 0
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                            ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
             os.environ.setdefault(key, value)  # what torchrun would set for one process
-        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",  # gloo: CPU collectives
-                                timeout=datetime.timedelta(seconds=timeout_s),  # a dead rank: torchrun stops the rest
+        # gloo also on GPU machines, for the few collectives on host tensors
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     return dist.get_rank(), dist.get_world_size(), device
 
 
 def make_mesh(world_size, tp_size, cp_size, device_type):
-    """Collective (every rank): the ("dp", "cp", "tp") mesh, tp innermost (neighbours share the fastest link), and
-    `mesh.dp_cp`, dp x cp flattened for FSDP (cp ranks hold other tokens of the same rows: gradients summed too)."""
+    """Collective (every rank): the ("dp", "cp", "tp") mesh, tp innermost (neighbouring ranks share
+    the fastest link), plus `mesh.dp_cp`, the dp x cp ranks flattened into one dim for FSDP to shard
+    over: cp ranks hold other tokens of the same rows, so their gradients are summed like dp's."""
     dp_size = world_size // (tp_size * cp_size)
     if dp_size * cp_size * tp_size != world_size:
         raise ValueError(f"dp*cp*tp must equal the world size {world_size}: tp_size={tp_size} * "
-                         f"cp_size={cp_size} does not divide it (dp would be {world_size / (tp_size * cp_size):g})")
+                         f"cp_size={cp_size} does not divide it "
+                         f"(dp would be {world_size / (tp_size * cp_size):g})")
     mesh = init_device_mesh(device_type, (dp_size, cp_size, tp_size), mesh_dim_names=("dp", "cp", "tp"))
-    # kept on the mesh: torch deprecates slicing a flattened dim back out of the root; _flatten: private, as torchtitan
+    # kept on the mesh object (torch deprecates slicing a flattened dim back out of the root mesh);
+    # _flatten is private in torch 2.13, the way torchtitan builds its FSDP mesh
     mesh.dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
     return mesh
 
 
 def release_mesh(mesh):
-    """Last call, after dist.destroy_process_group(): the mesh (in DTensor's cache) keeps its groups, whose threads
-    would outlive Python and abort a finished run ("terminate called without an active exception"): join them now."""
-    mesh._pg_registry.clear()  # private in torch 2.13; sliced meshes share the root's
+    """Last call of a run, after dist.destroy_process_group(), which leaves the groups held by the
+    mesh (itself held by DTensor's cache): their threads would outlive Python's shutdown and could
+    abort a finished run ("terminate called without an active exception"). Dropping them joins the
+    threads now."""
+    # _pg_registry: private in torch 2.13; sliced meshes share the root's
+    mesh._pg_registry.clear()
 
 
 def resolve_auto(cfg, device_type):
-    """Replace "auto" in cfg.dtype and cfg.attention by what runs here; return the attention kernel's name. GPU: bf16,
-    a flash varlen kernel (flash-attn's, else torch's); else exact fp32, masked SDPA. No dense mask for a packed GPU
-    row (nor on CPU past config.MASK_LIMIT): (T/cp, T) scores a head, mostly across documents, cost O(T^2) memory
-    (3.2 GB a layer at 8192 tokens, 1.5B), ~15x the FLOPs; without a flash kernel the reference goes doc by doc."""
+    """Replace "auto" in cfg.dtype and cfg.attention by what runs on this device; return the
+    attention kernel's name (the run's first line prints it). The GPU recipe is bf16 with a flash
+    varlen kernel (flash-attn's, else torch's); elsewhere exact fp32 with masked SDPA.
+
+    A packed row never gets a dense mask on a GPU (nor on CPU past config.MASK_LIMIT): its (T/cp, T)
+    scores per head cost O(T^2) memory (3.2 GB a layer at 8192 tokens and 1.5B) and ~15x the FLOPs,
+    mostly across documents, for nothing. Without a flash kernel (fp32) the reference kernel
+    attends document by document instead."""
     if cfg.dtype == "auto":
         cfg.dtype = "bf16" if device_type == "cuda" and cfg.data_parallel == "fsdp" else "fp32"
     cfg.export_dtype = cfg.dtype if cfg.export_dtype == "auto" else cfg.export_dtype
     kernel = gpu_varlen_kernel() if device_type == "cuda" and cfg.dtype == "bf16" else None
     if cfg.attention == "auto":
-        longest = cfg.max_tokens_per_microbatch if cfg.packing else cfg.max_model_len  # a row's length at most
-        dense_ok = not (cfg.packing and device_type == "cuda") and not masked_attention_error(longest, cfg.cp_size)
+        longest = cfg.max_tokens_per_microbatch if cfg.packing else cfg.max_model_len  # a row at most
+        packed_gpu = cfg.packing and device_type == "cuda"
+        dense_ok = not packed_gpu and not masked_attention_error(longest, cfg.cp_size)
         cfg.attention = "varlen" if kernel or not dense_ok else "masked"
+    if cfg.attention == "masked":
+        return "masked SDPA"
     names = {None: "reference varlen (one SDPA per document)", torch_varlen_attention: "torch varlen_attn"}
-    return "masked SDPA" if cfg.attention == "masked" else names.get(kernel, "flash-attn varlen")
+    return names.get(kernel, "flash-attn varlen")
 
 
 def _group(mesh, dim):
-    return mesh[dim].get_group() if mesh[dim].size() > 1 else None  # None: logprobs.py skips it
+    """The process group of one mesh dim; None for a dim of size 1 (logprobs.py then skips it)."""
+    return mesh[dim].get_group() if mesh[dim].size() > 1 else None
 
 
 def _device(mesh):
-    return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    """This rank's device on `mesh`: its GPU, or the CPU."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 # -----------------------------------------------------------------------------
-# Attention: one function for every layout, registered in AttentionInterface as "ppo", a name in no mask registry:
-# the model builds no mask (it cannot know our packing or zigzag order); the layout comes in forward kwargs, untouched.
+# Attention: one function for every layout, registered with transformers' AttentionInterface as
+# "ppo" and selected by name at load time. "ppo" is in no mask registry, so the model builds no
+# mask of its own (it could not know our packing or zigzag order); the layout reaches us as forward
+# kwargs, which transformers 5.x hands down to this function untouched.
 
 class _GatherSeq(torch.autograd.Function):
-    """All-gather K or V over cp on dim 2 (sequence); backward reduce-scatters: a key's gradient sums every rank's."""
+    """All-gather K or V over cp along the sequence dim (2). Backward reduce-scatters: every cp
+    rank's queries attended to every rank's keys, so a key's gradient is the sum over ranks."""
 
     @staticmethod
     def forward(ctx, x, group):  # x: (B, H, S/cp, D)
@@ -138,11 +176,16 @@ class _GatherSeq(torch.autograd.Function):
 
 def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale=None, causal=True, window_size=(-1, -1)):
-    """flash-attn's `flash_attn_varlen_func` contract in plain PyTorch, the CPU stand-in. q: (total_q, Hq, D); k, v:
-    (total_k, Hkv, D), Hkv dividing Hq (GQA); segment i: q[cu_seqlens_q[i]:...[i+1]] to k/v[cu_seqlens_k[i]:...[i+1]].
-    Causal is bottom-right aligned (flash-attn >= 2.1): Lq queries over Lk >= Lq keys are the *last* Lq, query j at key
-    position j + Lk - Lq. window_size=(left, right): keys at most `left` back, -1 = unlimited. max_seqlen_*: unused."""
-    outs, bounds_q, bounds_k = [], cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # (on a GPU: a sync per call)
+    """flash-attn's `flash_attn_varlen_func` contract in plain PyTorch: the CPU stand-in for the GPU
+    kernel. q: (total_q, Hq, D); k, v: (total_k, Hkv, D), Hkv dividing Hq (grouped-query attention).
+    Segment i is q[cu_seqlens_q[i]:cu_seqlens_q[i+1]] attending to k/v[cu_seqlens_k[i]:...[i+1]].
+
+    Causal is bottom-right aligned (flash-attn >= 2.1): a segment with Lq queries and Lk >= Lq keys
+    holds the *last* Lq queries, so query j sits at key position j + Lk - Lq. window_size=(left,
+    right): keys at most `left` positions back, -1 = unlimited. max_seqlen_*: the kernel sizes its
+    grid with them; unused here. Returns (total_q, Hq, D)."""
+    outs = []
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # (on a GPU: a sync per call)
     for q0, q1, k0, k1 in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:]):
         q_pos = torch.arange(q1 - q0, device=q.device)[:, None] + (k1 - k0) - (q1 - q0)  # (Lq, 1)
         k_pos = torch.arange(k1 - k0, device=q.device)[None, :]  # (1, Lk)
@@ -151,22 +194,25 @@ def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             visible &= k_pos >= q_pos - window_size[0]
         if not causal and window_size[1] >= 0:
             visible &= k_pos <= q_pos + window_size[1]
+        # enable_gqa: each KV head serves Hq/Hkv query heads without being copied
         seg = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1),
-                                             v[k0:k1].transpose(0, 1), attn_mask=visible, scale=softmax_scale,
-                                             enable_gqa=True)  # (Hq, Lq, D)
+                                             v[k0:k1].transpose(0, 1), attn_mask=visible,
+                                             scale=softmax_scale, enable_gqa=True)  # (Hq, Lq, D)
         outs.append(seg.transpose(0, 1))  # (Lq, Hq, D)
     return torch.cat(outs)  # (total_q, Hq, D)
 
 
 def torch_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=True, window_size=(-1, -1)):
-    """GPU only: the same contract through torch's varlen_attn. Its window (left, 0) is causal, bottom-right aligned
-    like flash-attn's (tests/test_cuda.py checks); a tuple, as torch reads is_causal as `window_size == (-1, 0)`."""
+    """GPU only: the same contract through torch's varlen_attn. Its window (left, 0) is causal,
+    bottom-right aligned like flash-attn's (tests/test_cuda.py checks it against the stand-in); it
+    must be a tuple: torch reads is_causal as `window_size == (-1, 0)`."""
     window = (window_size[0], 0) if causal else tuple(window_size)
-    # GQA: torch 2.13 must be told (enable_gqa), 2.11 takes the fewer KV heads as is (H100: same as copying them)
+    # GQA: the kernel serves each KV head to its query heads; torch 2.13 asks to be told so, 2.11
+    # takes the fewer KV heads as they are (measured on an H100: identical to copying them)
     gqa = dict(enable_gqa=True) if "enable_gqa" in VARLEN_ARGS and k.shape[1] != q.shape[1] else {}
-    return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
-                       window_size=window, **gqa)
+    return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       scale=softmax_scale, window_size=window, **gqa)
 
 
 def gpu_varlen_kernel():
@@ -177,63 +223,85 @@ def gpu_varlen_kernel():
 
 @dataclass
 class Layout:
-    """Where each token of this rank's rows sits, built once per forward (_layout) for every layer's attention and
-    for _unlayout: B rows (one if packed) of T tokens, padded to a multiple of 2*cp*tp; this rank's queries: q_rows."""
+    """Where each token of this rank's rows sits: built once per forward (_layout) for every layer's
+    attention and for _unlayout. B rows (one if packed) of T tokens, padded to a multiple of
+    2*cp*tp; this rank's queries are the tokens at q_rows (its zigzag share), its keys all T."""
     ids: torch.Tensor  # (B, T) every token of the rows
-    positions: torch.Tensor  # (B, T) position ids (restarting at 0 in each packed sequence)
+    positions: torch.Tensor  # (B, T) restarting at 0 in each packed sequence
     seq_lens: torch.Tensor  # (b,) real tokens of each sequence
-    cu_seqlens: torch.Tensor | None  # (documents + 1,) packed: sequence (and padding tail) boundaries; else None
-    varlen: bool  # which kernel: varlen (the fields after docs) or masked SDPA (the four before)
-    cp_group: dist.ProcessGroup | None  # K and V are all-gathered over it (None: cp = 1)
-    q_rows: torch.Tensor  # (T/cp,) row positions of this rank's queries: its zigzag share
-    kv_rows: torch.Tensor  # (T,) row positions of the keys: every cp share, in rank order (all-gathered)
-    q_docs: torch.Tensor  # (B, T/cp) document of each query (0 throughout an unpacked row)
-    kv_docs: torch.Tensor  # (B, T) document of each key
-    cu_seqlens_q: torch.Tensor  # (segments + 1,) int32 boundaries of the query segments ...
-    cu_seqlens_k: torch.Tensor  # (segments + 1,) ... and of their keys: flash-attn's varlen contract
+    # packed: (documents + 1,) boundaries of the sequences (and of the padding tail); else None
+    cu_seqlens: torch.Tensor | None
+    varlen: bool  # the kernel: varlen, else masked SDPA
+    cp_group: dist.ProcessGroup | None  # K, V all-gathered over it (None: cp=1)
+    # masked SDPA reads these four: each query's and key's row position and document
+    q_rows: torch.Tensor  # (T/cp,) this rank's zigzag share
+    kv_rows: torch.Tensor  # (T,) every share, in rank order (gathered)
+    q_docs: torch.Tensor  # (B, T/cp) 0 throughout an unpacked row
+    kv_docs: torch.Tensor  # (B, T)
+    # the varlen kernels read these five, flash-attn's contract (see _varlen_index)
+    cu_seqlens_q: torch.Tensor  # (segments + 1,) int32 query boundaries
+    cu_seqlens_k: torch.Tensor  # (segments + 1,) int32 key boundaries
     max_seqlen_q: int
     max_seqlen_k: int
-    kv_index: torch.Tensor | None  # (total_k,) CP: where each segment's keys sit among the gathered keys
+    kv_index: torch.Tensor | None  # (total_k,) CP: keys among the gathered
+    # (`varlen` picks the kernel; every field is filled either way)
 
-    def model_inputs(self):  # what HF's forward gets: this rank's tokens, and the layout for our attention
+    def model_inputs(self):
+        """What HF's forward gets: this rank's tokens, and the layout for our attention function."""
         return dict(input_ids=self.ids[:, self.q_rows], position_ids=self.positions[:, self.q_rows],
                     ppo_layout=self, use_cache=False)  # (B, T/cp) each
 
 
 def _masked_attention(query, key, value, scaling, sliding_window, layout):
-    """SDPA with an explicit (B, T/cp, T) mask: a key is visible if in the query's document and not in its future, in
-    row positions (zigzag order is irrelevant once every token carries its index). O(T^2) memory; exact in fp32."""
+    """SDPA with an explicit (B, T/cp, T) mask: a key is visible if it is in the query's document
+    and not in its future, counted in row positions (zigzag order is irrelevant once every token
+    carries its index). O(T^2) memory per row; exact in fp32."""
     q_rows, kv_rows, q_docs, kv_docs = layout.q_rows, layout.kv_rows, layout.q_docs, layout.kv_docs
-    mask = (q_docs[:, :, None] == kv_docs[:, None, :]) & (kv_rows[None, None, :] <= q_rows[None, :, None])  # (B, T/cp, T)
-    if sliding_window:  # Gemma3 local layers: only the last `sliding_window` keys (HF's convention)
+    same_doc = q_docs[:, :, None] == kv_docs[:, None, :]  # (B, T/cp, T)
+    not_future = kv_rows[None, None, :] <= q_rows[None, :, None]  # (1, T/cp, T)
+    mask = same_doc & not_future  # (B, T/cp, T)
+    if sliding_window:
+        # only the last `sliding_window` keys, the query's own included: HF's convention
+        # (masking_utils.sliding_window_overlay, kv_idx > q_idx - sliding_window) for Gemma3's
+        # local layers and every Mistral layer
         mask &= kv_rows[None, None, :] > q_rows[None, :, None] - sliding_window  # (B, T/cp, T)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], scale=scaling,
-                                         enable_gqa=True)  # (B, Hq/tp, T/cp, D); GQA: KV heads not copied
+                                         enable_gqa=True)  # (B, Hq/tp, T/cp, D); KV heads not copied
     return out.transpose(1, 2)  # (B, T/cp, Hq/tp, D)
 
 
 def _varlen_attention(query, key, value, scaling, sliding_window, layout):
-    """The same attention through the varlen contract: (tokens, heads, dim), a causal segment per (row, zigzag chunk,
-    document). CUDA bf16: a flash kernel, skipping masked blocks (flash-attn's or torch's); else the reference."""
+    """The same attention through the varlen contract: tokens flattened to (tokens, heads, dim), one
+    causal segment per (row, zigzag chunk, document). On CUDA in bf16 a flash kernel (it never looks
+    at the masked-out blocks): flash-attn's if installed, else torch's; else the reference."""
     batch, heads, local_len, dim = query.shape  # query: (B, Hq/tp, T/cp, D)
     q = query.transpose(1, 2).reshape(batch * local_len, heads, dim)  # (B*T/cp, Hq/tp, D)
     k = key.transpose(1, 2).flatten(0, 1)  # (B*T, Hkv/tp, D)  (gathered order under CP)
     v = value.transpose(1, 2).flatten(0, 1)  # (B*T, Hkv/tp, D)
-    if layout.kv_index is not None:  # CP: each segment's keys, from its document's start on
-        k, v = k[layout.kv_index], v[layout.kv_index]  # (total_k, Hkv/tp, D)
+    if layout.kv_index is not None:  # CP: each segment's keys
+        k = k[layout.kv_index]  # (total_k, Hkv/tp, D)
+        v = v[layout.kv_index]  # (total_k, Hkv/tp, D)
     gpu_kernel = gpu_varlen_kernel() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
     kernel = gpu_kernel or varlen_attention_reference
+    # flash-attn's left window counts the keys before the query's own: HF's `sliding_window` keys,
+    # the query's included, are sliding_window - 1 back (the masked path's convention)
+    window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
     out = kernel(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_k, layout.max_seqlen_q,
                  layout.max_seqlen_k, softmax_scale=scaling, causal=True,
-                 window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1))  # (B*T/cp, Hq/tp, D)
+                 window_size=window)  # (B*T/cp, Hq/tp, D)
     return out.view(batch, local_len, heads, dim)  # (B, T/cp, Hq/tp, D)
 
 
-def ppo_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                  *, ppo_layout, **unused):  # query: (B, Hq/tp, T/cp, D), key/value: (B, Hkv/tp, T/cp, D)
-    """Collective over cp (every cp rank, each layer): causal attention within each packed document, this rank's
-    zigzag share of queries to every key; `ppo_layout` (a Layout) picks the kernel. No dropout (PPO runs without)."""
-    if ppo_layout.cp_group is not None:  # all-gather CP (Llama 3's choice): K/V are small under GQA
+def ppo_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                  sliding_window=None, *, ppo_layout, **unused):
+    """Collective over cp (every cp rank, each layer): causal attention within each packed document,
+    over this rank's zigzag share of queries and every key. query: (B, Hq/tp, T/cp, D); key, value:
+    (B, Hkv/tp, T/cp, D). `ppo_layout` (a Layout, built once per forward by _layout) says which
+    kernel and holds its index tensors. `sliding_window`: passed by HF for windowed layers (None
+    elsewhere). Dropout is not supported (PPO runs without); attention_mask is None ("ppo" builds
+    none)."""
+    # all-gather CP (Llama 3's choice): K and V are small under GQA
+    if ppo_layout.cp_group is not None:
         key = _GatherSeq.apply(key, ppo_layout.cp_group)  # (B, Hkv/tp, T, D)
         value = _GatherSeq.apply(value, ppo_layout.cp_group)  # (B, Hkv/tp, T, D)
     attend = _varlen_attention if ppo_layout.varlen else _masked_attention
@@ -244,200 +312,27 @@ AttentionInterface.register("ppo", ppo_attention)
 
 
 # -----------------------------------------------------------------------------
-# Tensor-parallel plans (Megatron-LM via torchtitan). Colwise = split a Linear's output features: each rank computes
-# some heads / MLP channels, no communication; rowwise = split its inputs, partial outputs summed (one all-reduce a
-# block, or SP's reduce-scatter onto the sequence). Llama, Qwen2, Qwen3 share module names: one plan (Gemma3: tp=1).
+# Model families: the HF architectures (config.json's "model_type") that load here, and a tiny
+# preset of each. What differs between them, as far as this file is concerned:
+#   llama        the plain decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP
+#   qwen2        + q/k/v biases (split with their weights by the same TP plan)
+#   qwen3        + an RMSNorm per head on q and k (two TP plan entries of its own)
+#   mistral      + a sliding window on every layer (HF passes `sliding_window` to ppo_attention)
+#   gemma3_text  local (sliding-window) and global layers, (1 + w) norms, a scaled embedding, a
+#                final logit softcap (the critic drops it); no TP plan here: tp_size=1 only
+# The first four name their modules as Llama does, so one TP plan serves them.
+#
+# Adding a family: its model_type in FAMILIES; in _tp_plan an entry for each module whose name or
+# split differs from Llama's (or a tp_size=1 refusal in _check_supported, as Gemma3's); a tiny
+# preset below; its preset in the FAMILIES list of tests/test_model_parallel.py, which compares it
+# with the plain HF model on every mesh. A new attention variant must reach ppo_attention as an
+# argument HF passes (as `sliding_window` does), or it is silently ignored.
 
-def _tp_plan(family, sequence_parallel, critic):
-    # the residual stream between blocks: all tokens on every tp rank, or (SP) S/tp each: norms, adds not repeated
-    stream = Shard(1) if sequence_parallel else Replicate()
-    plan = {
-        # vocab rows split over tp: a rank embeds its own ids (0 elsewhere); partials summed (all-reduce/reduce-scatter)
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-        "model.layers.*.self_attn.q_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.k_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.v_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=stream),
-        "model.layers.*.mlp.gate_proj": ColwiseParallel(),
-        "model.layers.*.mlp.up_proj": ColwiseParallel(),
-        "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=stream),
-    }
-    if family == "qwen3":
-        plan.update({  # q/k norms see only this rank's heads (dim 2): marking that split sums their grads over tp
-            "model.layers.*.self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-            "model.layers.*.self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-        })
-    if sequence_parallel:
-        plan.update({  # norms run on S/tp tokens; their replicated weights get gradients summed over tp
-            "model.layers.*.input_layernorm": SequenceParallel(),
-            "model.layers.*.post_attention_layernorm": SequenceParallel(),
-            "model.norm": SequenceParallel(use_local_output=True),
-            "model.layers.*.self_attn": PrepareModuleInput(  # attention, MLP need every token: tp all-gather
-                input_kwarg_layouts={"hidden_states": Shard(1)},
-                desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=True),
-            "model.layers.*.mlp": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),
-        })
-    if critic:  # the value head is tiny and replicated over tp: it just needs every token
-        plan["lm_head"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
-                                             use_local_output=True)
-    else:  # vocab split: a (B, S, V/tp) shard to logprobs.py, a DTensor here (FSDP2 can't hook a to_local() view)
-        plan["lm_head"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
-    return plan
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
-
-# -----------------------------------------------------------------------------
-# Loading: every rank builds on the meta device, shards (TP, then FSDP2), allocates and reads only its shards.
-
-class CheckpointError(ValueError):
-    """A model dir or training checkpoint that cannot be used: one line, exit 2."""
-
-
-def _check_supported(config, tp_size):
-    family = config.model_type
-    if family not in ("llama", "qwen2", "qwen3", "gemma3_text"):
-        raise CheckpointError(f"model_type {family!r} is not supported: llama, qwen2, qwen3, gemma3_text (tp=1)")
-    if family == "gemma3_text" and tp_size > 1:
-        raise CheckpointError("Gemma3 runs with tp_size=1 only (FSDP, CP and packing work): no TP plan for it here")
-    for field in ("num_attention_heads", "num_key_value_heads"):
-        if getattr(config, field) % tp_size:
-            raise CheckpointError(f"tp_size={tp_size} must divide {field}={getattr(config, field)}: "
-                                  f"each tp rank computes whole heads")
-
-
-def check_hf_dir(path, tp_size):
-    """Refuse (CheckpointError, one line) a model dir that loading would fail on: no or unreadable config.json, an
-    unsupported family or tp split, missing or corrupt weights. Fast (config.json, safetensors headers), every rank."""
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise CheckpointError(f"model={path!r} is not an HF checkpoint dir (no config.json): give a dir "
-                              f"written by save_pretrained, or a tiny preset (see --help)")
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{path}/config.json cannot be read: {str(e).splitlines()[0]}") from None
-    _check_supported(config, tp_size)
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise CheckpointError(f"{path} has no *.safetensors weights (.bin files are not read here: "
-                              f"re-save them with save_pretrained)")
-    from safetensors import SafetensorError, safe_open
-    for f in files:
-        try:  # the header lists every tensor's byte range: a truncated file fails here
-            safe_open(os.path.join(path, f), framework="pt")
-        except SafetensorError as e:
-            raise CheckpointError(f"{path}/{f} is corrupt ({e}): download or save it again") from None
-
-
-class ValueHead(nn.Linear):
-    """The critic's Linear(hidden, 1) as x @ w.T + b: F.linear's 3-D fused addmm gives a view FSDP2 can't hook."""
-
-    def forward(self, hidden):  # (B, T/cp, hidden) -> (B, T/cp, 1)
-        return F.linear(hidden, self.weight) + self.bias
-
-
-def _build(path, mesh, cfg, critic):
-    tp_size, config = mesh["tp"].size(), AutoConfig.from_pretrained(path)
-    _check_supported(config, tp_size)
-    if critic:
-        config.final_logit_softcapping = None  # Gemma's logit softcap must not squash values
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="ppo", dtype=torch.float32)
-        if critic:  # the critic is the same backbone with its "LM head" replaced by the value head
-            model.lm_head = ValueHead(config.hidden_size, 1)
-    tied = not critic and config.tie_word_embeddings
-    if tp_size > 1:
-        parallelize_module(model, mesh["tp"], _tp_plan(config.model_type, cfg.sequence_parallel, critic))
-        if tied:  # TP gave each module its own DTensor copy: tie again (both are Shard(0) on vocab)
-            model.lm_head.weight = model.model.embed_tokens.weight
-    if cfg.activation_checkpointing:  # recompute each decoder layer in backward
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    device = _device(mesh)
-    offload = device.type == "cuda" and cfg.cpu_offload  # GPU only: shards and AdamW's state in host memory
-    if cfg.data_parallel == "fsdp":  # FSDP2 over dp*cp, per decoder layer (one all-gather in flight), then the root
-        # (embeddings, norm, head); bf16: computed in bf16, gradients reduced in fp32 into AdamW's fp32 master weights
-        compute = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.dtype == "bf16"
-                   else MixedPrecisionPolicy())
-        # reshard_after_forward=False: layers stay gathered till backward or reshard() (no-grad microbatches reuse them)
-        fsdp = dict(mesh=mesh.dp_cp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
-                    reshard_after_forward=cfg.reshard_after_forward)
-        for layer in model.model.layers:
-            fully_shard(layer, mp_policy=compute, **fsdp)
-        if critic:  # own unit in fp32: FSDP2 casts its bf16 input up (else bf16 meets fp32 weights: matmul fails)
-            fully_shard(model.lm_head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32), **fsdp)
-        fully_shard(model, mp_policy=compute, **fsdp)
-        for module in model.modules():
-            if isinstance(module, FSDPModule):  # each rank's loss is already its tokens' sum / the global token
-                # count: gradients are summed over dp*cp, not averaged (force SUM: gloo has no PREMUL_SUM)
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
-    elif mesh.dp_cp.size() > 1:  # ddp (on one rank: a plain module)
-        # composable DDP (names unchanged; torchtitan's apply_ddp), built at the first forward: whole replicas, 25 MB
-        # buckets of gradients (.grad views them) all-reduced during backward; on gloo 2-3x cheaper than FSDP2's
-        # all-gather + reduce-scatter (bench/gloo_collectives.py)
-        replicate(model, process_group=mesh.dp_cp.get_group(), forward_sync_buffers=False, gradient_as_bucket_view=True)
-        model.register_comm_hook(mesh.dp_cp.get_group(), _sum_hook)  # summed, as FSDP2's above
-    model.to_empty(device="cpu" if offload else device)  # only now is memory allocated: our shards
-    # buffers made at construction (RoPE, Gemma's embedding scale), not in the checkpoint: HF's initializer redoes them
-    for param in model.parameters():
-        param._is_hf_initialized = True  # (and leaves the parameters alone)
-    for module in model.modules():
-        if module._non_persistent_buffers_set:
-            model._init_weights(module)
-        if offload:  # buffers are not FSDP's: they stay on the GPU
-            module._buffers.update({n: b.to(device) for n, b in module._buffers.items() if b is not None})
-    if tied and model.lm_head.weight is not model.model.embed_tokens.weight:  # to_empty gave each
-        model.lm_head.weight = model.model.embed_tokens.weight  # its own tensor (not under FSDP2)
-    model.train()  # no dropout in these families; train mode lets activation checkpointing act
-    return model
-
-
-def _sum_hook(group, bucket):  # a DDP comm hook: SUM over the group (DDP's default averages)
-    return dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future().then(lambda f: f.value()[0])
-
-
-def sync_gradients(model, sync):
-    """DDP: all-reduce (everything accumulated) in the next backward only if `sync`: a minibatch's last microbatch."""
-    if isinstance(model, DDP):
-        model.set_requires_gradient_sync(sync)
-
-
-def _load_weights(model, path, extra):
-    """Collective (every rank): each reads only its shards' slices of the safetensors (DCP's HF reader, as torchtitan:
-    mmap'd byte ranges, cast to the params' dtype); `extra`: full tensors the files lack (the value head)."""
-    params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens, like in the file
-    in_files = dcp.HuggingFaceStorageReader(path).read_metadata().state_dict_metadata  # names and shapes: headers only
-    missing = [n for n in params if n not in in_files and n not in extra]
-    if missing:
-        raise ValueError(f"{path} has no tensor named {missing[0]} ({len(missing)} missing): not an HF checkpoint "
-                         f"of a supported CausalLM?")
-    dcp.load({n: p for n, p in params.items() if n not in extra}, storage_reader=dcp.HuggingFaceStorageReader(path))
-    for name, full in extra.items():
-        param = params[name]
-        if isinstance(param, DTensor):  # our shard of the full tensor, cut locally as its placements say
-            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-        with torch.no_grad():
-            _local(param).copy_(full)
-    return model
-
-
-def load_policy(path, mesh, cfg):
-    """Collective (every rank): the HF checkpoint at `path` as a sharded module (TP if tp > 1, FSDP2 over dp*cp)."""
-    return _load_weights(_build(path, mesh, cfg, critic=False), path, extra={})
-
-
-def load_critic(path, mesh, cfg):
-    """Collective (every rank): the backbone at `path` + an fp32 Linear(hidden, 1) value head, the same on every
-    rank: seeded, std 1/sqrt(hidden+1), zero bias (Ziegler et al. 2019, as summarize_from_feedback_details)."""
-    model = _build(path, mesh, cfg, critic=True)
-    hidden, generator = model.config.hidden_size, torch.Generator().manual_seed(cfg.seed)
-    weight = torch.randn(1, hidden, generator=generator) / math.sqrt(hidden + 1)
-    return _load_weights(model, path, extra={"lm_head.weight": weight, "lm_head.bias": torch.zeros(1)})
-
-
-# -----------------------------------------------------------------------------
-# Tiny presets: random-init models written as real HF checkpoint dirs (nothing is downloaded). head_dim 64 because
-# vLLM's CPU attention refuses 16; vocab 262, padded past the toy tokenizer's 258 ids and not a multiple of 4.
-
+# Tiny presets: random-init models written as real HF checkpoint dirs (nothing is downloaded).
+# head_dim 64 because vLLM's CPU attention refuses 16; vocab 262 > the toy tokenizer's 258 ids and
+# not a multiple of 4, like real checkpoints whose embedding rows are padded.
 _TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, vocab_size=262, max_position_embeddings=512,
              tie_word_embeddings=False, bos_token_id=256, eos_token_id=256, pad_token_id=257)
@@ -445,14 +340,17 @@ TINY_PRESETS = {
     "tiny-llama": dict(_TINY, model_type="llama"),
     "tiny-qwen2": dict(_TINY, model_type="qwen2"),  # q/k/v biases
     "tiny-qwen3": dict(_TINY, model_type="qwen3"),  # q/k RMSNorm per head
+    # a window of 8 tokens, shorter than most rows (the tests' reach 14): the mask matters
+    "tiny-mistral": dict(_TINY, model_type="mistral", sliding_window=8),
     # Gemma3 text: sliding-window layers, (1 + w) norms, scaled embedding; tp = 1 only
     "tiny-gemma3": dict(_TINY, model_type="gemma3_text", query_pre_attn_scalar=64, sliding_window=128),
 }
 
 
 def materialize_tiny_model(name, dir, seed, **overrides):
-    """Write preset `name` (+ overrides, e.g. tie_word_embeddings=True) to dir/name; return that path. Rank 0 writes
-    to a temp dir then renames it, so a dir with config.json is complete and a second call only waits at the barrier."""
+    """Write preset `name` (+ overrides, e.g. tie_word_embeddings=True) to dir/name; return that
+    path. Rank 0 writes to a temp dir then renames it, so a dir with config.json is complete and a
+    second call only waits at the barrier."""
     path = os.path.join(dir, name)
     rank = dist.get_rank() if dist.is_initialized() else 0  # also usable before init (scripts, tests)
     if rank == 0 and not os.path.isfile(os.path.join(path, "config.json")):
@@ -469,11 +367,288 @@ def materialize_tiny_model(name, dir, seed, **overrides):
 
 
 # -----------------------------------------------------------------------------
-# Forward: microbatches of rows -> this rank's tokens -> model -> this rank's head output -> per-token (b, S).
+# Tensor-parallel plans (Megatron-LM via torchtitan). Colwise = split a Linear's output features
+# (weight dim 0), so each rank computes some heads / some MLP channels with no communication;
+# rowwise = split its input features (weight dim 1), each rank's partial output is summed (one
+# all-reduce per block, or a reduce-scatter onto the sequence dim with SP). Llama, Qwen2, Qwen3 and
+# Mistral share module names, so one plan serves the four; Gemma3 is refused for tp > 1.
+
+def _tp_plan(family, sequence_parallel, critic):
+    """{module name pattern: how parallelize_module splits it} for this family, SP and head."""
+    # layout of the residual stream between blocks: the full sequence on every tp rank, or (SP)
+    # each tp rank holds S/tp of the tokens, so norms and residual adds are not repeated
+    stream = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        # rows of the vocab split over tp: a rank looks up the ids it owns (zero elsewhere) and
+        # the partial embeddings are summed (all-reduce, or reduce-scatter over the sequence)
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        "model.layers.*.self_attn.q_proj": ColwiseParallel(),  # this rank's query heads
+        "model.layers.*.self_attn.k_proj": ColwiseParallel(),  # the KV heads they read
+        "model.layers.*.self_attn.v_proj": ColwiseParallel(),  # (tp divides the KV heads)
+        "model.layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=stream),  # heads summed
+        "model.layers.*.mlp.gate_proj": ColwiseParallel(),  # this rank's MLP channels
+        "model.layers.*.mlp.up_proj": ColwiseParallel(),  # the same channels
+        "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=stream),  # channels summed
+    }
+    if family == "qwen3":
+        plan.update({
+            # per-head q/k norms see only this rank's heads (dim 2 of (B, S, H/tp, D)); marking
+            # that split (SP's style on the head dim) makes the replicated weight's gradient a sum
+            # over tp
+            "model.layers.*.self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            "model.layers.*.self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        })
+    if sequence_parallel:
+        plan.update({
+            # norms run on S/tp tokens; their replicated weights get gradients summed over tp
+            "model.layers.*.input_layernorm": SequenceParallel(),
+            "model.layers.*.post_attention_layernorm": SequenceParallel(),
+            "model.norm": SequenceParallel(use_local_output=True),
+            # attention and MLP need every token: one all-gather over tp at each block's entry
+            "model.layers.*.self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=True),
+            "model.layers.*.mlp": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),
+        })
+    if critic:
+        # the value head is tiny and replicated over tp: it just needs every token
+        plan["lm_head"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
+                                             use_local_output=True)
+    else:
+        # vocab split over tp; forward_policy hands each rank's (B, S, V/tp) shard to logprobs.py
+        # (left a DTensor here: to_local() is a view, and FSDP2 cannot hook a module output that
+        # is one)
+        plan["lm_head"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1),
+                                          use_local_output=False)
+    return plan
+
+
+# -----------------------------------------------------------------------------
+# Loading: every rank builds the model on the meta device (no memory), shards it (TP, then FSDP2
+# or DDP), allocates only its shards, and reads only those from the checkpoint's files.
+
+class CheckpointError(ValueError):
+    """A model dir or training checkpoint that cannot be used: one line, exit 2."""
+
+
+def _check_supported(config, tp_size):
+    """Refuse (CheckpointError) a family without a plan here, or a tp split that cuts a head."""
+    family = config.model_type
+    if family not in FAMILIES:
+        raise CheckpointError(f"model_type {family!r} is not supported: {', '.join(FAMILIES)} "
+                              f"(gemma3_text: tp_size=1 only)")
+    if family == "gemma3_text" and tp_size > 1:
+        raise CheckpointError("Gemma3 runs with tp_size=1 only (FSDP, CP and packing work): "
+                              "no TP plan for it here")
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(config, field) % tp_size:
+            raise CheckpointError(f"tp_size={tp_size} must divide {field}={getattr(config, field)}: "
+                                  f"each tp rank computes whole heads")
+
+
+def check_hf_dir(path, tp_size):
+    """Refuse (CheckpointError, one line) a model dir that loading would fail on later: no dir, no
+    or unreadable config.json, an unsupported family or tp split, missing or corrupt weights. Reads
+    only config.json and the safetensors headers: fast, on every rank."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(f"model={path!r} is not an HF checkpoint dir (no config.json): give a dir "
+                              f"written by save_pretrained, or a tiny preset (see --help)")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path}/config.json cannot be read: {str(e).splitlines()[0]}") from None
+    _check_supported(config, tp_size)
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} has no *.safetensors weights (.bin files are not read here: "
+                              f"re-save them with save_pretrained)")
+    from safetensors import SafetensorError, safe_open
+    for f in files:
+        # the header lists every tensor's byte range: a truncated file fails here
+        try:
+            safe_open(os.path.join(path, f), framework="pt")
+        except SafetensorError as e:
+            raise CheckpointError(f"{path}/{f} is corrupt ({e}): download or save it again") from None
+
+
+class ValueHead(nn.Linear):
+    """The critic's Linear(hidden, 1), computed as x @ w.T + b in two ops: F.linear's fused addmm
+    on 3-D input returns a view, and FSDP2 warns about (and cannot hook in-place ops on) views."""
+
+    def forward(self, hidden):  # (B, T/cp, hidden) -> (B, T/cp, 1)
+        return F.linear(hidden, self.weight) + self.bias
+
+
+def _build(path, mesh, cfg, critic):
+    """The architecture at `path` as this rank's sharded module, with its shards allocated but not
+    yet read (_load_weights fills them). The steps, in order: build on the meta device, split over
+    tp, shard (FSDP2) or replicate (DDP) over dp x cp, allocate, tie the embeddings again."""
+    config = AutoConfig.from_pretrained(path)
+    tp_size = mesh["tp"].size()
+    _check_supported(config, tp_size)
+    model = _on_meta(config, critic)
+    tied = not critic and config.tie_word_embeddings
+    if tp_size > 1:
+        parallelize_module(model, mesh["tp"], _tp_plan(config.model_type, cfg.sequence_parallel, critic))
+        # TP gave each module its own DTensor copy (both Shard(0) on vocab): tie again
+        if tied:
+            _tie_embeddings(model)
+    if cfg.activation_checkpointing:  # recompute each decoder layer in backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    device = _device(mesh)
+    offload = device.type == "cuda" and cfg.cpu_offload  # GPU only
+    if cfg.data_parallel == "fsdp":
+        _shard_fsdp(model, mesh.dp_cp, cfg, critic, offload)
+    elif mesh.dp_cp.size() > 1:  # ddp (on one rank: a plain module)
+        _replicate_ddp(model, mesh.dp_cp.get_group())
+    _allocate(model, device, offload)
+    # to_empty gave each its own tensor (not under FSDP2): tie again
+    if tied:
+        _tie_embeddings(model)
+    # no dropout in these families; train mode lets activation checkpointing act
+    model.train()
+    return model
+
+
+def _on_meta(config, critic):
+    """The model on the meta device: shapes only, no memory and no init (the checkpoint fills it).
+    The critic is the same backbone with its "LM head" replaced by the value head."""
+    if critic:
+        config.final_logit_softcapping = None  # Gemma's logit softcap must not squash values
+    with torch.device("meta"):
+        # attn_implementation="ppo": every layer calls ppo_attention (registered above)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="ppo", dtype=torch.float32)
+        if critic:
+            model.lm_head = ValueHead(config.hidden_size, 1)
+    return model
+
+
+def _tie_embeddings(model):
+    """The LM head shares the embedding's weight, as a tied checkpoint stores it (once)."""
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _shard_fsdp(model, mesh, cfg, critic, offload):
+    """FSDP2 over `mesh` (dp x cp): per decoder layer (one all-gather in flight at a time), then the
+    root (embeddings, final norm, head). dtype=bf16 (the GPU recipe, on any device): parameters are
+    all-gathered and computed in bf16, gradients reduced in fp32 into fp32 master weights, which
+    AdamW updates. `offload` keeps the shards (and AdamW's state) in host memory (GPU only)."""
+    if cfg.dtype == "bf16":
+        compute = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        compute = MixedPrecisionPolicy()
+    # reshard_after_forward=False: a gathered layer stays gathered until its backward (or, in
+    # no-grad passes, until the next explicit reshard: every microbatch of a pass reuses it)
+    fsdp = dict(mesh=mesh, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
+                reshard_after_forward=cfg.reshard_after_forward)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=compute, **fsdp)
+    if critic:
+        # the value head is its own unit with an fp32 param_dtype: FSDP2 casts its bf16 input up
+        # to fp32 (without the cast, bf16 hidden states meet fp32 weights and matmul fails)
+        fully_shard(model.lm_head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32), **fsdp)
+    fully_shard(model, mp_policy=compute, **fsdp)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # each rank's loss is already a sum over its tokens / the global token count, so
+            # gradients are summed over dp*cp, not averaged (force SUM: gloo has no PREMUL_SUM)
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def _replicate_ddp(model, group):
+    """DDP over `group` (dp x cp) in torch's composable form (module names unchanged; torchtitan's
+    apply_ddp): whole replicas, gradients in 25 MB buckets (.grad then views them: no copy back
+    out) all-reduced while earlier layers still compute. On gloo FSDP2's all-gather +
+    reduce-scatter cost 2-3x one all-reduce (bench/gloo_collectives.py). DDP itself is built at
+    the first forward, after the weights are loaded."""
+    replicate(model, process_group=group, forward_sync_buffers=False, gradient_as_bucket_view=True)
+    model.register_comm_hook(group, _sum_hook)  # summed, as FSDP2's are
+
+
+def _sum_hook(group, bucket):
+    """A DDP comm hook: SUM over the group (DDP's default averages)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda f: f.value()[0])
+
+
+def sync_gradients(model, sync):
+    """DDP: all-reduce in the next backward only if `sync` (a minibatch's last microbatch): each
+    all-reduce sums all gradients accumulated so far. (FSDP2 reduces each backward's own.)"""
+    if isinstance(model, DDP):
+        model.set_requires_gradient_sync(sync)
+
+
+def _allocate(model, device, offload):
+    """Allocate this rank's shards (uninitialized: _load_weights fills them), and compute the
+    buffers that no checkpoint holds. `offload`: the shards in host memory, the buffers on the
+    GPU."""
+    model.to_empty(device="cpu" if offload else device)  # only now is memory allocated
+    # buffers computed at construction (RoPE frequencies, Gemma's embedding scale) are not in the
+    # checkpoint: transformers' own initializer recomputes them; parameters are marked done, so
+    # that it leaves them alone
+    for param in model.parameters():
+        param._is_hf_initialized = True
+    for module in model.modules():
+        if module._non_persistent_buffers_set:
+            model._init_weights(module)
+        if offload:  # buffers are not FSDP's: they stay on the GPU
+            module._buffers.update({n: b.to(device) for n, b in module._buffers.items() if b is not None})
+
+
+def _load_weights(model, path, extra):
+    """Collective (every rank): each rank reads only the slices its shards cover from the
+    checkpoint's safetensors files (torch.distributed.checkpoint's HF reader: byte ranges of mmap'd
+    files, cast to the parameters' dtype), as torchtitan loads HF weights; no rank holds a full
+    model. `extra`: full tensors for what the files lack (the value head). Returns the model."""
+    # a tied lm_head appears once, as embed_tokens, as in the file
+    params = dict(model.named_parameters())
+    # names and shapes, from the files' headers only
+    in_files = dcp.HuggingFaceStorageReader(path).read_metadata().state_dict_metadata
+    missing = [n for n in params if n not in in_files and n not in extra]
+    if missing:
+        raise ValueError(f"{path} has no tensor named {missing[0]} ({len(missing)} missing): not an HF "
+                         f"checkpoint of a supported CausalLM?")
+    from_files = {n: p for n, p in params.items() if n not in extra}
+    dcp.load(from_files, storage_reader=dcp.HuggingFaceStorageReader(path))
+    for name, full in extra.items():
+        param = params[name]
+        # a DTensor: our shard of the full tensor, cut locally as its placements say
+        if isinstance(param, DTensor):
+            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        with torch.no_grad():
+            _local(param).copy_(full)
+    return model
+
+
+def load_policy(path, mesh, cfg):
+    """Collective (every rank): the HF checkpoint at `path` as a sharded module (TP plan if tp > 1,
+    FSDP2 or DDP over dp*cp)."""
+    return _load_weights(_build(path, mesh, cfg, critic=False), path, extra={})
+
+
+def load_critic(path, mesh, cfg):
+    """Collective (every rank): the backbone of the checkpoint at `path` + an fp32 Linear(hidden, 1)
+    value head, initialized from the seed with std 1/sqrt(hidden+1) and zero bias (Ziegler et al.
+    2019's value head, as in summarize_from_feedback_details), identical on every rank."""
+    model = _build(path, mesh, cfg, critic=True)
+    hidden = model.config.hidden_size
+    generator = torch.Generator().manual_seed(cfg.seed)
+    weight = torch.randn(1, hidden, generator=generator) / math.sqrt(hidden + 1)
+    return _load_weights(model, path, extra={"lm_head.weight": weight, "lm_head.bias": torch.zeros(1)})
+
+
+# -----------------------------------------------------------------------------
+# Forward: microbatches of rows -> this rank's tokens -> model -> this rank's head output ->
+# per-token numbers in the trainer's (b, S) rows.
 
 def microbatches(seq_lens, cfg, mesh):
-    """Collective (every rank of dp): lists of row indices, as many on every dp rank ([]: a dummy run, weight 0, so
-    collectives match). Packing: first-fit decreasing into max_tokens_per_microbatch rows; else micro_batch_size."""
+    """Collective (every rank of dp): lists of row indices, the same count on every dp rank ([] = a
+    dummy to run with weight 0, so that FSDP's or DDP's collectives still match). Packing: first-fit
+    decreasing into rows of at most max_tokens_per_microbatch tokens; else micro_batch_size rows
+    at a time."""
     if cfg.packing:
         multiple = 2 * mesh["cp"].size() * mesh["tp"].size()
         capacity = cfg.max_tokens_per_microbatch // multiple * multiple  # room left after padding
@@ -483,27 +658,61 @@ def microbatches(seq_lens, cfg, mesh):
                 raise ValueError(f"a sequence of {seq_lens[i]} tokens does not fit max_tokens_per_microbatch="
                                  f"{cfg.max_tokens_per_microbatch} (usable {capacity}: a multiple "
                                  f"of 2*cp*tp={multiple}); raise it")
-            fit = next((k for k in range(len(bins)) if room[k] >= seq_lens[i]), len(bins))  # first bin with room
-            if fit == len(bins):  # none: open a new one
+            # the first bin with room, else a new one
+            fit = next((k for k in range(len(bins)) if room[k] >= seq_lens[i]), len(bins))
+            if fit == len(bins):
                 bins.append([])
                 room.append(capacity)
             bins[fit].append(i)
             room[fit] -= seq_lens[i]
     else:
         size = cfg.micro_batch_size
-        bins = [list(range(start, min(start + size, len(seq_lens)))) for start in range(0, len(seq_lens), size)]
+        starts = range(0, len(seq_lens), size)
+        bins = [list(range(start, min(start + size, len(seq_lens)))) for start in starts]
     count = torch.tensor([len(bins)], device=_device(mesh))
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mesh["dp"].get_group())  # collective over dp
     return bins + [[] for _ in range(int(count) - len(bins))]
 
 
 def _varlen_index(doc_lens, num_rows, row_len, cp_size, cp_rank, kv_rows):
-    """flash-attn's varlen arguments: a segment per (row, zigzag chunk, document) of this rank's queries in local order,
-    keys from the document's start (bottom-right causal; Llama 3's, TE's all-gather CP). Python ints: no device sync."""
+    """flash-attn's varlen arguments for this rank's queries: one segment per (row, zigzag chunk,
+    document) overlap, in the queries' local order. Each segment's keys run from its document's
+    start to its last query (bottom-right causal: the all-gather CP of Llama 3 and
+    TransformerEngine). Built on the host from Python ints: no device sync in any layer. kv_rows:
+    the row position of each gathered key (Layout.kv_rows).
+
+    A worked example (tests/test_model_parallel.py checks every number): cp=2, one packed row of
+    T=8 tokens holding documents of 3 and 5 tokens, cut into 2*cp=4 zigzag chunks of 2 tokens:
+
+        row position   0 1 2 3 4 5 6 7
+        document       0 0 0 1 1 1 1 1
+        chunk          0 0 1 1 2 2 3 3     rank 0 keeps chunks 0 and 3, rank 1 chunks 1 and 2
+        kv_rows = [0 1 6 7 2 3 4 5]        the keys as gathered: rank 0's share, then rank 1's
+
+    Rank 1 (q_rows = [2 3 4 5]): its chunks cut the documents into three segments
+
+        segment  (row, chunk, document)  queries (rows)  keys (rows)  keys' slots in kv_rows
+        0        (0, 1, 0)               2               0 1 2        0 1 4
+        1        (0, 1, 1)               3               3            5
+        2        (0, 2, 1)               4 5             3 4 5        5 6 7
+
+        cu_seqlens_q = [0 1 2 4], cu_seqlens_k = [0 3 4 7], max_seqlen_q = 2, max_seqlen_k = 3,
+        kv_index = [0 1 4 5 5 6 7]         the slots, segment after segment (+ row * T)
+
+    Segment 2's queries are the last 2 of its 3 keys (bottom-right): row 4 sees 3 4, row 5 sees
+    3 4 5. Segments 1 and 2 both read key 3: keys may repeat across segments, queries never do.
+    Rank 0 (q_rows = [0 1 6 7]) has two segments, (0, 0, 0) with keys 0 1 and (0, 3, 1) with keys
+    3..7: cu_seqlens_q = [0 2 4], cu_seqlens_k = [0 2 7], max_seqlen_q = 2, max_seqlen_k = 5,
+    kv_index = [0 1 5 6 7 2 3]. With cp=1 a segment is a whole document and kv_index is None."""
     doc_starts = [sum(doc_lens[:d]) for d in range(len(doc_lens))]
     chunk = row_len // (2 * cp_size)
-    chunks = [(0, row_len)] if cp_size == 1 else [(c * chunk, (c + 1) * chunk) for c in (cp_rank, 2 * cp_size - 1 - cp_rank)]
-    q_lens, k_spans = [], []  # k_spans: (row, first key, end) in row positions
+    if cp_size == 1:
+        chunks = [(0, row_len)]
+    else:  # zigzag: chunk r, then 2cp-1-r
+        chunks = [(c * chunk, (c + 1) * chunk) for c in (cp_rank, 2 * cp_size - 1 - cp_rank)]
+    q_lens = []  # the queries of each segment
+    # (row, first key, end) of each segment's keys, in row positions
+    k_spans = []
     for row in range(num_rows):
         for lo, hi in chunks:
             for start, n in zip(doc_starts, doc_lens):
@@ -513,108 +722,153 @@ def _varlen_index(doc_lens, num_rows, row_len, cp_size, cp_rank, kv_rows):
                     k_spans.append((row, start, end))
     k_lens = [end - start for _, start, end in k_spans]
     kv_index = None  # cp = 1: the segments' keys are the keys, in order
-    if cp_size > 1:  # the gathered keys are in rank order: natural position p sits at slot[p]
+    # the gathered keys are in rank order: row position p sits at slot[p]
+    if cp_size > 1:
         slot = torch.empty_like(kv_rows)  # (T,)
         slot[kv_rows] = torch.arange(len(kv_rows), device=kv_rows.device)
         kv_index = torch.cat([row * row_len + slot[start:end] for row, start, end in k_spans])  # (total_k,)
-    cu = lambda lens: F.pad(torch.tensor(lens).cumsum(0), (1, 0)).to(kv_rows.device, torch.int32)  # noqa: E731
-    return dict(cu_seqlens_q=cu(q_lens), cu_seqlens_k=cu(k_lens), max_seqlen_q=max(q_lens),
-                max_seqlen_k=max(k_lens), kv_index=kv_index)
+
+    def boundaries(lens):  # segment lengths -> (segments + 1,) int32 offsets
+        return F.pad(torch.tensor(lens).cumsum(0), (1, 0)).to(kv_rows.device, torch.int32)
+
+    return dict(cu_seqlens_q=boundaries(q_lens), cu_seqlens_k=boundaries(k_lens),
+                max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), kv_index=kv_index)
 
 
 def _layout(input_ids, seq_lens, mesh, cfg):
-    """What this rank feeds the model for (b, S) right-padded rows, padded (or packed) to a multiple of 2*cp*tp: 2*cp
-    equal zigzag chunks, split again over tp by SP. Pad tokens (id 0) follow every real token; no loss reads them."""
+    """What this rank feeds the model for (b, S) right-padded rows with seq_lens real tokens. Rows
+    (or the packed row) are padded to a multiple of 2*cp*tp: zigzag needs 2*cp equal chunks and
+    sequence parallel splits each cp share again over tp. Pad tokens (id 0) come after every real
+    token they could disturb and no loss reads them.
+
+    A worked example (_varlen_index's, checked by tests/test_model_parallel.py): packing, cp=2,
+    tp=1, two sequences a b c and d e f g h. They pack into one row of T=8 tokens (a multiple of
+    2*cp*tp=4: no padding tail; else the tail would be a document of its own):
+
+        ids        a b c d e f g h         cu_seqlens = [0 3 8]
+        positions  0 1 2 0 1 2 3 4         (RoPE sees each sequence as if alone)
+        docs       0 0 0 1 1 1 1 1
+        rank 0:  q_rows = [0 1 6 7]: the model gets a b g h at positions 0 1 3 4, q_docs [0 0 1 1]
+        rank 1:  q_rows = [2 3 4 5]: the model gets c d e f at positions 2 0 1 2, q_docs [0 1 1 1]
+        both:    kv_rows = [0 1 6 7 2 3 4 5], kv_docs = [0 0 1 1 0 1 1 1]"""
     cp_size, cp_rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
-    multiple, device = 2 * cp_size * mesh["tp"].size(), _device(mesh)
+    multiple = 2 * cp_size * mesh["tp"].size()
+    device = _device(mesh)
     input_ids = input_ids.to(device)  # (b, S)
-    if cfg.packing:  # one row: the sequences back to back, the padding tail as a document of its own
+    if cfg.packing:
+        # one row: the sequences back to back, the padding tail as a document of its own
         lens = [int(n) for n in seq_lens]
         tail = -sum(lens) % multiple
-        ids = torch.cat([input_ids[k, :n] for k, n in enumerate(lens)] + [input_ids.new_zeros(tail)])[None]  # (1, T)
+        pieces = [input_ids[k, :n] for k, n in enumerate(lens)] + [input_ids.new_zeros(tail)]
+        ids = torch.cat(pieces)[None]  # (1, T)
         doc_lens = lens + [tail] if tail else lens
-        cu_seqlens = F.pad(torch.tensor(doc_lens, device=device).cumsum(0), (1, 0)).to(torch.int32)  # (n_docs+1,)
-        docs = torch.repeat_interleave(torch.arange(len(doc_lens), device=device),
-                                       torch.tensor(doc_lens, device=device))[None]  # (1, T)
+        lengths = torch.tensor(doc_lens, device=device)  # (docs,)
+        cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # (docs + 1,)
+        docs = torch.repeat_interleave(torch.arange(len(doc_lens), device=device), lengths)[None]  # (1, T)
         # position ids restart at 0 in each sequence: RoPE sees every sequence as if alone
         positions = torch.arange(ids.shape[1], device=device)[None] - cu_seqlens[docs]  # (1, T)
     else:
         ids = F.pad(input_ids, (0, -input_ids.shape[1] % multiple))  # (b, T)
-        doc_lens, cu_seqlens = [ids.shape[1]], None  # one document per row
+        doc_lens = [ids.shape[1]]  # one document per row
+        cu_seqlens = None
         docs = torch.zeros_like(ids)  # (b, T)
         positions = torch.arange(ids.shape[1], device=device).expand_as(ids)  # (b, T)
-    q_rows = zigzag_positions(ids.shape[1], cp_size, cp_rank).to(device)  # (T/cp,) queries: zigzag chunks r, 2cp-1-r
-    kv_rows = torch.cat([zigzag_positions(ids.shape[1], cp_size, r) for r in range(cp_size)]).to(device)  # (T,)
+    # queries: this rank's zigzag share (chunks r, 2cp-1-r); keys: every share, all-gathered in
+    # rank order
+    q_rows = zigzag_positions(ids.shape[1], cp_size, cp_rank).to(device)  # (T/cp,)
+    shares = [zigzag_positions(ids.shape[1], cp_size, r) for r in range(cp_size)]
+    kv_rows = torch.cat(shares).to(device)  # (T,)
     if cfg.attention == "masked" and (error := masked_attention_error(ids.shape[1], cp_size)):
         raise ValueError(error)  # (unpacked rows: their length is known only now)
-    return Layout(ids=ids, positions=positions, seq_lens=torch.as_tensor(seq_lens, device=device), cu_seqlens=cu_seqlens,
-                  varlen=cfg.attention == "varlen", cp_group=_group(mesh, "cp"), q_rows=q_rows, kv_rows=kv_rows,
-                  q_docs=docs[:, q_rows], kv_docs=docs[:, kv_rows],
+    return Layout(ids=ids, positions=positions, seq_lens=torch.as_tensor(seq_lens, device=device),
+                  cu_seqlens=cu_seqlens, varlen=cfg.attention == "varlen", cp_group=_group(mesh, "cp"),
+                  q_rows=q_rows, kv_rows=kv_rows, q_docs=docs[:, q_rows], kv_docs=docs[:, kv_rows],
                   **_varlen_index(doc_lens, ids.shape[0], ids.shape[1], cp_size, cp_rank, kv_rows))
 
 
 def _unlayout(per_token, layout, like):
-    """(B, T) per-token numbers back in the trainer's (b, S) right-padded rows, on `like`'s device."""
+    """(B, T) per-token numbers back in the trainer's (b, S) right-padded rows, on `like`'s
+    device."""
     seq_len = like.shape[1]
     if layout.cu_seqlens is None:  # zero past each row's end, as unpacking does
         valid = torch.arange(seq_len, device=per_token.device)[None] < layout.seq_lens[:, None]  # (b, S)
         return (per_token[:, :seq_len] * valid).to(like.device)  # (b, S)
-    return unpack_packed(per_token, layout.cu_seqlens[: len(layout.seq_lens) + 1], seq_len).to(like.device)  # (b, S)
+    sequences = layout.cu_seqlens[: len(layout.seq_lens) + 1]  # (b + 1,) without the padding tail
+    return unpack_packed(per_token, sequences, seq_len).to(like.device)  # (b, S)
 
 
 def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_entropy=False, unscored=0):
-    """Collective (every rank): logprobs (b, S) under pi(.)^(1/temperature) (+ entropy), 0 at position 0 (train_ppo.py).
-    `unscored`: leading positions no loss reads (the shortest prompt); with no CP, SP or packing the head skips them."""
+    """Collective (every rank): per-token logprobs (b, S) under pi(.)^(1/temperature), and the
+    entropy if asked, aligned as in train_ppo.py's docstring (0 at position 0). Packing, CP and TP
+    stay inside. `unscored`: leading positions that no loss reads in any row (the shortest prompt);
+    without CP, SP or packing the LM head skips them, as it need not predict their tokens (they
+    come back as 0)."""
     layout = _layout(input_ids, seq_lens, mesh, cfg)
-    plain_rows = mesh["cp"].size() == 1 and not (cfg.packing or cfg.sequence_parallel)  # positions = row positions
-    skip = max(unscored - 1, 0) if plain_rows else 0  # logits at unscored-1 predict the first scored token
-    logits = model(**layout.model_inputs(), logits_to_keep=layout.ids.shape[1] - skip).logits  # (B, T/cp - skip, V/tp)
+    plain_rows = mesh["cp"].size() == 1 and not (cfg.packing or cfg.sequence_parallel)  # positions = rows
+    # the logits at position unscored-1 predict the first scored token
+    skip = max(unscored - 1, 0) if plain_rows else 0
+    kept = layout.ids.shape[1] - skip
+    logits = model(**layout.model_inputs(), logits_to_keep=kept).logits  # (B, T/cp - skip, V/tp)
     if isinstance(logits, DTensor):  # tp > 1: this rank's vocab shard, never gathered
         logits = logits.to_local()  # (B, T/cp, V/tp)
-    # logits / the sampling temperature: pi/pi_old compares what the engine sampled from (NeMo-RL, verl)
+    # the logits are divided by the sampling temperature: pi/pi_old compares the distributions the
+    # engine sampled from (as NeMo-RL and verl do)
     shards = dict(tp_group=_group(mesh, "tp"), cp_group=_group(mesh, "cp"), cu_seqlens=layout.cu_seqlens,
                   chunk_size=cfg.logprob_chunk_size, temperature=temperature)
+    # the entropy (a metric, or the bonus with its gradient) from the logprobs' own softmax pass
     out = token_logprobs(logits, layout.ids[:, skip:], with_entropy=with_entropy, **shards)  # (B, T - skip)
-    logprobs, entropy = out if with_entropy else (out, None)  # entropy (metric or bonus): the same softmax pass
-    back = lambda x: None if x is None else _unlayout(F.pad(x, (skip, 0)), layout, input_ids)  # noqa: E731 (b, S)
+    logprobs, entropy = out if with_entropy else (out, None)
+
+    def back(per_token):  # (B, T - skip) -> (b, S), 0 at the skipped positions
+        return None if per_token is None else _unlayout(F.pad(per_token, (skip, 0)), layout, input_ids)
+
     return back(logprobs), back(entropy)
 
 
 def forward_critic(critic, input_ids, seq_lens, mesh, cfg):
-    """Collective (every rank): values (b, S), right-shifted: values[:, i] = V(x_<i), 0 at each sequence's start."""
+    """Collective (every rank): values (b, S), right-shifted: values[:, i] = V(x_<i) =
+    head(hidden[:, i-1]), 0 at position 0 (and at packed sequence starts, which see no earlier token
+    of their own)."""
     layout = _layout(input_ids, seq_lens, mesh, cfg)
     values = critic(**layout.model_inputs()).logits[..., 0].float()  # (B, T/cp)
     values = cp_gather(values, _group(mesh, "cp"), dim=1)  # (B, T)  collective over cp, natural order
-    values = shift_right(values, layout.cu_seqlens)  # (B, T)  the shift crosses zigzag chunks: after the gather
+    # the shift crosses zigzag chunks: after the gather
+    values = shift_right(values, layout.cu_seqlens)  # (B, T)
     return _unlayout(values, layout, input_ids)  # (b, S)
 
 
 # -----------------------------------------------------------------------------
-# Reference policy: the initial shards in host memory, swapped into the live module (one model, no second FSDP
-# module to keep in sync); and AdamW's state, on the host while the engine generates.
+# Reference policy: the initial policy's shards in host memory, swapped into the live module for
+# the reference forward (one model in memory, no second FSDP module to shard and keep in sync);
+# and the optimizer's state, moved to host memory while the engine generates.
 
 def _local(param):
     return param.to_local() if isinstance(param, DTensor) else param  # this rank's shard
 
 
 def reshard(model):
-    """Back to shards: FSDP2 leaves the root gathered, full tensors, after a forward (backward needs them at once)."""
+    """Back to sharded parameters. FSDP2 leaves the root gathered after a forward (its parameters
+    are needed again at once in backward), and while gathered the module holds the full tensors."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
 
 
 def _host_copy(tensor, dtype=None):
-    """A copy in host memory, pinned on a GPU machine (copies to and from the GPU go faster and async)."""
-    out = torch.empty(tensor.shape, dtype=dtype or tensor.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+    """A copy in host memory, pinned on a GPU machine (copies to and from the GPU go faster and
+    async)."""
+    pinned = torch.cuda.is_available()
+    out = torch.empty(tensor.shape, dtype=dtype or tensor.dtype, device="cpu", pin_memory=pinned)
     return out.copy_(tensor, non_blocking=True)
 
 
 def snapshot_weights(model, dtype=None):
-    """The reference policy: this rank's shards copied once to the host in `dtype` (bf16: half the bytes, same math)."""
+    """The reference policy: this rank's shard of every parameter, copied once to host memory, in
+    `dtype` (default: the parameters'). The bf16 recipe keeps bf16: half the bytes of fp32, and the
+    forward casts the weights to bf16 anyway, so the reference computes exactly the same."""
     reshard(model)
-    return {"weights": {name: _host_copy(_local(p).detach(), dtype) for name, p in model.named_parameters()},
-            "parked": {}}  # filled by swapped_weights
+    weights = {name: _host_copy(_local(p).detach(), dtype) for name, p in model.named_parameters()}
+    return {"weights": weights, "parked": {}}  # parked: filled by swapped_weights
 
 
 def _copy_into(model, weights):
@@ -626,20 +880,25 @@ def _copy_into(model, weights):
 
 @contextlib.contextmanager
 def swapped_weights(model, snapshot):
-    """`model` computes with the snapshot's weights in the block, the live ones back exactly after. Plain CPU tensors
-    (DDP, one rank) trade storage with it; shards and GPU weights are copied, the live ones parked on the host."""
-    reshard(model)  # a gathered FSDP2 module shows plain full tensors, not its shards
-    params, weights, parked = dict(model.named_parameters()), snapshot["weights"], snapshot["parked"]
+    """Within the block, `model` computes with the snapshot's weights; afterwards the live weights
+    are back exactly. Plain tensors like the snapshot's (DDP or one rank, on CPU) trade storage with
+    it, no copy; shards (FSDP2) and GPU weights are copied, the live ones parked meanwhile in host
+    memory allocated at the first swap and reused (no allocation per step)."""
+    # a gathered FSDP2 module shows plain full tensors, not its shards
+    reshard(model)
+    params = dict(model.named_parameters())
+    weights, parked = snapshot["weights"], snapshot["parked"]
     same = lambda p, s: (p.device, p.shape, p.dtype) == (s.device, s.shape, s.dtype)  # noqa: E731
     if all(not isinstance(p, DTensor) and same(p, weights[n]) for n, p in params.items()):
-        def enter():  # each tensor's storage goes to the other side; the Parameter objects stay
+        # each tensor's storage goes to the other side; the Parameter objects stay
+        def enter():
             for name, param in params.items():
                 param.data, weights[name] = weights[name], param.data
         leave = enter
     else:
         def enter():
             for name, param in params.items():
-                if name in parked:  # host memory from the first swap, reused: no allocation per step
+                if name in parked:  # host memory from the first swap, reused
                     parked[name].copy_(_local(param), non_blocking=True)
                 else:
                     parked[name] = _host_copy(_local(param).detach())
@@ -653,39 +912,52 @@ def swapped_weights(model, snapshot):
 
 
 def move_optimizer_state(optimizer, device):
-    """AdamW's two moments (8 bytes a parameter: twice the fp32 weights) to `device`: "cpu" (pinned host memory) while
-    vLLM generates, the GPU before the update (NeMo-RL's offload_before/after_refit). DTensors keep their sharding."""
+    """AdamW's two moments (8 bytes a parameter: twice the fp32 weights) to `device`: "cpu" (pinned
+    host memory) while vLLM generates, the GPU again before the update, as NeMo-RL's
+    offload_before_refit / offload_after_refit. Sharded (DTensor) states keep their sharding."""
     for state in optimizer.state.values():
         for key in ("exp_avg", "exp_avg_sq"):
             if key in state:
                 old = state[key]
-                new = _host_copy(_local(old)) if torch.device(device).type == "cpu" else \
-                    _local(old).to(device, non_blocking=True)
-                state[key] = DTensor.from_local(new, old.device_mesh, old.placements, run_check=False, shape=old.shape,
-                                                stride=old.stride()) if isinstance(old, DTensor) else new
+                if torch.device(device).type == "cpu":
+                    new = _host_copy(_local(old))
+                else:
+                    new = _local(old).to(device, non_blocking=True)
+                if isinstance(old, DTensor):  # the moved shard, wrapped as the old one was
+                    new = DTensor.from_local(new, old.device_mesh, old.placements, run_check=False,
+                                             shape=old.shape, stride=old.stride())
+                state[key] = new
 
 
 # -----------------------------------------------------------------------------
 # Global grad norm: sqrt of the sum of squares of every gradient element exactly once.
 
 def clip_grad_norm(params, max_norm):
-    """Collective (every rank): clip `params`' gradients in place to global L2 norm max_norm; return the prior norm.
-    A DTensor's squares sum over its sharded mesh dims, not replicated ones (copies); a plain tensor is a full copy."""
+    """Collective (every rank): clip the gradients of `params` in place to a global L2 norm of
+    max_norm; return the norm before clipping. A DTensor's local squares are summed over the mesh
+    dims it is sharded on, never over those it is replicated on (that would count the copies); a
+    plain tensor is a full copy on every rank. Works for any mix of meshes (FSDP only, FSDP x TP,
+    the value head)."""
     grads = [p.grad for p in params if p.grad is not None]
-    by_groups = {}  # process groups to sum over -> sum of squares of the local elements
-    for grad in grads:  # per-row norms summed: no squared copy; one fp32 sum of 28M drifts ~3e-3 (bench/ddp_update.py)
+    # process groups to sum over -> sum of squares of the local elements
+    by_groups = {}
+    for grad in grads:
+        # per row, then summed: one pass, no squared copy; a single fp32 running sum over a whole
+        # 28M-element gradient would drift by ~3e-3 (bench/ddp_update.py)
         sq = torch.linalg.vector_norm(_local(grad), dim=-1, dtype=torch.float32).square().sum()  # ()
         groups = ()
         if isinstance(grad, DTensor):
             if any(p.is_partial() for p in grad.placements):
                 raise ValueError("a gradient is still a pending sum (Partial): call after backward completes")
+            # Shard or FSDP-over-TP's _StridedShard: any split that is not a replica
             groups = tuple(grad.device_mesh.get_group(dim) for dim, p in enumerate(grad.placements)
-                           if not p.is_replicate())  # Shard or FSDP-over-TP's _StridedShard: not a replica
-            sq = sq.to(_device(grad.device_mesh))  # the collective's device (offloaded grads are on CPU)
+                           if not p.is_replicate())
+            sq = sq.to(_device(grad.device_mesh))  # the collective's device (offloaded grads: CPU)
         by_groups[groups] = by_groups.get(groups, 0) + sq
-    for groups, sq in by_groups.items():  # the same order on every rank: parameters come in order
+    # the same order on every rank: parameters come in order
+    for groups, sq in by_groups.items():
         for group in groups:
-            dist.all_reduce(sq, group=group)  # collective: sum over the ranks holding other shards
+            dist.all_reduce(sq, group=group)  # collective: the other shards'
     norm = torch.stack(list(by_groups.values())).sum().sqrt() if grads else torch.zeros(())
     if max_norm > 0:  # 0 = no clipping, only the norm
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
@@ -699,27 +971,39 @@ def clip_grad_norm(params, max_norm):
 # Full weights: refit of the rollout engine and HF export.
 
 def iter_full_params(model):
-    """Collective (every rank, to the end): yield (name, full tensor) per parameter, one alive at a time, named as in
-    the HF checkpoint (FSDP2 and TP keep module names; a tied lm_head appears once, as embed_tokens, as in the file)."""
-    reshard(model)  # every rank sees the same sharded parameters, hence the same collectives
+    """Collective (every rank, to the end): yield (name, full tensor) per parameter, named as in the
+    HF checkpoint (FSDP2 and TP keep module names; a tied lm_head appears once, as embed_tokens,
+    like in the file). One full tensor alive at a time."""
+    # every rank sees the same sharded parameters, hence the same collectives
+    reshard(model)
     for name, param in model.named_parameters():
-        with torch.no_grad():  # all-gather over its mesh, on the mesh's device (an offloaded shard lives on CPU)
-            full = param.to(_device(param.device_mesh)).full_tensor() if isinstance(param, DTensor) else param.detach()
+        with torch.no_grad():
+            if isinstance(param, DTensor):
+                # all-gather over its mesh, on the mesh's device (an offloaded shard lives on CPU)
+                full = param.to(_device(param.device_mesh)).full_tensor()
+            else:
+                full = param.detach()
         yield name, full
 
 
-# A model dir's files besides config and weights, copied into an export as is (AutoTokenizer and vLLM read them).
+# What a model dir holds besides config and weights, copied into an export as it is (AutoTokenizer,
+# vLLM's tokenizer and its default sampling settings read these).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                   "generation_config.json")
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 def _safetensors_header(tensors, dtype):
-    """Safetensors' prefix (shapes suffice): a little-endian u64 size, a JSON header of dtypes, shapes, byte ranges."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    """The safetensors layout's prefix: an 8-byte little-endian size, then a JSON header of each
+    tensor's dtype, shape and byte range in the data that follows (padded to 8 bytes). Shapes
+    suffice to write it."""
+    header = {"__metadata__": {"format": "pt"}}
+    offset = 0  # bytes of the tensors before this one
     for name, shape in tensors:
         nbytes = shape.numel() * dtype.itemsize
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
@@ -727,12 +1011,18 @@ def _safetensors_header(tensors, dtype):
 
 
 def save_hf(model, path, dtype=torch.float32, copy_from=None, extra_files=None, shard_gb=5.0):
-    """Collective (every rank): an HF dir for from_pretrained and vLLM (config.json, `dtype` weights, safetensors files
-    of <= shard_gb, else hub-style model-0000k-of-0000n + index.json), streamed: rank 0 writes each header, then each
-    parameter as gathered (one full tensor at a time). copy_from: TOKENIZER_FILES' dir; extra_files: {name: text}."""
-    master, tmp = dist.get_rank() == 0, path.rstrip("/") + ".tmp"  # written there, renamed: never half-written
+    """Collective (every rank): write an HF checkpoint dir loadable by from_pretrained and vLLM:
+    config.json and the weights in `dtype`, in safetensors files of at most shard_gb (several: the
+    hub's model-0000k-of-0000n.safetensors + model.safetensors.index.json). Streamed: rank 0 writes
+    each file's header first, then appends every parameter as it is gathered, so no rank holds more
+    than one full tensor beyond its shards. copy_from: a model dir whose TOKENIZER_FILES are copied
+    in; extra_files: {file name: text}. Written to a temp dir and renamed: `path` is never
+    half-written."""
+    master = dist.get_rank() == 0
+    tmp = path.rstrip("/") + ".tmp"
     reshard(model)
-    files, size = [[]], 0  # [(name, shape)] per file, in parameter order
+    files = [[]]  # [(name, shape)] per file, in parameter order
+    size = 0  # bytes in the last file so far
     for name, param in model.named_parameters():
         nbytes = param.numel() * dtype.itemsize
         if files[-1] and size + nbytes > shard_gb * 2**30:
@@ -740,8 +1030,10 @@ def save_hf(model, path, dtype=torch.float32, copy_from=None, extra_files=None, 
             size = 0
         files[-1].append((name, param.shape))
         size += nbytes
-    names = ["model.safetensors"] if len(files) == 1 else [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
-                                                            for k in range(len(files))]
+    if len(files) == 1:
+        names = ["model.safetensors"]
+    else:  # the hub's names for a sharded checkpoint
+        names = [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
     if master:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -761,14 +1053,16 @@ def save_hf(model, path, dtype=torch.float32, copy_from=None, extra_files=None, 
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
         config = copy.deepcopy(model.config)
-        config.dtype = dtype  # vLLM and from_pretrained(dtype="auto") load it as written
+        # vLLM and from_pretrained(dtype="auto") load it as written
+        config.dtype = dtype
         config.save_pretrained(tmp)
         for file_name, text in (extra_files or {}).items():
             with open(os.path.join(tmp, file_name), "w") as f:
                 f.write(text)
-        for file_name in TOKENIZER_FILES if copy_from else ():
-            if os.path.isfile(os.path.join(copy_from, file_name)):
-                shutil.copy(os.path.join(copy_from, file_name), tmp)
+        if copy_from:
+            for file_name in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(copy_from, file_name)):
+                    shutil.copy(os.path.join(copy_from, file_name), tmp)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
     dist.barrier()

@@ -42,14 +42,19 @@ def _materialize(root, name):
     return mp.materialize_tiny_model(preset, os.path.join(root, name), SEED, **overrides)
 
 
-MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-llama-tied", "tiny-qwen3-v263"]
+# the families every mesh checks; a new family's preset goes here (Gemma3: tp=1, its own cases)
+FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"]
+MODELS = FAMILIES + ["tiny-gemma3", "tiny-llama-tied", "tiny-qwen3-v263"]  # each with its HF reference
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     """Checkpoints and their single-process reference, computed once for every spawn."""
     root = str(tmp_path_factory.mktemp("models"))
-    torch.save({name: hf_reference(_materialize(root, name), LENS, PROMPT_LEN, TEMPERATURE, SEED) for name in MODELS}, os.path.join(root, "reference.pt"))
+    references = {}
+    for name in MODELS:
+        references[name] = hf_reference(_materialize(root, name), LENS, PROMPT_LEN, TEMPERATURE, SEED)
+    torch.save(references, os.path.join(root, "reference.pt"))
     return root
 
 
@@ -104,9 +109,10 @@ def _check_case(root, name, mesh, cfg, label):
             names.add(prefix + name)
         assert names == {n for n in ref["grads"] if n.startswith("critic.") == bool(prefix)}, label
     # the global grad norm counts every element once, whatever the mesh
-    want_norm = torch.stack([g.double().norm() for n, g in ref["grads"].items() if not n.startswith("critic.")]).norm()
+    policy_grads = [g for n, g in ref["grads"].items() if not n.startswith("critic.")]
+    want_norm = torch.stack([g.double().norm() for g in policy_grads]).norm().item()
     got_norm = mp.clip_grad_norm(list(policy.parameters()), max_norm=1e9)
-    assert abs(got_norm / want_norm.item() - 1) <= 1e-5, f"{label}: grad norm {got_norm} vs {want_norm.item()}"
+    assert abs(got_norm / want_norm - 1) <= 1e-5, f"{label}: grad norm {got_norm} vs {want_norm}"
     return outputs
 
 
@@ -117,8 +123,11 @@ def _equivalence_body(rank, world_size, root, cases, checks=()):
         for name in names:
             for packing in packings:
                 label = f"{name} dp{dp} cp{cp} tp{tp} packing={packing} {extra}"
-                masked, varlen = (_check_case(root, name, mesh, _cfg(packing=packing, attention=kind, **extra),
-                                              f"{label} {kind}") for kind in ("masked", "varlen"))
+                outputs = {}
+                for kind in ("masked", "varlen"):
+                    cfg = _cfg(packing=packing, attention=kind, **extra)
+                    outputs[kind] = _check_case(root, name, mesh, cfg, f"{label} {kind}")
+                masked, varlen = outputs["masked"], outputs["varlen"]
                 assert masked.keys() == varlen.keys()
                 for key, want in masked.items():  # logprobs, entropies, values, full gradients
                     err = (varlen[key] - want).abs().max().item()
@@ -173,14 +182,17 @@ def _weights_check(root, world_size, data_parallel="fsdp", name="tiny-qwen3"):
     if torch.distributed.get_rank() == 0:
         reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
         assert all(torch.equal(reloaded[n], full[n]) for n in full), "export differs from the trained weights"
-        assert '"ppo"' not in open(os.path.join(out, "config.json")).read(), "our attention leaked into config"
+        config_text = open(os.path.join(out, "config.json")).read()
+        assert '"ppo"' not in config_text, "our attention leaked into config"
         assert open(os.path.join(out, "README.txt")).read() == "tiny test export"
         files = sorted(f for f in os.listdir(out + "-sharded") if f.endswith(".safetensors"))
         sizes = [os.path.getsize(os.path.join(out + "-sharded", f)) for f in files]
         assert len(files) > 2 and max(sizes) <= 2**19 + 8192, sizes  # at most 0.5 MB of tensors + the header
         sharded = AutoModelForCausalLM.from_pretrained(out + "-sharded")  # dtype "auto": as config.json says
         assert sharded.dtype == torch.bfloat16
-        assert all(torch.equal(p, full[n].to(torch.bfloat16)) for n, p in sharded.state_dict().items() if n in full)
+        for n, p in sharded.state_dict().items():
+            if n in full:
+                assert torch.equal(p, full[n].to(torch.bfloat16)), n
 
 
 def _weights_check_ddp(root, world_size):
@@ -191,7 +203,8 @@ def _refusals_check(root, world_size):
     mesh = mp.make_mesh(world_size, 2, 1, "cpu")
     with pytest.raises(ValueError, match="Gemma3 runs with tp_size=1"):
         mp.load_policy(_materialize(root, "tiny-gemma3"), mesh, _cfg())
-    path = mp.materialize_tiny_model("tiny-llama", os.path.join(root, "one-kv-head"), SEED, num_key_value_heads=1)
+    path = mp.materialize_tiny_model("tiny-llama", os.path.join(root, "one-kv-head"), SEED,
+                                     num_key_value_heads=1)
     with pytest.raises(ValueError, match="tp_size=2 must divide num_key_value_heads=1"):
         mp.load_policy(path, mesh, _cfg())
 
@@ -199,8 +212,10 @@ def _refusals_check(root, world_size):
 def _microbatch_check(root, world_size):
     mesh = mp.make_mesh(world_size, 1, 1, "cpu")
     lens = [5, 9, 3, 7, 4]
-    # first-fit decreasing into 12 tokens: 9 -> row 0, 7 -> row 1, 5 -> row 1, 4 -> row 2, 3 -> row 0
-    assert mp.microbatches(lens, _cfg(packing=True, max_tokens_per_microbatch=12), mesh) == [[1, 2], [3, 0], [4]]
+    # first-fit decreasing into 12 tokens: 9 -> row 0, 7 -> row 1, 5 -> row 1, 4 -> row 2,
+    # 3 -> row 0
+    packed = mp.microbatches(lens, _cfg(packing=True, max_tokens_per_microbatch=12), mesh)
+    assert packed == [[1, 2], [3, 0], [4]]
     assert mp.microbatches(lens, _cfg(micro_batch_size=2), mesh) == [[0, 1], [2, 3], [4]]
     with pytest.raises(ValueError, match="max_tokens_per_microbatch=8"):
         mp.microbatches(lens, _cfg(packing=True, max_tokens_per_microbatch=8), mesh)
@@ -211,7 +226,46 @@ def _microbatch_check(root, world_size):
     assert os.path.getmtime(os.path.join(path, "model.safetensors")) == stamp
 
 
-FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
+# The worked example of _varlen_index's and _layout's docstrings, every number written out by hand:
+# cp=2, one packed row of T=8 tokens holding documents of 3 and 5 tokens, zigzag chunks of 2 tokens
+# (rank 0 keeps chunks 0 and 3, rank 1 chunks 1 and 2).
+EXAMPLE_KV_ROWS = [0, 1, 6, 7, 2, 3, 4, 5]  # rank 0's share, then rank 1's
+EXAMPLE_VARLEN = {  # cp rank -> _varlen_index's output
+    0: dict(cu_seqlens_q=[0, 2, 4], cu_seqlens_k=[0, 2, 7], max_seqlen_q=2, max_seqlen_k=5,
+            kv_index=[0, 1, 5, 6, 7, 2, 3]),
+    1: dict(cu_seqlens_q=[0, 1, 2, 4], cu_seqlens_k=[0, 3, 4, 7], max_seqlen_q=2, max_seqlen_k=3,
+            kv_index=[0, 1, 4, 5, 5, 6, 7]),
+}
+
+
+def _as_lists(varlen_args):
+    return {key: x.tolist() if isinstance(x, torch.Tensor) else x for key, x in varlen_args.items()}
+
+
+def _layout_example_check(root, world_size):
+    """_layout's worked example on the two cp ranks it describes: sequences a b c and d e f g h
+    packed into one row, each rank's queries, positions and documents, and its varlen arguments."""
+    mesh = mp.make_mesh(world_size, 1, 2, "cpu")  # cp = 2
+    rank = mesh["cp"].get_local_rank()
+    a, b, c, d, e, f, g, h = range(10, 18)
+    pad = 257
+    ids = torch.tensor([[a, b, c, pad, pad], [d, e, f, g, h]])  # (b, S) right-padded
+    layout = mp._layout(ids, [3, 5], mesh, _cfg(packing=True, attention="varlen"))
+    assert layout.ids.tolist() == [[a, b, c, d, e, f, g, h]]
+    assert layout.positions.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
+    assert layout.cu_seqlens.tolist() == [0, 3, 8]
+    assert layout.kv_rows.tolist() == EXAMPLE_KV_ROWS
+    assert layout.kv_docs.tolist() == [[0, 0, 1, 1, 0, 1, 1, 1]]
+    inputs = layout.model_inputs()
+    got = (layout.q_rows.tolist(), inputs["input_ids"].tolist(), inputs["position_ids"].tolist(),
+           layout.q_docs.tolist())
+    want = {0: ([0, 1, 6, 7], [[a, b, g, h]], [[0, 1, 3, 4]], [[0, 0, 1, 1]]),
+            1: ([2, 3, 4, 5], [[c, d, e, f]], [[2, 0, 1, 2]], [[0, 1, 1, 1]])}[rank]
+    assert got == want, f"rank {rank}: {got}"
+    fields = EXAMPLE_VARLEN[rank].keys()
+    assert _as_lists({key: getattr(layout, key) for key in fields}) == EXAMPLE_VARLEN[rank], rank
+
+
 BOTH = (False, True)
 CASES = {  # world size -> [((dp, cp, tp), models, packing values, config overrides)]
     1: [((1, 1, 1), FAMILIES, BOTH, {}),
@@ -231,10 +285,17 @@ CASES = {  # world size -> [((dp, cp, tp), models, packing values, config overri
 }
 
 
-@pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: the slow tier
+CHECKS = {  # world size -> more checks run in the same spawn
+    1: ["_microbatch_check"],
+    2: ["_refusals_check", "_weights_check", "_weights_check_ddp", "_layout_example_check"],
+    4: ["_weights_check"],
+}
+
+
+# 4 ranks: the slow tier
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_matches_hf_every_family_and_mesh(root, world_size):
-    checks = {1: ["_microbatch_check"], 2: ["_refusals_check", "_weights_check", "_weights_check_ddp"], 4: ["_weights_check"]}[world_size]
-    run_ranks(_equivalence_body, world_size, root, CASES[world_size], checks)
+    run_ranks(_equivalence_body, world_size, root, CASES[world_size], CHECKS[world_size])
 
 
 def test_mesh_sizes_must_multiply_to_world_size():
@@ -255,9 +316,22 @@ def test_varlen_reference_kernel_by_hand():
                 at = j + (k1 - k0) - (q1 - q0)  # the query's position among its keys
                 first = 0 if window < 0 else max(0, at - window)
                 for h in range(4):
-                    keys, vals = k[k0 + first:k0 + at + 1, h // 2], v[k0 + first:k0 + at + 1, h // 2]  # (n, D)
+                    keys = k[k0 + first:k0 + at + 1, h // 2]  # (n, D)
+                    vals = v[k0 + first:k0 + at + 1, h // 2]  # (n, D)
                     weights = torch.softmax(keys @ q[q0 + j, h] * 0.2, dim=0)  # (n,)
                     torch.testing.assert_close(got[q0 + j, h], weights @ vals, atol=1e-6, rtol=0)
+
+
+def test_varlen_index_worked_example():
+    """_varlen_index on its docstring's example (EXAMPLE_VARLEN, written out by hand), per cp rank;
+    and with cp=1, where each document is one segment over its own keys."""
+    for rank, want in EXAMPLE_VARLEN.items():
+        got = mp._varlen_index([3, 5], 1, 8, 2, rank, torch.tensor(EXAMPLE_KV_ROWS))
+        assert got["cu_seqlens_q"].dtype == got["cu_seqlens_k"].dtype == torch.int32  # flash-attn's
+        assert _as_lists(got) == want, f"rank {rank}: {_as_lists(got)}"
+    got = _as_lists(mp._varlen_index([3, 5], 1, 8, 1, 0, torch.arange(8)))
+    assert got == dict(cu_seqlens_q=[0, 3, 8], cu_seqlens_k=[0, 3, 8], max_seqlen_q=5, max_seqlen_k=5,
+                       kv_index=None)
 
 
 def test_torch_varlen_wrapper_passes_window_and_gqa_as_each_torch_takes_them(monkeypatch):
@@ -267,28 +341,31 @@ def test_torch_varlen_wrapper_passes_window_and_gqa_as_each_torch_takes_them(mon
     q, k, v, cu_q, cu_k = varlen_case()
 
     def torch_2_11(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
-        assert isinstance(window_size, tuple) and window_size[1] == 0, window_size  # causal, as torch reads it
+        # causal, as torch reads it
+        assert isinstance(window_size, tuple) and window_size[1] == 0, window_size
         return mp.varlen_attention_reference(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale,
                                              window_size=window_size)
 
     def torch_2_13(*args, enable_gqa=False, **kwargs):
-        assert enable_gqa == (args[1].shape[1] != args[0].shape[1]), "enable_gqa must say whether heads differ"
+        heads_differ = args[1].shape[1] != args[0].shape[1]  # k's heads vs q's
+        assert enable_gqa == heads_differ, "enable_gqa must say whether heads differ"
         return torch_2_11(*args, **kwargs)
 
     for stand_in in (torch_2_11, torch_2_13):
         monkeypatch.setattr(mp, "varlen_attn", stand_in)
         monkeypatch.setattr(mp, "VARLEN_ARGS", inspect.signature(stand_in).parameters)  # as read at import
         for window in (-1, 3):
-            want = mp.varlen_attention_reference(q, k, v, cu_q, cu_k, 10, 10, softmax_scale=0.2, window_size=(window, 0))
-            got = mp.torch_varlen_attention(q, k, v, cu_q, cu_k, 10, 10, softmax_scale=0.2, window_size=(window, 0))
+            args = (q, k, v, cu_q, cu_k, 10, 10)
+            want = mp.varlen_attention_reference(*args, softmax_scale=0.2, window_size=(window, 0))
+            got = mp.torch_varlen_attention(*args, softmax_scale=0.2, window_size=(window, 0))
             torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
 def test_attention_auto_never_puts_a_dense_mask_on_a_packed_gpu_row(monkeypatch):
     """resolve_auto's decision table, per device, kernel and packing (no GPU needed: it only reads
     which kernels exist): a flash kernel whenever bf16 on CUDA has one (flash-attn's first, then
-    torch's); on CUDA a packed row gets varlen even without one (the reference kernel, per document);
-    masked SDPA only for padded rows, or on CPU for packed rows up to the mask limit."""
+    torch's); on CUDA a packed row gets varlen even without one (the reference kernel, per
+    document); masked SDPA only for padded rows, or on CPU for packed rows up to the mask limit."""
     def resolved(device_type, **fields):
         cfg = Config(**fields)
         kernel = mp.resolve_auto(cfg, device_type)
@@ -299,20 +376,23 @@ def test_attention_auto_never_puts_a_dense_mask_on_a_packed_gpu_row(monkeypatch)
     monkeypatch.setattr(mp, "flash_attn_varlen_func", lambda *args, **kwargs: None)
     for packing in (False, True):
         assert resolved("cuda", packing=packing) == ("bf16", "varlen", flash)
-    assert resolved("cuda", data_parallel="ddp") == ("fp32", "masked", "masked SDPA")  # flash kernels need bf16
+    # flash kernels need bf16
+    assert resolved("cuda", data_parallel="ddp") == ("fp32", "masked", "masked SDPA")
     assert resolved("cuda", data_parallel="ddp", max_model_len=8192)[1] == "varlen"  # long unpacked rows
     assert resolved("cuda", data_parallel="ddp", packing=True) == ("fp32", "varlen", reference)
     assert resolved("cuda", attention="masked") == ("bf16", "masked", "masked SDPA")  # asked for: kept
     assert resolved("cpu") == resolved("cpu", packing=True) == ("fp32", "masked", "masked SDPA")
     assert resolved("cpu", packing=True, max_tokens_per_microbatch=8192) == ("fp32", "varlen", reference)
-    assert resolved("cpu", packing=True, max_tokens_per_microbatch=8192, cp_size=4)[1] == "masked"  # 2048 x 8192
+    # a 2048 x 8192 mask: within the limit
+    assert resolved("cpu", packing=True, max_tokens_per_microbatch=8192, cp_size=4)[1] == "masked"
     assert resolved("cpu", max_model_len=8192) == ("fp32", "varlen", reference)  # unpacked rows of up to 8192
     monkeypatch.setattr(mp, "flash_attn_varlen_func", None)  # no flash-attn: torch's kernel, where it has one
     monkeypatch.setattr(mp, "VARLEN_ARGS", {"window_size": None})
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
     for packing in (False, True):
         assert resolved("cuda", packing=packing) == ("bf16", "varlen", torch_kernel)
-    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)  # no kernel at all
+    # no kernel at all
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)
     assert resolved("cuda") == ("bf16", "masked", "masked SDPA")
     assert resolved("cuda", packing=True) == ("bf16", "varlen", reference)
 
@@ -323,7 +403,8 @@ def _masked_refusal_body(rank, world_size):
     mesh = mp.make_mesh(world_size, 1, 1, "cpu")
     cfg = _cfg()
     ids = torch.zeros(1, 4097, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"attention=masked would build a dense 4098x4098 mask .* use attention=varlen"):
+    refusal = r"attention=masked would build a dense 1x4098x4098 mask .* use attention=varlen"
+    with pytest.raises(ValueError, match=refusal):
         mp._layout(ids, [4097], mesh, cfg)
     mp._layout(ids[:, :4096], [4096], mesh, cfg)  # at the limit: built
 
