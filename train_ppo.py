@@ -51,6 +51,7 @@ Deliberately left out: pretraining-loss mixing (PPO-ptx), reward normalization.
 """
 import gc
 import json
+import functools
 import math
 import os
 import re
@@ -132,16 +133,29 @@ def compute_gae(rewards, values, mask, gamma, lam):
     return advantages, returns
 
 
-def grpo_advantages(scores, group_size, eps=1e-4):
+def grpo_advantages(scores, group_size, norm_by_std=True, eps=1e-4):
     """GRPO's outcome-supervised advantage (Shao et al., 2024, DeepSeekMath, sec. 4.1.2): each
     response's score minus the mean of its prompt's group of `group_size` responses, divided
     by the group's (unbiased) std; groups with equal scores get 0. scores: (N,) for the
-    *global* batch, prompt-major (response j belongs to prompt j // group_size)."""
+    *global* batch, prompt-major (response j belongs to prompt j // group_size).
+    norm_by_std=False is Dr. GRPO's (Liu et al., 2025): the mean is subtracted, nothing divided,
+    so a group that is nearly always right (small std) is not weighted up."""
     groups = scores.view(-1, group_size)  # (N/K, K)
-    mean = groups.mean(1, keepdim=True)  # (N/K, 1)
-    std = groups.std(1, keepdim=True)  # (N/K, 1)
-    normalized = (groups - mean) / (std + eps)  # (N/K, K)
-    return normalized.view(-1)  # (N,)
+    centred = groups - groups.mean(1, keepdim=True)  # (N/K, K)
+    if norm_by_std:
+        centred = centred / (groups.std(1, keepdim=True) + eps)  # (N/K, K)
+    return centred.view(-1)  # (N,)
+
+
+def rloo_advantages(scores, group_size):
+    """REINFORCE leave-one-out (Ahmadian et al., 2024, "Back to Basics"; Kool et al., 2019): each
+    response's baseline is the mean score of the *other* responses to its prompt,
+        A_i = s_i - (sum_j s_j - s_i) / (K - 1)  =  K / (K - 1) * (s_i - mean_j s_j),
+    unbiased because a response's own score is not in its baseline. scores: (N,), prompt-major,
+    as grpo_advantages."""
+    groups = scores.view(-1, group_size)  # (N/K, K)
+    others = (groups.sum(1, keepdim=True) - groups) / (group_size - 1)  # (N/K, K)
+    return (groups - others).view(-1)  # (N,)
 
 
 def masked_whiten(x, mask, group=None, eps=1e-8):
@@ -157,19 +171,21 @@ def masked_whiten(x, mask, group=None, eps=1e-8):
     return ((x - mean) * torch.rsqrt(var + eps)).to(x.dtype) * mask
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio, num_tokens=None, tis_weight=None,
-                clip_ratio_c=0.0):
-    """Clipped surrogate (Schulman et al., 2017, eq. 7), as a loss to minimize:
-        ratio = pi / pi_old,  loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1-eps, 1+eps))
+def policy_loss(logprobs, old_logprobs, advantages, clip_ratio, clip_ratio_high=None, clip_ratio_c=0.0,
+                tis_weight=None):
+    """Clipped surrogate (Schulman et al., 2017, eq. 7), per token, as a loss to minimize:
+        ratio = pi / pi_old,  loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1-eps_lo, 1+eps_hi))
+    eps_lo = clip_ratio, eps_hi = clip_ratio_high (None: eps_lo). An upper bound above the lower
+    is DAPO's clip-higher (Yu et al., 2025): a rare token with A > 0 may grow further per update.
     Dual clip (Ye et al., 2020, "Mastering complex control in MOBA games"; verl's clip_ratio_c),
     if clip_ratio_c = c > 1: where A_t < 0 the loss is also capped at -A_t * c, so a token whose
     ratio has exploded cannot dominate the update. `tis_weight` (B, S), optional: truncated
-    importance weights for the engine/trainer mismatch. Returns (loss, the number of tokens
-    clipped either way)."""
-    num_tokens = mask.sum() if num_tokens is None else num_tokens
+    importance weights for the engine/trainer mismatch. Returns (the per-token loss, which tokens
+    were clipped either way), both (B, S): aggregate_loss makes the loss one number."""
+    clip_ratio_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     ratio = ratio_from_log(logprobs - old_logprobs)  # (B, S)
     unclipped = -advantages * ratio  # (B, S)
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)  # (B, S)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio_high)  # (B, S)
     per_token = torch.maximum(unclipped, clipped)  # (B, S) the pessimistic bound
     is_clipped = clipped > unclipped  # (B, S) no gradient through the ratio
     if clip_ratio_c > 0:
@@ -178,21 +194,47 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio, num_tokens
         is_clipped |= dual
     if tis_weight is not None:
         per_token = per_token * tis_weight
-    loss = masked_sum(per_token, mask) / num_tokens
-    n_clipped = masked_sum(is_clipped.float(), mask).detach()
-    return loss, n_clipped
+    return per_token, is_clipped
 
 
-def value_loss(values, old_values, returns, mask, value_clip, num_tokens=None):
-    """Clipped value loss (PPO2 baselines; "N+ details" #9):
+def value_loss(values, old_values, returns, value_clip):
+    """Clipped value loss (PPO2 baselines; "N+ details" #9), per token (B, S):
         v_clip = V_old + clip(V - V_old, -c, c),  loss_t = 0.5 * max((V - R)^2, (v_clip - R)^2)
     value_clip = 0 turns the clipping off (plain 0.5 * (V - R)^2)."""
-    num_tokens = mask.sum() if num_tokens is None else num_tokens
     loss = (values - returns) ** 2  # (B, S)
     if value_clip > 0:
         v_clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
         loss = torch.maximum(loss, (v_clipped - returns) ** 2)  # (B, S)
-    return 0.5 * masked_sum(loss, mask) / num_tokens
+    return 0.5 * loss
+
+
+def aggregate_loss(per_token, mask, mode="token-mean", num_tokens=None, num_seqs=None, norm=1.0):
+    """One number from a per-token loss (B, S) and its response mask, as `loss_agg_mode` says
+    (docs/losses.md compares the modes; the names are verl's, core_algos.agg_loss):
+
+        token-mean               sum_b sum_t m l / N_tok              every token weighs the same
+        seq-mean-token-sum       sum_b (sum_t m l) / N_seq
+        seq-mean-token-mean      sum_b (sum_t m l / L_b) / N_seq      every response the same
+        seq-mean-token-sum-norm  sum_b (sum_t m l) / (N_seq * norm)   Dr. GRPO (Liu et al., 2025)
+
+    with L_b = sum_t m[b, t], the length of response b. N_tok and N_seq are the response tokens
+    and the sequences of the *global* minibatch, so that the shares which dp ranks and
+    microbatches compute add up to the single-process number (default: this (B, S)'s own, as one
+    process with one microbatch sees it). L_b needs no count across ranks: a cp rank sees whole
+    rows (the logprobs are gathered over cp) and packed rows are unpacked before any loss. The
+    last mode divides each token sum by a constant (Dr. GRPO's code: max_new_tokens), then
+    averages over responses."""
+    masked = per_token * mask  # (B, S)
+    if mode == "token-mean":
+        return masked.sum() / (mask.sum() if num_tokens is None else num_tokens)
+    per_seq = masked.sum(-1)  # (B,) each response's token sum
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / mask.sum(-1).clamp(min=1)  # (B,) its token mean
+    elif mode == "seq-mean-token-sum-norm":
+        per_seq = per_seq / norm  # (B,)
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"unknown loss_agg_mode {mode!r}")
+    return per_seq.sum() / (mask.shape[0] if num_seqs is None else num_seqs)
 
 
 # -----------------------------------------------------------------------------
@@ -561,11 +603,15 @@ def score(policy, reference, critic, batch, cfg, mesh):
 def compute_advantages(batch, scores, all_scores, cfg, mesh):
     """Collective over dp (the whitening). Steps 5-6. gae: per-token reward = -kl_coef * KL at
     every response token, + the score on the last one; GAE; whitened over the global batch.
-    grpo: the group-normalized score on every response token (its KL is a loss term instead, in
-    policy_loss_terms)."""
-    if cfg.advantage_estimator == "grpo":
+    grpo, rloo: the score against its prompt group's (grpo_advantages, rloo_advantages) on every
+    response token (their KL is a loss term instead, in policy_loss_terms)."""
+    if cfg.advantage_estimator != "gae":
         # from the whole batch's scores: a prompt's group may be split across dp ranks
-        every_adv = grpo_advantages(torch.tensor(all_scores), cfg.samples_per_prompt)  # (N,)
+        every_score = torch.tensor(all_scores)  # (N,)
+        if cfg.advantage_estimator == "grpo":
+            every_adv = grpo_advantages(every_score, cfg.samples_per_prompt, cfg.grpo_norm_by_std)  # (N,)
+        else:
+            every_adv = rloo_advantages(every_score, cfg.samples_per_prompt)  # (N,)
         mine = every_adv[samples_of(cfg, mesh)]  # (b,)
         batch.advantages = mine.to(batch.mask.device)[:, None] * batch.mask  # (b, S)
     else:
@@ -626,15 +672,21 @@ def update(parts, batch, cfg, mesh, stats, device):
         for _, optimizer, _ in parts.values():
             model_parallel.move_optimizer_state(optimizer, device)
     policy, policy_optimizer, _ = parts["policy"]
-    per_minibatch = cfg.global_batch_size // cfg.num_minibatches // mesh["dp"].size()  # rows per rank
+    global_minibatch = cfg.global_batch_size // cfg.num_minibatches  # sequences
+    per_minibatch = global_minibatch // mesh["dp"].size()  # rows per rank
     for epoch in range(cfg.ppo_epochs):
         for first in range(0, cfg.num_minibatches * per_minibatch, per_minibatch):
             rows = list(range(first, first + per_minibatch))
+            # the loss's normalizers: counts over the whole global minibatch, before any
+            # microbatch runs, so that no mesh changes the loss (docs/losses.md)
             num_tokens = dp_sum(batch.mask[rows].sum(), mesh)  # global response tokens
-            update_policy(policy, policy_optimizer, batch, rows, num_tokens, cfg, mesh, stats)
+            aggregate = functools.partial(aggregate_loss, mode=cfg.loss_agg_mode, num_tokens=num_tokens,
+                                          num_seqs=global_minibatch,
+                                          norm=cfg.loss_agg_norm or cfg.max_new_tokens)
+            update_policy(policy, policy_optimizer, batch, rows, aggregate, cfg, mesh, stats)
             if "critic" in parts:
                 critic, critic_optimizer, _ = parts["critic"]
-                update_critic(critic, critic_optimizer, batch, rows, num_tokens, cfg, mesh, stats)
+                update_critic(critic, critic_optimizer, batch, rows, aggregate, cfg, mesh, stats)
     for _, _, schedule in parts.values():
         schedule.step()
     used = memory_used_gb()
@@ -644,30 +696,31 @@ def update(parts, batch, cfg, mesh, stats, device):
     return used
 
 
-def policy_loss_terms(lp, entropy, batch, idx, num_tokens, cfg):
+def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
     """The policy's loss on the batch rows `idx`, as named terms: update_policy minimizes their
     sum, and step_metrics logs each under its name (a mean over the step's optimizer steps).
 
       policy_loss     the clipped surrogate (policy_loss), with truncated importance weights
                       if tis_cap > 0
-      entropy_bonus   -entropy_coef * mean entropy, if entropy_coef > 0 (negative: a bonus, so
-                      minimizing the loss raises the entropy)
-      kl_loss         GRPO's kl_coef * KL(pi || pi_ref), if advantage_estimator = "grpo" and
-                      kl_coef > 0 (gae puts the KL in the reward instead)
+      entropy_loss    -entropy_coef * entropy, if entropy_coef > 0 (an entropy bonus: negative,
+                      so minimizing the loss raises the entropy)
+      kl_loss         kl_coef * KL(pi || pi_ref), k3, for the critic-free estimators (grpo,
+                      rloo) if kl_coef > 0 (gae puts the KL in the reward instead)
 
     `lp`, `entropy`: (rows, S) of the current policy on batch.ids[idx] (entropy: None unless
-    entropy_coef > 0). Each term is a sum over this rank's tokens / `num_tokens`, the global
-    minibatch's, so that dp sums them. Returns (terms, tokens the surrogate clipped: clip_frac).
+    entropy_coef > 0). `aggregate(per_token, mask)` makes each (rows, S) loss one number, as
+    loss_agg_mode says, with the global minibatch's counts (aggregate_loss): the shares of dp
+    ranks and microbatches add up. Returns (terms, tokens the surrogate clipped: clip_frac).
 
     A fork adds a term by wrapping this function; update_policy looks it up at each call, so the
     term is trained and logged:
 
         base = train_ppo.policy_loss_terms
 
-        def with_ratio_penalty(lp, entropy, batch, idx, num_tokens, cfg):
-            terms, clipped = base(lp, entropy, batch, idx, num_tokens, cfg)
+        def with_ratio_penalty(lp, entropy, batch, idx, aggregate, cfg):
+            terms, clipped = base(lp, entropy, batch, idx, aggregate, cfg)
             drift = (lp - batch.old_lp[idx]) ** 2  # (rows, S)
-            terms["ratio_penalty"] = 0.1 * train_ppo.masked_sum(drift, batch.mask[idx]) / num_tokens
+            terms["ratio_penalty"] = 0.1 * aggregate(drift, batch.mask[idx])
             return terms, clipped
 
         train_ppo.policy_loss_terms = with_ratio_penalty
@@ -676,22 +729,23 @@ def policy_loss_terms(lp, entropy, batch, idx, num_tokens, cfg):
     tensor: StepStats.all_reduce)."""
     mask = batch.mask[idx]  # (rows, S)
     tis = batch.tis[idx] if cfg.tis_cap else None  # (rows, S)
-    surrogate, clipped = policy_loss(lp, batch.old_lp[idx], batch.advantages[idx], mask, cfg.clip_ratio,
-                                     num_tokens, tis, cfg.clip_ratio_c)
-    terms = {"policy_loss": surrogate}
+    surrogate, clipped = policy_loss(lp, batch.old_lp[idx], batch.advantages[idx], cfg.clip_ratio,
+                                     cfg.clip_ratio_high or None, cfg.clip_ratio_c, tis)  # (rows, S) each
+    terms = {"policy_loss": aggregate(surrogate, mask)}
     if cfg.entropy_coef > 0:
-        terms["entropy_bonus"] = -cfg.entropy_coef * masked_sum(entropy, mask) / num_tokens
-    if cfg.advantage_estimator == "grpo" and cfg.kl_coef > 0:
+        # minus: maximizing the entropy is minimizing this term
+        terms["entropy_loss"] = -cfg.entropy_coef * aggregate(entropy, mask)
+    if cfg.advantage_estimator != "gae" and cfg.kl_coef > 0:
         # DeepSeekMath eq. 3-4: beta * KL(pi || pi_ref) in the loss, k3 on the current policy.
         # Like the surrogate, it is a token mean over the global minibatch (DAPO, Yu et al. 2025;
         # Dr. GRPO, Liu et al. 2025), not eq. 3's mean over responses of per-response means,
         # which weights a short response's tokens more than a long one's.
         kl = kl_penalty(lp, batch.ref_lp[idx], "k3")  # (rows, S)
-        terms["kl_loss"] = cfg.kl_coef * masked_sum(kl, mask) / num_tokens
-    return terms, clipped
+        terms["kl_loss"] = cfg.kl_coef * aggregate(kl, mask)
+    return terms, masked_sum(clipped.float(), mask).detach()
 
 
-def update_policy(policy, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
+def update_policy(policy, optimizer, batch, rows, aggregate, cfg, mesh, stats):
     """Collective over the mesh. One minibatch of the policy's loss, the sum of
     policy_loss_terms."""
     def loss_fn(idx):
@@ -701,21 +755,20 @@ def update_policy(policy, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
                                                     with_entropy=cfg.entropy_coef > 0,
                                                     unscored=batch.unscored)
         # the module's name, looked up now: a fork's replacement of it is what trains
-        terms, clipped = policy_loss_terms(lp, entropy, batch, idx, num_tokens, cfg)
+        terms, clipped = policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg)
         return terms, {"clipped_tokens": clipped}
 
     minibatch_update(policy, optimizer, loss_fn, rows, batch, cfg, mesh, stats)
 
 
-def update_critic(critic, optimizer, batch, rows, num_tokens, cfg, mesh, stats):
+def update_critic(critic, optimizer, batch, rows, aggregate, cfg, mesh, stats):
     """Collective over the mesh. One minibatch of the clipped value loss, one term:
     "value_loss"."""
     def loss_fn(idx):
         lens = [batch.lens[i] for i in idx]
         values = model_parallel.forward_critic(critic, batch.ids[idx], lens, mesh, cfg)
-        loss = value_loss(values, batch.values[idx], batch.returns[idx], batch.mask[idx], cfg.value_clip,
-                          num_tokens)
-        return {"value_loss": loss}, {}
+        per_token = value_loss(values, batch.values[idx], batch.returns[idx], cfg.value_clip)  # (rows, S)
+        return {"value_loss": aggregate(per_token, batch.mask[idx])}, {}
 
     minibatch_update(critic, optimizer, loss_fn, rows, batch, cfg, mesh, stats, "critic_grad_norm")
 

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from train_ppo import compute_gae, kl_penalty, masked_whiten, policy_loss, value_loss, local_indices
+from train_ppo import (aggregate_loss, compute_gae, kl_penalty, local_indices, masked_whiten, policy_loss,
+                       value_loss)
 
 
 def test_gae_skips_masked_gaps_and_ends_at_last_response_token():
@@ -60,12 +61,13 @@ def test_dual_clip_by_hand():
     # token 2 is clipped as usual; only token 1 keeps a gradient, d(-A r)/d logp = -A r = 2
     adv = torch.tensor([[-1.0, -1.0, 1.0, -2.0]])
     logp = torch.log(torch.tensor([[5.0, 2.0, 5.0, 4.0]])).requires_grad_()
-    loss, n_clipped = policy_loss(logp, torch.zeros(1, 4), adv, torch.ones(1, 4), 0.2, clip_ratio_c=3.0)
-    assert loss.item() == pytest.approx((3 + 2 - 1.2 + 6) / 4) and n_clipped.item() == 3
+    per_token, clipped = policy_loss(logp, torch.zeros(1, 4), adv, 0.2, clip_ratio_c=3.0)
+    loss = per_token.mean()
+    assert loss.item() == pytest.approx((3 + 2 - 1.2 + 6) / 4) and clipped.sum().item() == 3
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 2.0, 0.0, 0.0]]) / 4)
-    plain, n_plain = policy_loss(logp, torch.zeros(1, 4), adv, torch.ones(1, 4), 0.2)  # clip_ratio_c=0: off
-    assert plain.item() == pytest.approx((5 + 2 - 1.2 + 8) / 4) and n_plain.item() == 1
+    plain, plain_clipped = policy_loss(logp, torch.zeros(1, 4), adv, 0.2)  # clip_ratio_c=0: off
+    assert plain.mean().item() == pytest.approx((5 + 2 - 1.2 + 8) / 4) and plain_clipped.sum().item() == 1
 
 
 def test_whiten_uses_only_masked_tokens():
@@ -87,18 +89,20 @@ def test_policy_loss_both_clipping_branches():
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
     old = torch.zeros(1, 4)
     logp = torch.log(torch.tensor([[1.5, 0.5, 1.5, 0.5]])).requires_grad_()
-    loss, n_clipped = policy_loss(logp, old, adv, torch.ones(1, 4), clip_ratio=0.2)
+    per_token, clipped = policy_loss(logp, old, adv, clip_ratio=0.2)
+    loss = per_token.mean()
     assert loss.item() == pytest.approx((-1.2 - 0.5 + 1.5 + 0.8) / 4)
-    assert n_clipped.item() == 2
+    assert clipped.tolist() == [[True, False, False, True]]
     loss.backward()
     # d(-A r)/d logp = -A r on the unclipped tokens, divided by the 4 tokens
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -0.5, 1.5, 0.0]]) / 4)
 
 
-def test_policy_loss_normalizes_by_the_given_global_token_count():
+def test_token_mean_normalizes_by_the_given_global_token_count():
     adv, logp = torch.tensor([[0.0, 2.0]]), torch.zeros(1, 2)
     mask = torch.tensor([[0.0, 1.0]])
-    loss, _ = policy_loss(logp, logp, adv, mask, 0.2, num_tokens=torch.tensor(4.0))
+    per_token, _ = policy_loss(logp, logp, adv, 0.2)
+    loss = aggregate_loss(per_token, mask, num_tokens=torch.tensor(4.0))
     assert loss.item() == pytest.approx(-2.0 / 4)  # one token of -A*1, over 4 global tokens
 
 
@@ -108,12 +112,12 @@ def test_value_loss_both_clipping_branches():
     #                      (1.5, 1.3): max(.04, (1.2-1.3)^2=.01) = .04 -> unclipped branch
     v = torch.tensor([[1.5, 0.9, 1.5]], requires_grad=True)
     old, ret = torch.ones(1, 3), torch.tensor([[2.0, 2.0, 1.3]])
-    loss = value_loss(v, old, ret, torch.ones(1, 3), value_clip=0.2)
+    loss = value_loss(v, old, ret, value_clip=0.2).mean()
     assert loss.item() == pytest.approx(0.5 * (0.64 + 1.21 + 0.04) / 3)
     loss.backward()
     # clipped token: no gradient; others: (V - R) / 3
     torch.testing.assert_close(v.grad, torch.tensor([[0.0, -1.1, 0.2]]) / 3)
-    plain = value_loss(v, old, ret, torch.ones(1, 3), value_clip=0.0)
+    plain = value_loss(v, old, ret, value_clip=0.0).mean()
     assert plain.item() == pytest.approx(0.5 * (0.25 + 1.21 + 0.04) / 3)
 
 

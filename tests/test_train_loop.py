@@ -88,10 +88,10 @@ def _fork_term_body(rank, world_size, out_dir):
     base = train_ppo.policy_loss_terms
     grads, values = [], []
 
-    def with_ratio_penalty(lp, entropy, batch, idx, num_tokens, cfg):  # policy_loss_terms' example
-        terms, clipped = base(lp, entropy, batch, idx, num_tokens, cfg)
+    def with_ratio_penalty(lp, entropy, batch, idx, aggregate, cfg):  # policy_loss_terms' example
+        terms, clipped = base(lp, entropy, batch, idx, aggregate, cfg)
         drift = (lp - batch.old_lp[idx]) ** 2  # (rows, S)
-        penalty = 0.1 * train_ppo.masked_sum(drift, batch.mask[idx]) / num_tokens
+        penalty = 0.1 * aggregate(drift, batch.mask[idx])
         penalty.register_hook(grads.append)  # runs in the backward only if the loss holds the term
         values.append(float(penalty.detach()))
         terms["ratio_penalty"] = penalty
@@ -149,14 +149,14 @@ def test_step_metrics_console_plot_and_summary_follow_the_loss_terms(tmp_path, m
     updates = [(0.1, -0.004, 0.01, 1.0, False), (-0.3, -0.002, 0.02, 2.0, False),
                (0.2, -0.002, 0.03, 3.0, True), (0.4, -0.004, 0.06, 6.0, False)]
     for pg, bonus, penalty, norm, skipped in updates:
-        terms = {"policy_loss": pg, "entropy_bonus": bonus, "ratio_penalty": penalty}
+        terms = {"policy_loss": pg, "entropy_loss": bonus, "ratio_penalty": penalty}
         stats.add_update(terms, "grad_norm", norm, skipped)
     stats.all_reduce(mesh=None)
     metrics = {"step": 0, **train_ppo.step_metrics(stats, {"time_step_s": 2.0}, cfg)}
     # means over the 4 optimizer steps, skipped one included; clip_frac over 2 epochs of 20 tokens
     by_hand = dict(step=0, reward_mean=0.75, reward_std=math.sqrt(0.75 - 0.75 ** 2), kl=0.01,
                    response_len_mean=5.0, logprob_mismatch=0.0, token_mult_prob_error=1.0, clip_frac=0.2,
-                   skipped_updates=1, policy_loss=0.1, entropy_bonus=-0.003, ratio_penalty=0.03,
+                   skipped_updates=1, policy_loss=0.1, entropy_loss=-0.003, ratio_penalty=0.03,
                    grad_norm=3.0, time_step_s=2.0, tokens=60, tokens_per_s=30.0)
     assert metrics == pytest.approx(by_hand)  # the same keys, and these values
 
@@ -173,12 +173,12 @@ def test_step_metrics_console_plot_and_summary_follow_the_loss_terms(tmp_path, m
     first, second = capsys.readouterr().out.splitlines()
     fields = first.split(" | ")
     assert fields[:7] == ["step 1/2", "reward 0.750", "kl 0.0100", "policy_loss +0.1000",
-                          "entropy_bonus -0.0030", "ratio_penalty +0.0300", "len 5.0"], first
+                          "entropy_loss -0.0030", "ratio_penalty +0.0300", "len 5.0"], first
     assert fields[7] == "2.0s/step" and fields[8].startswith("elapsed ") and fields[9].startswith("eta ")
     assert len(fields) == 10, first
     assert second.startswith("step 2/2 | ")
     # 5 panels (a 3 x 2 grid, the sixth turned off), redrawn after each step (plot_every=1)
-    assert titles == [["reward_mean", "kl", "policy_loss", "entropy_bonus", "ratio_penalty"]] * 2
+    assert titles == [["reward_mean", "kl", "policy_loss", "entropy_loss", "ratio_penalty"]] * 2
     assert os.path.getsize(tmp_path / "curves.png") > 1000
     assert [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] == [metrics, dict(metrics, step=1)]
     last = train_ppo.summary(cfg, 90.0, stopped=False)
@@ -290,8 +290,8 @@ def test_tensorboard_holds_the_metrics_of_metrics_jsonl(tmp_path):
 
 def test_policy_ratio_is_clamped_before_exp():
     logprobs, old = torch.tensor([[0.0, 1000.0]]), torch.tensor([[0.0, 0.0]])  # a wild token
-    loss, _ = train_ppo.policy_loss(logprobs, old, torch.tensor([[0.0, -1.0]]), torch.ones(1, 2), 0.2)
-    assert torch.isfinite(loss)
+    per_token, _ = train_ppo.policy_loss(logprobs, old, torch.tensor([[0.0, -1.0]]), 0.2)
+    assert torch.isfinite(per_token).all()
 
 
 def test_gsm8k_reward_needs_the_end_of_text():

@@ -1,0 +1,173 @@
+"""How the loss is aggregated (issue 29): each loss_agg_mode by hand, the critic-free advantage
+estimators (GRPO with and without the std, RLOO) by hand, clip-higher by hand, and every mode on
+every mesh against the single process.
+
+The mesh check runs the trainer's own update (train_ppo.update: the global counts, the
+microbatches, the dp-summed gradients) on one fixed batch at (dp, cp, tp) = (1,1,1), (2,1,1),
+(1,2,1) and (1,1,2), padded and packed, with lr = 0 so that every mode sees the same weights; the
+losses and grad norms of every mode must equal the single process's to 1e-5."""
+import json
+import os
+
+import pytest
+import torch
+
+import config
+import model_parallel
+import train_ppo
+from _dist import run_ranks
+from train_ppo import aggregate_loss, grpo_advantages, policy_loss, rloo_advantages
+
+MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+# Two responses: 3 tokens with losses 1, 2, 3 and 1 token with loss 4 (0s are masked out).
+LOSS = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize("mode, alone, in_a_global_minibatch", [
+    # this batch alone: 4 tokens, 2 sequences; then as part of a global minibatch of 10 tokens and
+    # 4 sequences (the counts another rank or microbatch shares), constant norm 8
+    ("token-mean", (1 + 2 + 3 + 4) / 4, 10 / 10),
+    ("seq-mean-token-sum", (6 + 4) / 2, 10 / 4),
+    ("seq-mean-token-mean", (6 / 3 + 4 / 1) / 2, (2 + 4) / 4),
+    ("seq-mean-token-sum-norm", (6 + 4) / (2 * 8), 10 / (4 * 8)),
+])
+def test_each_mode_by_hand(mode, alone, in_a_global_minibatch):
+    assert aggregate_loss(LOSS, MASK, mode, norm=8).item() == pytest.approx(alone)
+    shared = aggregate_loss(LOSS, MASK, mode, num_tokens=torch.tensor(10.0), num_seqs=4, norm=8)
+    assert shared.item() == pytest.approx(in_a_global_minibatch)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_shares_of_the_global_minibatch_add_up(mode):
+    """Row by row (two microbatches, or two dp ranks) with the global counts: the whole's loss."""
+    whole = aggregate_loss(LOSS, MASK, mode, norm=8)
+    parts = [aggregate_loss(LOSS[[b]], MASK[[b]], mode, num_tokens=MASK.sum(), num_seqs=2, norm=8)
+             for b in range(2)]
+    assert (parts[0] + parts[1]).item() == pytest.approx(whole.item())
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        aggregate_loss(LOSS, MASK, "seq-mean")
+
+
+def test_grpo_with_and_without_the_std_and_rloo_by_hand():
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])  # two prompts, K = 4
+    # Dr. GRPO: minus the group mean (0.25, then 0.5), nothing divided
+    no_std = grpo_advantages(scores, 4, norm_by_std=False)
+    torch.testing.assert_close(no_std, torch.tensor([0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5]))
+    # GRPO: divided by the unbiased std, sqrt(0.75 / 3) = 0.5 and sqrt(1 / 3)
+    std = grpo_advantages(scores, 4, eps=0.0)
+    expected = torch.tensor([0.75 / 0.5, -0.25 / 0.5, -0.25 / 0.5, -0.25 / 0.5] + [0.5 * 3 ** 0.5,
+                            0.5 * 3 ** 0.5, -0.5 * 3 ** 0.5, -0.5 * 3 ** 0.5])
+    torch.testing.assert_close(std, expected)
+    # RLOO: the baseline is the mean of the other three: (0 + 0 + 0) / 3 for the first response,
+    # (1 + 0 + 0) / 3 for the second; in the second group (1 + 0 + 0) / 3 and (1 + 1 + 0) / 3
+    rloo = rloo_advantages(scores, 4)
+    third = 1 / 3
+    torch.testing.assert_close(rloo, torch.tensor([1.0, -third, -third, -third,
+                                                   1 - third, 1 - third, -2 * third, -2 * third]))
+
+
+def test_clip_higher_by_hand():
+    # (A, ratio), clip_ratio 0.2 below and clip_ratio_high 0.28 above:
+    #   (+1, 1.25): between 1.2 and 1.28: unclipped with clip-higher, clipped at 1.2 when symmetric
+    #   (+1, 1.30): above 1.28: clipped at 1.28 (-1.28)
+    #   (-1, 0.85): between 0.8 and 1: unclipped either way (0.85)
+    #   (-1, 0.75): below 0.8: the lower bound holds: clipped at 0.8
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    ratio = torch.tensor([[1.25, 1.30, 0.85, 0.75]])
+    logp = ratio.log().requires_grad_()
+    per_token, clipped = policy_loss(logp, torch.zeros(1, 4), adv, 0.2, clip_ratio_high=0.28)
+    torch.testing.assert_close(per_token, torch.tensor([[-1.25, -1.28, 0.85, 0.80]]))
+    assert clipped.tolist() == [[False, True, False, True]]
+    per_token.sum().backward()
+    # d(-A r)/d logp = -A r where unclipped, 0 where clipped
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.25, 0.0, 0.85, 0.0]]))
+    symmetric, clipped = policy_loss(logp.detach(), torch.zeros(1, 4), adv, 0.2)
+    torch.testing.assert_close(symmetric, torch.tensor([[-1.20, -1.20, 0.85, 0.80]]))
+    assert clipped.tolist() == [[True, True, False, True]]
+
+
+# ---- every mode on every mesh
+
+MESHES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]  # (dp, cp, tp)
+NAMES = ("policy_loss", "entropy_loss", "value_loss", "grad_norm", "critic_grad_norm")
+
+
+def _batch(cfg, device):
+    """The step's global batch, the same on every rank and mesh (seeded): prompts of 3-6 tokens,
+    responses of 1-9, and made-up old/reference logprobs, advantages, values and returns."""
+    g = torch.Generator().manual_seed(0)
+    n = cfg.global_batch_size
+    prompts = [torch.randint(0, 256, (int(torch.randint(3, 7, (), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    responses = [torch.randint(0, 256, (int(torch.randint(1, 10, (), generator=g)),), generator=g).tolist()
+                 for _ in range(n)]
+    batch = train_ppo.make_batch(prompts, responses, pad_id=257, device=device)
+    shape = batch.ids.shape
+    # logprobs near a random-init model's (log 1/262 = -5.6): ratios of e^(+-0.3), some clipped
+    batch.old_lp = (-5.6 + 0.3 * torch.randn(shape, generator=g)) * batch.mask
+    batch.ref_lp = (-5.6 + 0.3 * torch.randn(shape, generator=g)) * batch.mask
+    batch.advantages = torch.randn(shape, generator=g) * batch.mask
+    batch.values = torch.randn(shape, generator=g) * batch.mask
+    batch.returns = torch.randn(shape, generator=g) * batch.mask
+    batch.tis = batch.mask.clone()
+    return batch
+
+
+def _mesh_body(rank, world_size, model_dir, dp, cp, tp, out):
+    cfg = config.Config(prompts_per_step=4, samples_per_prompt=2, num_minibatches=2, micro_batch_size=1,
+                        max_tokens_per_microbatch=32, tp_size=tp, cp_size=cp, lr=0.0, critic_lr=0.0,
+                        entropy_coef=0.01, max_new_tokens=9, attention="masked", dtype="fp32",
+                        rollout_engine="hf", out_dir=os.path.dirname(out))
+    mesh = model_parallel.make_mesh(world_size, tp, cp, "cpu")
+    parts, _ = train_ppo.build_models(model_dir, cfg, mesh)
+    whole = _batch(cfg, "cpu")
+    rows = train_ppo.samples_of(cfg, mesh)
+    batch = train_ppo.make_batch([[0]] * len(rows), [[0]] * len(rows), 257)  # the fields are replaced
+    batch.ids, batch.mask, batch.lens = whole.ids[rows], whole.mask[rows], [whole.lens[i] for i in rows]
+    for field in ("old_lp", "ref_lp", "advantages", "values", "returns", "tis", "engine_lp"):
+        setattr(batch, field, getattr(whole, field)[rows])
+    batch.unscored = min(whole.unscored, batch.unscored)
+    results = {}
+    for packing in (False, True):
+        for mode in MODES:
+            cfg.packing, cfg.loss_agg_mode = packing, mode
+            stats = train_ppo.StepStats(torch.device("cpu"))
+            train_ppo.update(parts, batch, cfg, mesh, stats, torch.device("cpu"))
+            stats.all_reduce(mesh)
+            numbers = {**stats.losses, **stats.norms}
+            results[f"{mode} {'packed' if packing else 'padded'}"] = {
+                name: numbers[name] / stats.steps[name] for name in NAMES}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    model_parallel.release_mesh(mesh)
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("losses"))
+    model_dir = model_parallel.materialize_tiny_model("tiny-llama", root, seed=0)
+    out = os.path.join(root, "111.json")
+    run_ranks(_mesh_body, 1, model_dir, 1, 1, 1, out)
+    with open(out) as f:
+        return model_dir, json.load(f)
+
+
+@pytest.mark.parametrize("dp, cp, tp", MESHES[1:], ids=[f"dp{d}cp{c}tp{t}" for d, c, t in MESHES[1:]])
+def test_every_mode_is_mesh_invariant(single_process, dp, cp, tp, tmp_path):
+    model_dir, reference = single_process
+    out = str(tmp_path / "mesh.json")
+    run_ranks(_mesh_body, dp * cp * tp, model_dir, dp, cp, tp, out)
+    with open(out) as f:
+        results = json.load(f)
+    # the modes differ from each other, so the check can tell them apart
+    assert len({round(r["policy_loss"], 6) for r in reference.values()}) >= 4
+    for case, expected in reference.items():
+        for name in NAMES:
+            got, want = results[case][name], expected[name]
+            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (case, name, got, want)
