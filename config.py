@@ -66,8 +66,14 @@ class Config:
     # ---- model ----
     # an HF checkpoint dir, or a built-in tiny preset: tiny-llama/qwen2/qwen3/gemma3
     model: str = "tiny-llama"
-    # checkpoint for the critic's backbone; "" = the (warmed-up) policy's
+    # checkpoint for the critic's backbone; "" = the (warmed-up) policy's. A reward model's dir
+    # (a *ForSequenceClassification checkpoint) also gives it its score head: the critic starts
+    # from the reward model, as in OpenRLHF
     critic_model: str = ""
+    # a reward model, *ForSequenceClassification with num_labels 1 (scripts/train_reward_model.py
+    # trains one): its score at each response's last token is the PPO reward, and the task's rule
+    # is logged beside it as task_score. "" = the task's rule is the reward
+    reward_model: str = ""
     # tensor-parallel degree (GPUs that split each matmul)
     tp_size: int = 1
     # context-parallel degree (GPUs that split each sequence); dp = world / (tp * cp)
@@ -154,6 +160,9 @@ class Config:
     # ---- PPO ----
     # The defaults are verl's PPO defaults (ppo_trainer.yaml), made for pretrained models.
 
+    # the first N PPO steps update only the critic (verl's critic_warmup): the policy's first
+    # updates then see a critic that already predicts something (gae only)
+    critic_warmup_steps: int = 0
     # gae: a learned critic + GAE (PPO). grpo: each response's score against its prompt group's
     # mean (and std), no critic (DeepSeekMath). rloo: against the mean of the group's other
     # responses, no critic (Ahmadian et al., 2024). docs/losses.md compares them.
@@ -225,7 +234,7 @@ NON_NEGATIVE = ("kl_coef", "tis_cap", "clip_ratio_c", "eval_every", "format_rewa
                 "value_clip", "lr", "entropy_coef", "max_grad_norm", "critic_lr", "sft_lr",
                 "weight_decay", "sft_steps", "warmup_steps", "save_every", "plot_every",
                 "logprob_chunk_size", "keep_checkpoints", "max_skipped_steps", "clip_ratio_high",
-                "loss_agg_norm")
+                "loss_agg_norm", "critic_warmup_steps")
 
 
 # attention=masked builds a (B, T/cp, T) mask for a microbatch of B rows, and SDPA a score tensor
@@ -362,6 +371,9 @@ def _validate_values(cfg: Config) -> None:
         raise ConfigError(f"advantage_estimator={cfg.advantage_estimator} needs samples_per_prompt "
                           f">= 2 (got {cfg.samples_per_prompt}): its advantage is a response's score "
                           f"against the other responses to its prompt")
+    if cfg.critic_warmup_steps and cfg.advantage_estimator != "gae":
+        raise ConfigError(f"critic_warmup_steps={cfg.critic_warmup_steps} needs a critic: "
+                          f"advantage_estimator=gae (or critic_warmup_steps=0)")
     if not (0.0 <= cfg.gamma <= 1.0 and 0.0 <= cfg.lam <= 1.0):
         raise ConfigError(f"gamma={cfg.gamma} and lam={cfg.lam} must lie in [0, 1]")
 
@@ -400,6 +412,9 @@ def _validate_paths(cfg: Config) -> None:
     if cfg.task == "gsm8k" and not os.path.isfile(cfg.prompts):
         raise ConfigError(f"task=gsm8k needs prompts=FILE (a GSM8K-format JSONL file); "
                           f"{cfg.prompts!r} is not a file")
+    if cfg.reward_model and not os.path.isdir(cfg.reward_model):
+        raise ConfigError(f"reward_model={cfg.reward_model!r} is not a directory: give a "
+                          f"*ForSequenceClassification checkpoint dir (scripts/train_reward_model.py)")
     if cfg.val_prompts and not os.path.isfile(cfg.val_prompts):
         raise ConfigError(f"val_prompts={cfg.val_prompts!r} is not a file")
     if cfg.replay_rollouts and not os.path.isdir(cfg.replay_rollouts):

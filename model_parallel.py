@@ -127,8 +127,9 @@ def resolve_auto(cfg, device_type):
     kernel = gpu_varlen_kernel() if device_type == "cuda" and cfg.dtype == "bf16" else None
     if cfg.attention == "auto":
         longest = cfg.max_tokens_per_microbatch if cfg.packing else cfg.max_model_len  # a row at most
+        rows = 1 if cfg.packing else cfg.micro_batch_size
         packed_gpu = cfg.packing and device_type == "cuda"
-        dense_ok = not packed_gpu and not masked_attention_error(longest, cfg.cp_size)
+        dense_ok = not packed_gpu and not masked_attention_error(longest, cfg.cp_size, rows)
         cfg.attention = "varlen" if kernel or not dense_ok else "masked"
     if cfg.attention == "masked":
         return "masked SDPA"
@@ -216,7 +217,12 @@ def torch_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 def gpu_varlen_kernel():
-    """flash-attn's kernel if installed, else torch's if this torch build has one, else None."""
+    """flash-attn's kernel if installed, else torch's if this torch build has one, else None.
+    Both FlashAttention-2 kernels need an Ampere or newer GPU (compute capability 8.0); on an older
+    one (V100, T4) the build-time flag still says yes and the first forward fails, so the device
+    itself is asked."""
+    if torch.cuda.get_device_capability() < (8, 0):
+        return None
     torch_has_it = "window_size" in VARLEN_ARGS and torch.backends.cuda.is_flash_attention_available()
     return flash_attn_varlen_func or (torch_varlen_attention if torch_has_it else None)
 
@@ -531,10 +537,14 @@ def _tie_embeddings(model):
 
 
 def _shard_fsdp(model, mesh, cfg, critic, offload):
-    """FSDP2 over `mesh` (dp x cp): per decoder layer (one all-gather in flight at a time), then the
-    root (embeddings, final norm, head). dtype=bf16 (the GPU recipe, on any device): parameters are
-    all-gathered and computed in bf16, gradients reduced in fp32 into fp32 master weights, which
-    AdamW updates. `offload` keeps the shards (and AdamW's state) in host memory (GPU only)."""
+    """FSDP2 over `mesh` (dp x cp): the embedding, each decoder layer (one all-gather in flight at a
+    time), the final norm with the head, then the root (torchtitan's units). In one root unit, an
+    untied 7B's embedding and head (1.09B parameters at tp=1) would stay gathered through forward
+    and backward, and their 4.4 GB fp32 reduce-scatter would come last, with nothing to overlap it.
+    A tied head shares the embedding's tensor: the two stay one unit, the root. dtype=bf16 (the
+    GPU recipe, on any device): parameters are all-gathered and computed in bf16, gradients
+    reduced in fp32 into fp32 master weights, which AdamW updates. `offload` keeps the shards (and
+    AdamW's state) in host memory (GPU only)."""
     if cfg.dtype == "bf16":
         compute = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
@@ -543,8 +553,13 @@ def _shard_fsdp(model, mesh, cfg, critic, offload):
     # no-grad passes, until the next explicit reshard: every microbatch of a pass reuses it)
     fsdp = dict(mesh=mesh, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
                 reshard_after_forward=cfg.reshard_after_forward)
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    if not tied:
+        fully_shard(model.model.embed_tokens, mp_policy=compute, **fsdp)
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=compute, **fsdp)
+    if not tied and not critic:
+        fully_shard([model.model.norm, model.lm_head], mp_policy=compute, **fsdp)
     if critic:
         # the value head is its own unit with an fp32 param_dtype: FSDP2 casts its bf16 input up
         # to fp32 (without the cast, bf16 hidden states meet fp32 weights and matmul fails)
@@ -629,15 +644,44 @@ def load_policy(path, mesh, cfg):
     return _load_weights(_build(path, mesh, cfg, critic=False), path, extra={})
 
 
+def score_head(path):
+    """The score head (1, hidden) of a `*ForSequenceClassification` checkpoint with one label (a
+    reward model), or None. It is small: every rank reads it whole."""
+    from safetensors import safe_open
+    for name in sorted(os.listdir(path)):
+        if not name.endswith(".safetensors"):
+            continue
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            if "score.weight" in f.keys():
+                weight = f.get_tensor("score.weight").float()
+                return weight if weight.shape[0] == 1 else None
+    return None
+
+
 def load_critic(path, mesh, cfg):
     """Collective (every rank): the backbone of the checkpoint at `path` + an fp32 Linear(hidden, 1)
-    value head, initialized from the seed with std 1/sqrt(hidden+1) and zero bias (Ziegler et al.
-    2019's value head, as in summarize_from_feedback_details), identical on every rank."""
+    value head, identical on every rank. From a reward model (a sequence-classification checkpoint),
+    the head is its score head: the critic starts from the reward model, OpenRLHF's default, and
+    predicts the reward from its first step. Else the head is initialized from the seed with std
+    1/sqrt(hidden+1) and zero bias (Ziegler et al. 2019's value head, as in
+    summarize_from_feedback_details)."""
     model = _build(path, mesh, cfg, critic=True)
-    hidden = model.config.hidden_size
-    generator = torch.Generator().manual_seed(cfg.seed)
-    weight = torch.randn(1, hidden, generator=generator) / math.sqrt(hidden + 1)
+    weight = score_head(path)
+    if weight is None:
+        hidden = model.config.hidden_size
+        generator = torch.Generator().manual_seed(cfg.seed)
+        weight = torch.randn(1, hidden, generator=generator) / math.sqrt(hidden + 1)
+    # (HF's score heads have no bias: 0 reads the same)
     return _load_weights(model, path, extra={"lm_head.weight": weight, "lm_head.bias": torch.zeros(1)})
+
+
+def load_reward_model(path, mesh, cfg):
+    """Collective (every rank): a reward model, `*ForSequenceClassification` with one label, sharded
+    on the training mesh as the policy is (TP plan, FSDP2, CP, packing) and frozen: no optimizer, no
+    gradient; it scores in the no-grad phase (forward_critic with shift=False)."""
+    model = load_critic(path, mesh, cfg)
+    model.requires_grad_(False)
+    return model
 
 
 # -----------------------------------------------------------------------------
@@ -648,7 +692,9 @@ def microbatches(seq_lens, cfg, mesh):
     """Collective (every rank of dp): lists of row indices, the same count on every dp rank ([] = a
     dummy to run with weight 0, so that FSDP's or DDP's collectives still match). Packing: first-fit
     decreasing into rows of at most max_tokens_per_microbatch tokens; else micro_batch_size rows
-    at a time."""
+    at a time, longest first, so that each microbatch is padded to its own longest row (_layout
+    trims to it), not to the longest of the whole batch. Which rows share a microbatch changes no
+    loss: every loss is a sum over rows divided by global counts."""
     if cfg.packing:
         multiple = 2 * mesh["cp"].size() * mesh["tp"].size()
         capacity = cfg.max_tokens_per_microbatch // multiple * multiple  # room left after padding
@@ -667,8 +713,8 @@ def microbatches(seq_lens, cfg, mesh):
             room[fit] -= seq_lens[i]
     else:
         size = cfg.micro_batch_size
-        starts = range(0, len(seq_lens), size)
-        bins = [list(range(start, min(start + size, len(seq_lens)))) for start in starts]
+        by_length = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
+        bins = [by_length[start:start + size] for start in range(0, len(seq_lens), size)]
     count = torch.tensor([len(bins)], device=_device(mesh))
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mesh["dp"].get_group())  # collective over dp
     return bins + [[] for _ in range(int(count) - len(bins))]
@@ -754,7 +800,8 @@ def _layout(input_ids, seq_lens, mesh, cfg):
     cp_size, cp_rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
     multiple = 2 * cp_size * mesh["tp"].size()
     device = _device(mesh)
-    input_ids = input_ids.to(device)  # (b, S)
+    # the rows' own longest, not the (b, S) batch's: a short microbatch costs what it holds
+    input_ids = input_ids[:, :max(seq_lens)].to(device)  # (b, S')
     if cfg.packing:
         # one row: the sequences back to back, the padding tail as a document of its own
         lens = [int(n) for n in seq_lens]
@@ -778,8 +825,10 @@ def _layout(input_ids, seq_lens, mesh, cfg):
     q_rows = zigzag_positions(ids.shape[1], cp_size, cp_rank).to(device)  # (T/cp,)
     shares = [zigzag_positions(ids.shape[1], cp_size, r) for r in range(cp_size)]
     kv_rows = torch.cat(shares).to(device)  # (T,)
-    if cfg.attention == "masked" and (error := masked_attention_error(ids.shape[1], cp_size)):
-        raise ValueError(error)  # (unpacked rows: their length is known only now)
+    # (unpacked rows: their length is known only now; config.validate refused the worst case)
+    error = masked_attention_error(ids.shape[1], cp_size, ids.shape[0])
+    if cfg.attention == "masked" and error:
+        raise ValueError(error)
     return Layout(ids=ids, positions=positions, seq_lens=torch.as_tensor(seq_lens, device=device),
                   cu_seqlens=cu_seqlens, varlen=cfg.attention == "varlen", cp_group=_group(mesh, "cp"),
                   q_rows=q_rows, kv_rows=kv_rows, q_docs=docs[:, q_rows], kv_docs=docs[:, kv_rows],
@@ -791,8 +840,10 @@ def _unlayout(per_token, layout, like):
     device."""
     seq_len = like.shape[1]
     if layout.cu_seqlens is None:  # zero past each row's end, as unpacking does
+        # the layout was trimmed to the rows' longest, then padded: back to the batch's width
+        per_token = F.pad(per_token[:, :seq_len], (0, seq_len - min(seq_len, per_token.shape[1])))  # (b, S)
         valid = torch.arange(seq_len, device=per_token.device)[None] < layout.seq_lens[:, None]  # (b, S)
-        return (per_token[:, :seq_len] * valid).to(like.device)  # (b, S)
+        return (per_token * valid).to(like.device)  # (b, S)
     sequences = layout.cu_seqlens[: len(layout.seq_lens) + 1]  # (b + 1,) without the padding tail
     return unpack_packed(per_token, sequences, seq_len).to(like.device)  # (b, S)
 
@@ -825,15 +876,16 @@ def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_
     return back(logprobs), back(entropy)
 
 
-def forward_critic(critic, input_ids, seq_lens, mesh, cfg):
+def forward_critic(critic, input_ids, seq_lens, mesh, cfg, shift=True):
     """Collective (every rank): values (b, S), right-shifted: values[:, i] = V(x_<i) =
     head(hidden[:, i-1]), 0 at position 0 (and at packed sequence starts, which see no earlier token
-    of their own)."""
+    of their own). shift=False: the head's output at each position itself, head(hidden[:, i]): a
+    reward model's score is its output at a sequence's last token, an unshifted read."""
     layout = _layout(input_ids, seq_lens, mesh, cfg)
     values = critic(**layout.model_inputs()).logits[..., 0].float()  # (B, T/cp)
     values = cp_gather(values, _group(mesh, "cp"), dim=1)  # (B, T)  collective over cp, natural order
-    # the shift crosses zigzag chunks: after the gather
-    values = shift_right(values, layout.cu_seqlens)  # (B, T)
+    if shift:  # the shift crosses zigzag chunks: after the gather
+        values = shift_right(values, layout.cu_seqlens)  # (B, T)
     return _unlayout(values, layout, input_ids)  # (b, S)
 
 
@@ -854,12 +906,22 @@ def reshard(model):
             module.reshard()
 
 
-def _host_copy(tensor, dtype=None):
-    """A copy in host memory, pinned on a GPU machine (copies to and from the GPU go faster and
-    async)."""
-    pinned = torch.cuda.is_available()
-    out = torch.empty(tensor.shape, dtype=dtype or tensor.dtype, device="cpu", pin_memory=pinned)
-    return out.copy_(tensor, non_blocking=True)
+def _host_copies(tensors, dtype=None):
+    """Copies of `tensors` in host memory (in `dtype`, default the first one's), as views into one
+    flat buffer, pinned on a GPU machine (copies to and from the GPU go faster and asynchronously).
+    One buffer a set, not one a tensor: torch's caching host allocator rounds every pinned
+    allocation up to a power of two, which per shard came to ~1.9x the bytes at 7B over 8 GPUs;
+    per set the rounding is paid once (bench/memory_model.py counts it)."""
+    dtype = dtype or tensors[0].dtype
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device="cpu",
+                       pin_memory=torch.cuda.is_available())  # (elements of the whole set,)
+    copies = []
+    offset = 0
+    for tensor in tensors:
+        view = flat[offset:offset + tensor.numel()].view(tensor.shape)
+        copies.append(view.copy_(tensor, non_blocking=True))
+        offset += tensor.numel()
+    return copies
 
 
 def snapshot_weights(model, dtype=None):
@@ -867,7 +929,8 @@ def snapshot_weights(model, dtype=None):
     `dtype` (default: the parameters'). The bf16 recipe keeps bf16: half the bytes of fp32, and the
     forward casts the weights to bf16 anyway, so the reference computes exactly the same."""
     reshard(model)
-    weights = {name: _host_copy(_local(p).detach(), dtype) for name, p in model.named_parameters()}
+    names, params = zip(*model.named_parameters())
+    weights = dict(zip(names, _host_copies([_local(p).detach() for p in params], dtype)))
     return {"weights": weights, "parked": {}}  # parked: filled by swapped_weights
 
 
@@ -897,11 +960,12 @@ def swapped_weights(model, snapshot):
         leave = enter
     else:
         def enter():
-            for name, param in params.items():
-                if name in parked:  # host memory from the first swap, reused
+            if not parked:  # host memory allocated at the first swap, then reused
+                copies = _host_copies([_local(p).detach() for p in params.values()])
+                parked.update(zip(params, copies))
+            else:
+                for name, param in params.items():
                     parked[name].copy_(_local(param), non_blocking=True)
-                else:
-                    parked[name] = _host_copy(_local(param).detach())
             _copy_into(model, weights)
         leave = lambda: _copy_into(model, parked)  # noqa: E731
     enter()
@@ -914,19 +978,22 @@ def swapped_weights(model, snapshot):
 def move_optimizer_state(optimizer, device):
     """AdamW's two moments (8 bytes a parameter: twice the fp32 weights) to `device`: "cpu" (pinned
     host memory) while vLLM generates, the GPU again before the update, as NeMo-RL's
-    offload_before_refit / offload_after_refit. Sharded (DTensor) states keep their sharding."""
-    for state in optimizer.state.values():
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key in state:
-                old = state[key]
-                if torch.device(device).type == "cpu":
-                    new = _host_copy(_local(old))
-                else:
-                    new = _local(old).to(device, non_blocking=True)
-                if isinstance(old, DTensor):  # the moved shard, wrapped as the old one was
-                    new = DTensor.from_local(new, old.device_mesh, old.placements, run_check=False,
-                                             shape=old.shape, stride=old.stride())
-                state[key] = new
+    offload_before_refit / offload_after_refit. Sharded (DTensor) states keep their sharding. In
+    host memory each moment is one flat buffer (_host_copies)."""
+    states = [state for state in optimizer.state.values() if "exp_avg" in state]
+    for key in ("exp_avg", "exp_avg_sq"):
+        olds = [state[key] for state in states]
+        if not olds:
+            continue
+        if torch.device(device).type == "cpu":
+            news = _host_copies([_local(old) for old in olds])
+        else:
+            news = [_local(old).to(device, non_blocking=True) for old in olds]
+        for state, old, new in zip(states, olds, news):
+            if isinstance(old, DTensor):  # the moved shard, wrapped as the old one was
+                new = DTensor.from_local(new, old.device_mesh, old.placements, run_check=False,
+                                         shape=old.shape, stride=old.stride())
+            state[key] = new
 
 
 # -----------------------------------------------------------------------------
@@ -970,19 +1037,23 @@ def clip_grad_norm(params, max_norm):
 # -----------------------------------------------------------------------------
 # Full weights: refit of the rollout engine and HF export.
 
-def iter_full_params(model):
+def iter_full_params(model, dtype=None):
     """Collective (every rank, to the end): yield (name, full tensor) per parameter, named as in the
     HF checkpoint (FSDP2 and TP keep module names; a tied lm_head appears once, as embed_tokens,
-    like in the file). One full tensor alive at a time."""
+    like in the file), in `dtype` (None: the parameter's). One full tensor alive at a time. Each
+    shard is cast *before* the all-gather: a bf16 engine or export receives half the bytes of the
+    fp32 master weights (7B: ~15 GB a rank a refit, not ~30), and no fp32 full tensor is ever
+    built."""
     # every rank sees the same sharded parameters, hence the same collectives
     reshard(model)
     for name, param in model.named_parameters():
         with torch.no_grad():
             if isinstance(param, DTensor):
-                # all-gather over its mesh, on the mesh's device (an offloaded shard lives on CPU)
-                full = param.to(_device(param.device_mesh)).full_tensor()
+                # the mesh's device (an offloaded shard lives on CPU); the cast keeps the placements
+                local = param.to(_device(param.device_mesh)).to(dtype or param.dtype)
+                full = local.full_tensor()  # all-gather over its mesh
             else:
-                full = param.detach()
+                full = param.detach().to(dtype or param.dtype)
         yield name, full
 
 
@@ -1037,7 +1108,7 @@ def save_hf(model, path, dtype=torch.float32, copy_from=None, extra_files=None, 
     if master:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    full_params = iter_full_params(model)  # one all-gather per parameter, on every rank
+    full_params = iter_full_params(model, dtype)  # one all-gather per parameter, on every rank
     for file_name, tensors in zip(names, files):
         with open(os.path.join(tmp, file_name), "wb") if master else contextlib.nullcontext() as f:
             if master:
@@ -1045,7 +1116,7 @@ def save_hf(model, path, dtype=torch.float32, copy_from=None, extra_files=None, 
             for _ in tensors:
                 full = next(full_params)[1]
                 if master:
-                    f.write(full.to(dtype).contiguous().view(torch.uint8).cpu().numpy())  # its raw bytes
+                    f.write(full.contiguous().view(torch.uint8).cpu().numpy())  # its raw bytes
     if master:
         if len(files) > 1:
             weight_map = {name: file_name for file_name, tensors in zip(names, files) for name, _ in tensors}

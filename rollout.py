@@ -599,9 +599,158 @@ def make_engine(cfg, model_dir: str, device: torch.device, stop_ids: list) -> En
 
 
 # -----------------------------------------------------------------------------
+# Steps 1-3 of a PPO step, across the mesh: which rank generates which samples, and how every
+# rank gets them all. Sample j of a step is the (j % K)-th response to prompt j // K (K =
+# samples_per_prompt), seeded by what it is (sample_seed), so a config samples the same responses
+# on any mesh. Generation is split by the static dp slices below; the update's split over dp
+# ranks is decided after generation, when the lengths are known (balanced_split).
+
+def local_indices(global_batch, num_minibatches, dp_size, dp_rank):
+    """Global sample indices of dp slice `dp_rank`, minibatch-major. Global minibatch m is the
+    contiguous block [m*M, (m+1)*M) of the step's samples on every mesh, and slice r holds the
+    r-th part of each block."""
+    per_minibatch = global_batch // num_minibatches
+    per_rank = per_minibatch // dp_size
+    return [m * per_minibatch + dp_rank * per_rank + i
+            for m in range(num_minibatches) for i in range(per_rank)]
+
+
+def samples_of(cfg, mesh, rank):
+    """Global sample indices of a rank's dp slice. The mesh is row-major over (dp, cp, tp), so the
+    rank's dp index is rank // (cp*tp) (worked example: generated_by)."""
+    dp_index = rank // (mesh["cp"].size() * mesh["tp"].size())
+    return local_indices(cfg.global_batch_size, cfg.num_minibatches, mesh["dp"].size(), dp_index)
+
+def balanced_split(lengths, num_minibatches, dp_size, chunk=1):
+    """The update's split of the step's samples over dp ranks: per rank, its global indices,
+    minibatch-major. Global minibatch m stays the contiguous block m of the samples on every mesh
+    (so the losses are the same on any mesh), and each block is dealt out in equal numbers of
+    sequences with token sums as even as possible (verl's balance_batch has the same aim):
+    contiguous slices would put one rank's share of long responses on one GPU while the others
+    wait at the next gradient reduction.
+
+    Sorted by length, the block is cut into chunks of `chunk` neighbours (half a microbatch when
+    rows are padded, so that a rank's microbatches hold rows of like length, each padded to its
+    own longest row: bench/packing.py measures both). The chunks go longest first to the rank with
+    the fewest tokens that still has room (greedy longest-processing-time, Graham 1969); then the
+    heaviest and the lightest rank swap chunks while a swap narrows their gap. `lengths`: prompt +
+    response tokens of every sample, the same list on every rank, hence the same split."""
+    per_minibatch = len(lengths) // num_minibatches
+    per_rank = per_minibatch // dp_size
+    split = [[] for _ in range(dp_size)]
+
+    def tokens(c):
+        return sum(lengths[j] for j in c)
+    for m in range(num_minibatches):
+        block = sorted(range(m * per_minibatch, (m + 1) * per_minibatch), key=lambda j: -lengths[j])
+        chunks = [block[i:i + chunk] for i in range(0, per_minibatch, chunk)]  # longest first
+        parts = [[] for _ in range(dp_size)]
+        load = [0] * dp_size
+        for c in chunks:
+            r = min((r for r in range(dp_size) if len(parts[r]) < per_rank // chunk), key=lambda r: load[r])
+            parts[r].append(c)
+            load[r] += tokens(c)
+        # each swap moves d tokens (0 < d < gap) from the heaviest to the lightest rank: the sum of
+        # squared loads falls every time, so this ends
+        while True:
+            hi = max(range(dp_size), key=lambda r: load[r])
+            lo = min(range(dp_size), key=lambda r: load[r])
+            gap = load[hi] - load[lo]
+            swaps = [(a, b) for a in parts[hi] for b in parts[lo] if 0 < tokens(a) - tokens(b) < gap]
+            if not swaps:
+                break
+            a, b = min(swaps, key=lambda ab: abs(gap - 2 * (tokens(ab[0]) - tokens(ab[1]))))
+            parts[hi][parts[hi].index(a)] = b
+            parts[lo][parts[lo].index(b)] = a
+            load[hi] += tokens(b) - tokens(a)
+            load[lo] += tokens(a) - tokens(b)
+        for r in range(dp_size):
+            split[r] += sorted(j for c in parts[r] for j in c)
+    return split
+
+
+def generated_by(cfg, mesh, rank):
+    """Global indices of the samples `rank` generates. A dp slice's samples are split (not
+    repeated) in equal shares over the slice's cp x tp ranks; all of them then train on the whole
+    slice, which the all-gather in rollouts hands them.
+
+    init_device_mesh lays the ranks out row-major over (dp, cp, tp): the mesh is
+    arange(world).view(dp, cp, tp), so dp slice d is the cp*tp consecutive ranks from d*cp*tp on.
+    A rank's dp index is rank // (cp*tp), its place among its slice's ranks rank % (cp*tp), and its
+    share is that place's part of the slice. Example: 8 ranks, (dp, cp, tp) = (2, 2, 2),
+    global_batch_size 16 in 2 minibatches: each dp slice holds 8 samples (local_indices: 4 of
+    each minibatch), 2 for each of its 4 ranks:
+
+        rank            0      1      2      3        4      5      6        7
+        dp index        0      0      0      0        1      1      1        1
+        place           0      1      2      3        0      1      2        3
+        dp slice        0-3 and 8-11                  4-7 and 12-15
+        generates       0, 1   2, 3   8, 9   10, 11   4, 5   6, 7   12, 13   14, 15
+    """
+    ranks_per_slice = mesh["cp"].size() * mesh["tp"].size()
+    place = rank % ranks_per_slice
+    slice_ = samples_of(cfg, mesh, rank)
+    # (a slice with fewer samples than ranks leaves some ranks an empty share)
+    start = place * len(slice_) // ranks_per_slice
+    end = (place + 1) * len(slice_) // ranks_per_slice
+    return slice_[start:end]
+
+
+def generate(engine, task, cfg, step, start, mesh):
+    """Collective over each vLLM group. Draw the step's prompts (from position `start` of the
+    task's stream), sample this rank's share of the responses (generated_by) and score them.
+    The ranks of one vLLM tensor-parallel group (rollout_tp_size consecutive ranks) must pass
+    identical requests: the group generates the shares of all its members, and each keeps its
+    own. Returns (samples, number generated)."""
+    rank = dist.get_rank()
+    K = cfg.samples_per_prompt  # sample j is the (j % K)-th response to prompt j // K
+    prompts = task.prompts(start, cfg.prompts_per_step)
+    prompt_ids = [task.encode(p) for p, _ in prompts]  # (chat template applied)
+    first = rank - rank % cfg.rollout_tp_size  # the first rank of this rank's vLLM group
+    group = range(first, first + cfg.rollout_tp_size)
+    wanted = sorted({j for member in group for j in generated_by(cfg, mesh, member)})
+    outs = []  # none wanted: the dp slice has fewer samples than cp x tp ranks
+    if wanted:
+        seeds = [sample_seed(cfg.seed, step, j // K, j % K) for j in wanted]
+        requests = [prompt_ids[j // K] for j in wanted]
+        outs = engine.generate(requests, seeds, cfg.max_new_tokens, cfg.temperature)
+    by_index = dict(zip(wanted, outs))
+    samples = []
+    for j in generated_by(cfg, mesh, rank):
+        response, lps = by_index[j]
+        prompt, answer = prompts[j // K]
+        text = task.decode(response)
+        ended = finished(response, engine.stop_ids)
+        samples.append(dict(index=j, prompt=prompt, response=text, answer=answer,
+                            prompt_ids=prompt_ids[j // K], response_ids=response, engine_logprobs=lps,
+                            finished=ended, reward=task.reward(text, answer, ended)))
+    return samples, len(wanted)
+
+
+def rollouts(engine, task, cfg, step, start, mesh):
+    """Collective (every rank). Every sample of the step, {global index: sample}, on every rank,
+    and how many samples this rank's engine generated. Each sample exists once, drawn by the rank
+    it is generated_by (vLLM's sampling is not bit-identical across GPUs, so cp x tp ranks must not
+    mix copies); one all-gather hands every rank the whole batch, whose lengths then decide the
+    update's split over dp ranks. replay_rollouts: a dumped step's samples instead."""
+    if cfg.replay_rollouts:
+        dumped = load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
+        mine = [dumped[j] for j in generated_by(cfg, mesh, dist.get_rank())]
+        generated = 0
+    else:
+        mine, generated = generate(engine, task, cfg, step, start, mesh)
+        engine.sleep()  # GPU: vLLM frees its memory for training
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)  # collective: every rank's share on every rank
+    every = {s["index"]: s for share in gathered for s in share}
+    return every, generated
+
+
+# -----------------------------------------------------------------------------
 # Refit: stream the trained weights into the engine in bounded buckets. Every rank iterates
-# `named_full_tensors` together (each item is a collective that gathers one parameter), casts it
-# to the engine's dtype (so the limit counts the bytes sent) and hands the engine a bucket whenever
+# `named_full_tensors` together (each item is a collective that gathers one parameter, already in
+# the engine's dtype: iter_full_params casts the shards before the gather, so a bf16 engine
+# receives half the bytes of the fp32 master weights) and hands the engine a bucket whenever
 # the next tensor would overflow `bucket_mb`. One bucket (or one larger parameter) is built at a
 # time and vLLM keeps at most one incomplete layer from earlier buckets, so the transient memory
 # does not grow with the model, unlike a full state dict (verl and NeMo-RL bucket their refit for
@@ -611,16 +760,18 @@ def make_engine(cfg, model_dir: str, device: torch.device, stop_ids: list) -> En
 
 def refit(engine: Engine, named_full_tensors, bucket_mb: float) -> dict:
     """Collective (every rank, through named_full_tensors): the trained weights into the engine.
-    Returns the bytes sent and the largest bucket, for the metrics."""
+    Returns the bytes sent, the bytes gathered (as the tensors arrived: twice the bytes sent if
+    they came in fp32 for a bf16 engine) and the largest bucket, for the metrics."""
     # GPU: what training freed goes back to the driver before vLLM takes it
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     engine.wake_up(["weights"])
     limit, dtype = bucket_mb * 2**20, engine.dtype
     bucket, size = [], 0
-    largest, total = 0, 0
+    largest, total, gathered = 0, 0, 0
     for name, tensor in named_full_tensors:
-        tensor = tensor.detach().to(dtype)
+        gathered += tensor.numel() * tensor.element_size()
+        tensor = tensor.detach().to(dtype)  # (a no-op when the gather was in the engine's dtype)
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > limit:  # flush before overflowing
             engine.load_weights(bucket)
@@ -632,7 +783,7 @@ def refit(engine: Engine, named_full_tensors, bucket_mb: float) -> dict:
         engine.load_weights(bucket)
     engine.finish_refit()
     engine.wake_up(["kv_cache"])
-    return {"refit_bytes": total, "refit_largest_bucket_bytes": largest}
+    return {"refit_bytes": total, "refit_gathered_bytes": gathered, "refit_largest_bucket_bytes": largest}
 
 
 # -----------------------------------------------------------------------------

@@ -252,24 +252,6 @@ def dp_sum(tensor, mesh):
     return tensor
 
 
-def local_indices(global_batch, num_minibatches, dp_size, dp_rank):
-    """Global sample indices of this dp rank, minibatch-major. Global minibatch m is the
-    contiguous block [m*M, (m+1)*M) of the step's samples on every mesh, and rank r keeps
-    its r-th slice of each block: so minibatch membership does not depend on dp."""
-    per_minibatch = global_batch // num_minibatches
-    per_rank = per_minibatch // dp_size
-    return [m * per_minibatch + dp_rank * per_rank + i
-            for m in range(num_minibatches) for i in range(per_rank)]
-
-
-def samples_of(cfg, mesh, rank=None):
-    """Global sample indices of a rank's dp slice (default: this rank's). The mesh is row-major
-    over (dp, cp, tp), so the rank's dp index is rank // (cp*tp) (worked example: generated_by)."""
-    rank = dist.get_rank() if rank is None else rank
-    dp_index = rank // (mesh["cp"].size() * mesh["tp"].size())
-    return local_indices(cfg.global_batch_size, cfg.num_minibatches, mesh["dp"].size(), dp_index)
-
-
 @dataclass
 class Batch:
     """This rank's sequences as right-padded (b, S) tensors, in the alignment of the module
@@ -280,6 +262,9 @@ class Batch:
     engine_lp: torch.Tensor  # (b, S) the engine's logprob of each response token
     lens: list  # b ints: prompt + response tokens of each row
     unscored: int  # the shortest prompt: leading positions that no row scores
+    index: Optional[list] = None  # b ints: each row's global sample index
+    scores: Optional[torch.Tensor] = None  # (b,) the reward each sequence is trained on
+    task_scores: Optional[torch.Tensor] = None  # (b,) the task's rule, beside a reward model's
     old_lp: Optional[torch.Tensor] = None  # (b, S) policy that sampled, as the trainer computes it
     ref_lp: Optional[torch.Tensor] = None  # (b, S) reference (initial) policy
     entropy: Optional[torch.Tensor] = None  # (b, S) of the policy's next-token distribution
@@ -302,6 +287,24 @@ def make_batch(prompts, responses, pad_id, engine_logprobs=None, device="cpu"):
         if engine_logprobs is not None:
             engine_lp[i, len(p):lens[i]] = torch.tensor(engine_logprobs[i], dtype=torch.float32)
     return Batch(ids.to(device), mask.to(device), engine_lp.to(device), lens, min(map(len, prompts)))
+
+
+def training_batch(every, cfg, mesh, pad_id, device):
+    """This rank's rows of the step's samples (`every`: {global index: sample}) for steps 4-8, as a
+    Batch: its part of each global minibatch (balanced_split; the cp x tp ranks of a dp slice get
+    the same rows), with the task's scores."""
+    lengths = [len(every[j]["prompt_ids"]) + len(every[j]["response_ids"]) for j in range(len(every))]
+    per_rank = cfg.global_batch_size // cfg.num_minibatches // mesh["dp"].size()
+    # padded rows: chunks of half a microbatch (a divisor of the rank's share); packed: single rows
+    chunk = 1 if cfg.packing else math.gcd(per_rank, max(1, cfg.micro_batch_size // 2))
+    split = rollout.balanced_split(lengths, cfg.num_minibatches, mesh["dp"].size(), chunk)
+    index = split[mesh["dp"].get_local_rank()]
+    samples = [every[j] for j in index]
+    batch = make_batch([s["prompt_ids"] for s in samples], [s["response_ids"] for s in samples], pad_id,
+                       [s["engine_logprobs"] for s in samples], device)
+    batch.index = index
+    batch.scores = torch.tensor([s["reward"] for s in samples], device=device)  # (b,)
+    return batch
 
 
 def micro_rows(micro, rows):
@@ -406,9 +409,13 @@ def prepare_inputs(cfg, task):
     if model_dir in model_parallel.TINY_PRESETS:
         model_dir = model_parallel.materialize_tiny_model(cfg.model, cfg.out_dir, cfg.seed)
     try:
-        for path in (model_dir, cfg.critic_model):
+        for path in (model_dir, cfg.critic_model, cfg.reward_model):
             if path:  # no critic_model: the critic starts from the policy's checkpoint
                 model_parallel.check_hf_dir(path, cfg.tp_size)
+        if cfg.reward_model and model_parallel.score_head(cfg.reward_model) is None:
+            raise model_parallel.CheckpointError(
+                f"reward_model={cfg.reward_model!r} has no one-label score head: give a "
+                f"*ForSequenceClassification checkpoint with num_labels=1 (scripts/train_reward_model.py)")
         resume_dir = find_checkpoint(cfg.resume, cfg.out_dir)
         if task is None:
             task = rollout.make_task(cfg, model_dir, AutoConfig.from_pretrained(model_dir).vocab_size)
@@ -452,8 +459,8 @@ def sft_warmup(model_dir, task, cfg, mesh):
 
 def build_models(model_dir, cfg, mesh):
     """Collective (every rank). {name: (model, AdamW, LR schedule)} for the policy and (gae only)
-    the critic, which is what a checkpoint holds; and the reference policy: a copy of the
-    policy's initial shards."""
+    the critic, which is what a checkpoint holds; the reference policy, a copy of the policy's
+    initial shards; and the reward model if any (frozen: no optimizer, not checkpointed)."""
     policy = model_parallel.load_policy(model_dir, mesh, cfg)
     reference = model_parallel.snapshot_weights(policy, torch.bfloat16 if cfg.dtype == "bf16" else None)
     models = {"policy": (policy, cfg.lr)}
@@ -470,92 +477,10 @@ def build_models(model_dir, cfg, mesh):
         # 20x slower here); the same math, in a different order of float operations
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=True)
         parts[name] = (model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup))
-    return parts, reference
-
-
-# -----------------------------------------------------------------------------
-# Steps 1-3: prompts, rollout, reward.
-
-def generated_by(cfg, mesh, rank):
-    """Global indices of the samples `rank` generates. A dp slice's samples are split (not
-    repeated) in equal shares over the slice's cp x tp ranks; all of them then train on the whole
-    slice, which the all-gather in rollouts hands them.
-
-    init_device_mesh lays the ranks out row-major over (dp, cp, tp): the mesh is
-    arange(world).view(dp, cp, tp), so dp slice d is the cp*tp consecutive ranks from d*cp*tp on.
-    A rank's dp index is rank // (cp*tp), its place among its slice's ranks rank % (cp*tp), and its
-    share is that place's part of the slice. Example: 8 ranks, (dp, cp, tp) = (2, 2, 2),
-    global_batch_size 16 in 2 minibatches: each dp slice holds 8 samples (local_indices: 4 of
-    each minibatch), 2 for each of its 4 ranks:
-
-        rank            0      1      2      3        4      5      6        7
-        dp index        0      0      0      0        1      1      1        1
-        place           0      1      2      3        0      1      2        3
-        dp slice        0-3 and 8-11                  4-7 and 12-15
-        generates       0, 1   2, 3   8, 9   10, 11   4, 5   6, 7   12, 13   14, 15
-    """
-    ranks_per_slice = mesh["cp"].size() * mesh["tp"].size()
-    place = rank % ranks_per_slice
-    slice_ = samples_of(cfg, mesh, rank)
-    # (a slice with fewer samples than ranks leaves some ranks an empty share)
-    start = place * len(slice_) // ranks_per_slice
-    end = (place + 1) * len(slice_) // ranks_per_slice
-    return slice_[start:end]
-
-
-def generate(engine, task, cfg, step, start, mesh):
-    """Collective over each vLLM group. Draw the step's prompts (from position `start` of the
-    task's stream), sample this rank's share of the responses (generated_by) and score them.
-    The ranks of one vLLM tensor-parallel group (rollout_tp_size consecutive ranks) must pass
-    identical requests: the group generates the shares of all its members, and each keeps its
-    own. Returns (samples, number generated)."""
-    rank = dist.get_rank()
-    K = cfg.samples_per_prompt  # sample j is the (j % K)-th response to prompt j // K
-    prompts = task.prompts(start, cfg.prompts_per_step)
-    prompt_ids = [task.encode(p) for p, _ in prompts]  # (chat template applied)
-    first = rank - rank % cfg.rollout_tp_size  # the first rank of this rank's vLLM group
-    group = range(first, first + cfg.rollout_tp_size)
-    wanted = sorted({j for member in group for j in generated_by(cfg, mesh, member)})
-    outs = []  # none wanted: the dp slice has fewer samples than cp x tp ranks
-    if wanted:
-        seeds = [rollout.sample_seed(cfg.seed, step, j // K, j % K) for j in wanted]
-        requests = [prompt_ids[j // K] for j in wanted]
-        outs = engine.generate(requests, seeds, cfg.max_new_tokens, cfg.temperature)
-    by_index = dict(zip(wanted, outs))
-    samples = []
-    for j in generated_by(cfg, mesh, rank):
-        response, lps = by_index[j]
-        prompt, answer = prompts[j // K]
-        text = task.decode(response)
-        finished = rollout.finished(response, engine.stop_ids)
-        samples.append(dict(index=j, prompt=prompt, response=text, answer=answer,
-                            prompt_ids=prompt_ids[j // K], response_ids=response, engine_logprobs=lps,
-                            finished=finished, reward=task.reward(text, answer, finished)))
-    return samples, len(wanted)
-
-
-def rollouts(engine, task, cfg, step, start, mesh):
-    """Collective (every rank). This rank's dp slice of samples, every sample's reward by global
-    index, and how many samples this rank's engine generated. Each sample exists once, drawn by
-    the rank it is generated_by (vLLM's sampling is not bit-identical across GPUs, so cp x tp
-    ranks must not mix copies); one all-gather hands every rank its slice, and rank 0 the whole
-    batch for the dump."""
-    if cfg.replay_rollouts:
-        dumped = rollout.load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
-        mine = [dumped[j] for j in generated_by(cfg, mesh, dist.get_rank())]
-        generated = 0
-    else:
-        mine, generated = generate(engine, task, cfg, step, start, mesh)
-        engine.sleep()  # GPU: vLLM frees its memory for training
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)  # collective: every rank's share on every rank
-    every = {s["index"]: s for share in gathered for s in share}
-    if dist.get_rank() == 0:
-        dump = os.path.join(cfg.out_dir, "rollouts", f"step_{step}.jsonl")
-        rollout.dump_rollouts(dump, list(every.values()))
-    samples = [every[j] for j in samples_of(cfg, mesh)]
-    all_rewards = [every[j]["reward"] for j in range(cfg.global_batch_size)]
-    return samples, all_rewards, generated
+    reward_model = None
+    if cfg.reward_model:
+        reward_model = model_parallel.load_reward_model(cfg.reward_model, mesh, cfg)
+    return parts, reference, reward_model
 
 
 # -----------------------------------------------------------------------------
@@ -580,10 +505,13 @@ def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
 
 
 @torch.no_grad()
-def score(policy, reference, critic, batch, cfg, mesh):
+def score(policy, reference, critic, reward_model, batch, cfg, mesh):
     """Collective over the mesh. Step 4: the old policy's logprobs and entropy (or the engine's
-    logprobs), the reference's logprobs (the initial weights swapped into the same module), and
-    the critic's values."""
+    logprobs), the reference's logprobs (the initial weights swapped into the same module), the
+    critic's values, and a reward model's scores: its output at each sequence's last token (an
+    unshifted read, unlike the critic's), which replace the task's as the reward; the task's
+    scores are kept as task_scores, to be logged beside it: the reward model's opinion and the
+    truth side by side, where reward hacking shows."""
     # old_logprobs=engine: the engine's logprobs stand for pi_old, one policy forward fewer
     batch.old_lp = batch.engine_lp
     batch.entropy = None
@@ -597,28 +525,58 @@ def score(policy, reference, critic, batch, cfg, mesh):
     if critic is not None:
         (values,) = forward_batch(model_parallel.forward_critic, critic, batch, cfg, mesh)
         batch.values = values * batch.mask  # (b, S)
+    if reward_model is not None:
+        (outputs,) = forward_batch(model_parallel.forward_critic, reward_model, batch, cfg, mesh, shift=False)
+        last = torch.tensor(batch.lens, device=outputs.device) - 1  # (b,) each row's last token
+        batch.task_scores = batch.scores
+        batch.scores = outputs[torch.arange(len(batch.lens)), last]  # (b,)
 
 
 @torch.no_grad()
-def compute_advantages(batch, scores, all_scores, cfg, mesh):
+def global_scores(batch, mesh):
+    """Collective over dp. Every sample's reward by global index, (N,): each dp rank has its rows'
+    (their reward model's scores, or the task's); GRPO's and RLOO's groups may span dp ranks."""
+    mine = torch.stack([torch.tensor(batch.index, device=batch.scores.device).double(),
+                        batch.scores.double()])  # (2, b): the same b on every dp rank
+    parts = [torch.empty_like(mine) for _ in range(mesh["dp"].size())]
+    dist.all_gather(parts, mine, group=mesh["dp"].get_group())
+    every = torch.cat(parts, dim=1)  # (2, N)
+    scores = torch.empty(every.shape[1], dtype=torch.float64, device=mine.device)  # (N,)
+    scores[every[0].long()] = every[1]
+    return scores.float()
+
+
+def dump_rollouts(every, all_scores, cfg, step):
+    """Rank 0: every sample of the step to out_dir/rollouts/step_N.jsonl, with `reward` the score
+    it was trained on; with a reward model, the task's rule as `task_score` beside it."""
+    if dist.get_rank() != 0:
+        return
+    for j, sample in every.items():
+        if cfg.reward_model:
+            sample["task_score"] = sample.get("task_score", sample["reward"])
+        sample["reward"] = float(all_scores[j])
+    rollout.dump_rollouts(os.path.join(cfg.out_dir, "rollouts", f"step_{step}.jsonl"), list(every.values()))
+
+
+@torch.no_grad()
+def compute_advantages(batch, all_scores, cfg, mesh):
     """Collective over dp (the whitening). Steps 5-6. gae: per-token reward = -kl_coef * KL at
     every response token, + the score on the last one; GAE; whitened over the global batch.
     grpo, rloo: the score against its prompt group's (grpo_advantages, rloo_advantages) on every
     response token (their KL is a loss term instead, in policy_loss_terms)."""
     if cfg.advantage_estimator != "gae":
         # from the whole batch's scores: a prompt's group may be split across dp ranks
-        every_score = torch.tensor(all_scores)  # (N,)
         if cfg.advantage_estimator == "grpo":
-            every_adv = grpo_advantages(every_score, cfg.samples_per_prompt, cfg.grpo_norm_by_std)  # (N,)
+            every_adv = grpo_advantages(all_scores, cfg.samples_per_prompt, cfg.grpo_norm_by_std)  # (N,)
         else:
-            every_adv = rloo_advantages(every_score, cfg.samples_per_prompt)  # (N,)
-        mine = every_adv[samples_of(cfg, mesh)]  # (b,)
+            every_adv = rloo_advantages(all_scores, cfg.samples_per_prompt)  # (N,)
+        mine = every_adv[batch.index]  # (b,)
         batch.advantages = mine.to(batch.mask.device)[:, None] * batch.mask  # (b, S)
     else:
         kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
         rewards = -cfg.kl_coef * kl * batch.mask  # (b, S)
         last = torch.tensor(batch.lens) - 1  # (b,) each row's last response token
-        rewards[torch.arange(len(batch.lens)), last] += scores
+        rewards[torch.arange(len(batch.lens)), last] += batch.scores
         batch.advantages, batch.returns = compute_gae(rewards, batch.values, batch.mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:
             batch.advantages = masked_whiten(batch.advantages, batch.mask, group=mesh["dp"].get_group())
@@ -664,10 +622,11 @@ def minibatch_update(model, optimizer, loss_fn, rows, batch, cfg, mesh, stats=No
         stats.add_update(term_sums, norm_name, norm, skipped=not finite.item())
 
 
-def update(parts, batch, cfg, mesh, stats, device):
+def update(parts, batch, cfg, mesh, stats, device, train_policy=True):
     """Collective over the mesh. Steps 7-8: ppo_epochs passes over the step's fixed minibatches,
-    one optimizer step per minibatch and model, then the LR schedules. Returns this rank's memory
-    use (about its peak)."""
+    one optimizer step per minibatch and model, then the LR schedules. train_policy=False (the
+    critic's warm-up steps) updates the critic alone. Returns this rank's memory use (about its
+    peak)."""
     if cfg.offload_optimizer:  # AdamW's state back from host memory
         for _, optimizer, _ in parts.values():
             model_parallel.move_optimizer_state(optimizer, device)
@@ -683,12 +642,14 @@ def update(parts, batch, cfg, mesh, stats, device):
             aggregate = functools.partial(aggregate_loss, mode=cfg.loss_agg_mode, num_tokens=num_tokens,
                                           num_seqs=global_minibatch,
                                           norm=cfg.loss_agg_norm or cfg.max_new_tokens)
-            update_policy(policy, policy_optimizer, batch, rows, aggregate, cfg, mesh, stats)
+            if train_policy:
+                update_policy(policy, policy_optimizer, batch, rows, aggregate, cfg, mesh, stats)
             if "critic" in parts:
                 critic, critic_optimizer, _ = parts["critic"]
                 update_critic(critic, critic_optimizer, batch, rows, aggregate, cfg, mesh, stats)
-    for _, _, schedule in parts.values():
-        schedule.step()
+    for name, (_, _, schedule) in parts.items():
+        if name != "policy" or train_policy:  # (a policy not trained keeps its LR warm-up)
+            schedule.step()
     used = memory_used_gb()
     if cfg.offload_optimizer:  # and out again: the engine gets the room
         for _, optimizer, _ in parts.values():
@@ -776,8 +737,9 @@ def update_critic(critic, optimizer, batch, rows, aggregate, cfg, mesh, stats):
 # -----------------------------------------------------------------------------
 # Step 10: metrics, plot, checkpoints.
 
-def batch_stats(batch, scores, cfg, stats):
+def batch_stats(batch, cfg, stats):
     """This rank's shares of the per-token and per-sequence sums that the metrics need."""
+    scores = batch.scores  # (b,)
     mask = batch.mask
     kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
     mismatch = (batch.old_lp - batch.engine_lp).abs()  # (b, S)
@@ -786,6 +748,8 @@ def batch_stats(batch, scores, cfg, stats):
     stats.add(tokens=mask.sum(), kl=masked_sum(kl, mask), mismatch=masked_sum(mismatch, mask),
               mult_prob_error=masked_sum(torch.exp(mismatch), mask), sequences=len(batch.lens),
               all_tokens=sum(batch.lens), reward=scores.sum(), reward_sq=(scores ** 2).sum())
+    if batch.task_scores is not None:  # the rule, beside a reward model's score
+        stats.add(task_score=batch.task_scores.sum())
     if batch.returns is not None:
         # for the explained variance 1 - Var(R - V) / Var(R), over response tokens
         err = (batch.returns - batch.values) * mask  # (b, S)
@@ -810,6 +774,8 @@ def step_metrics(stats, times, cfg):
              skipped_updates=stats.skipped_updates)
     if "entropy" in sums:
         m["entropy"] = sums["entropy"] / n_tok
+    if "task_score" in sums:  # the task's rule, beside a reward model's score (reward_mean)
+        m["task_score"] = sums["task_score"] / n_seq
     for bucket in (stats.losses, stats.norms):
         for name, total in bucket.items():
             m[name] = total / stats.steps[name]
@@ -872,27 +838,31 @@ def plot_curves(metrics_path, png_path, loss_names):
 
 def summary(cfg, seconds, stopped):
     """The run's last line (rank 0): steps, time, reward at the start and at the end (means of
-    the first and the last 5 steps), validation accuracy first -> last (and the best), and where
-    the run wrote what."""
+    the first and the last 5 steps), with a reward model the task's rule the same way, validation
+    accuracy first -> last (and the best), and where the run wrote what."""
     rows = [json.loads(line) for line in open(os.path.join(cfg.out_dir, "metrics.jsonl"))]
-    head, tail = rows[:5], rows[-5:]
-    first = sum(r["reward_mean"] for r in head) / max(len(head), 1)
-    last = sum(r["reward_mean"] for r in tail) / max(len(tail), 1)
+
+    def first_last(key):
+        """The means of the first and the last 5 rows that have `key`."""
+        values = [r[key] for r in rows if key in r]
+        return sum(values[:5]) / len(values[:5]), sum(values[-5:]) / len(values[-5:])
+    first, last = first_last("reward_mean")
+    text = (f"done: {len(rows)} steps in {seconds / 60:.1f} min | reward {first:.3f} (first 5 steps) "
+            f"-> {last:.3f} (last 5)")
+    if cfg.reward_model:  # the reward model's score above, the truth here
+        first, last = first_last("task_score")
+        text += f" | task_score {first:.3f} -> {last:.3f}"
     val = [r[k] for r in rows for k in ("val_accuracy", "final_val_accuracy") if k in r]
-    wrote = ["metrics.jsonl"]
-    if cfg.plot_every:
-        wrote.append("curves.png")
-    wrote.append("rollouts/")
-    if cfg.tensorboard:
-        wrote.append("tensorboard/")
+    if val:
+        text += f" | val_accuracy {val[0]:.3f} -> {val[-1]:.3f} (best {max(val):.3f})"
+    wrote = ["metrics.jsonl", "curves.png" if cfg.plot_every else None, "rollouts/",
+             "tensorboard/" if cfg.tensorboard else None]
     steps = _complete_steps(os.path.join(cfg.out_dir, "ckpt"))
     if steps:
         wrote.append(f"ckpt/step_{steps[-1]}")
     if cfg.export_hf and not stopped:
         wrote.append("hf/ (the policy, for transformers and vLLM)")
-    val_text = f" | val_accuracy {val[0]:.3f} -> {val[-1]:.3f} (best {max(val):.3f})" if val else ""
-    return (f"done: {len(rows)} steps in {seconds / 60:.1f} min | reward {first:.3f} (first 5 steps) "
-            f"-> {last:.3f} (last 5){val_text} | in {cfg.out_dir}: {', '.join(wrote)}")
+    return f"{text} | in {cfg.out_dir}: {', '.join(filter(None, wrote))}"
 
 
 def tensorboard_writer(cfg):
@@ -1012,15 +982,19 @@ def save_checkpoint(root, parts, keep, progress):
     return path
 
 
-def load_checkpoint(path, parts):
+def load_checkpoint(path, parts, offload_optimizer=False):
     """Collective (every rank). Load a save_checkpoint dir into parts (on any mesh) and this
     rank's RNG states; return the saved `progress` dict. A rank the saving run did not have
-    takes rank 0's RNG states."""
+    takes rank 0's RNG states. offload_optimizer: AdamW's moments, which set_state_dict creates on
+    the trainer's device, go to host memory at once, where update() expects them: else they would
+    sit on the GPU through vLLM's start and the first generation, whose room offloading made."""
     state = _sharded_state(parts)
     dcp.load(state, checkpoint_id=path)  # collective: each rank reads the pieces its shards cover
     for name, (model, optimizer, _) in parts.items():
         set_state_dict(model, optimizer, model_state_dict=state[name],
                        optim_state_dict=state[name + "_optimizer"])
+        if offload_optimizer:
+            model_parallel.move_optimizer_state(optimizer, "cpu")
     state_file = os.path.join(path, f"trainer_state_rank{dist.get_rank()}.pt")
     if not os.path.isfile(state_file):  # a rank the saving run did not have
         state_file = os.path.join(path, "trainer_state_rank0.pt")
@@ -1058,10 +1032,12 @@ def main(cfg, task=None):
     model_dir, resume_dir, task = prepare_inputs(cfg, task)
     if cfg.sft_steps:
         model_dir = sft_warmup(model_dir, task, cfg, mesh)
-    parts, reference = build_models(model_dir, cfg, mesh)
+    parts, reference, reward_model = build_models(model_dir, cfg, mesh)
     policy = parts["policy"][0]
     critic = parts["critic"][0] if "critic" in parts else None
-    progress = load_checkpoint(resume_dir, parts) if resume_dir else {"step": 0}
+    progress = {"step": 0}
+    if resume_dir:
+        progress = load_checkpoint(resume_dir, parts, cfg.offload_optimizer)
     # the prompt stream: the SFT warm-up drew its first sft_steps * sft_batch_size prompts, PPO goes
     # on from there (older checkpoints did not save the position)
     sft_prompts = cfg.sft_steps * cfg.sft_batch_size
@@ -1071,7 +1047,7 @@ def main(cfg, task=None):
     stop_ids = rollout.stop_token_ids(model_dir, task.eos_id)  # the engine's `finished` is ours
     engine = None if cfg.replay_rollouts else rollout.make_engine(cfg, model_dir, device, stop_ids)
     if engine is not None and start_step:  # the engine loaded model_dir: give it the resumed policy
-        rollout.refit(engine, model_parallel.iter_full_params(policy), cfg.refit_bucket_mb)
+        rollout.refit(engine, model_parallel.iter_full_params(policy, engine.dtype), cfg.refit_bucket_mb)
     start_metrics_log(cfg, start_step)
     stop_requested = install_stop_handler(device)
     t_start = time.time()
@@ -1089,24 +1065,24 @@ def main(cfg, task=None):
                 metrics["val_accuracy"] = rollout.validation_accuracy(engine, task, cfg, device)
             with timed(times, "time_rollout_s"):  # 1-3. prompts, rollout, reward
                 start = progress["prompts_drawn"]  # the prompt stream's position
-                samples, all_scores, generated = rollouts(engine, task, cfg, step, start, mesh)
-                metrics["rollout_samples"] = generated
-                batch = make_batch([s["prompt_ids"] for s in samples], [s["response_ids"] for s in samples],
-                                   task.pad_id, [s["engine_logprobs"] for s in samples], device)
-                scores = torch.tensor([s["reward"] for s in samples], device=device)  # (b,)
+                every, metrics["rollout_samples"] = rollout.rollouts(engine, task, cfg, step, start, mesh)
+                batch = training_batch(every, cfg, mesh, task.pad_id, device)
             with timed(times, "time_logprobs_s"):  # 4-6. no-grad passes, rewards, advantages
-                score(policy, reference, critic, batch, cfg, mesh)
-                compute_advantages(batch, scores, all_scores, cfg, mesh)
+                score(policy, reference, critic, reward_model, batch, cfg, mesh)
+                all_scores = global_scores(batch, mesh)  # (N,)
+                dump_rollouts(every, all_scores, cfg, step)
+                compute_advantages(batch, all_scores, cfg, mesh)
             with timed(times, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches
-                metrics["mem_used_gb"] = update(parts, batch, cfg, mesh, stats, device)
+                train_policy = step >= cfg.critic_warmup_steps
+                metrics["mem_used_gb"] = update(parts, batch, cfg, mesh, stats, device, train_policy)
             with timed(times, "time_refit_s"):  # 9. push the policy into the engine (a collective)
                 # also after skipped updates: on GPU the engine dropped its weights
                 if engine is not None:
-                    full_params = model_parallel.iter_full_params(policy)
+                    full_params = model_parallel.iter_full_params(policy, engine.dtype)
                     metrics.update(rollout.refit(engine, full_params, cfg.refit_bucket_mb))
             if evaluate and step + 1 == cfg.steps:  # the policy that is exported: after the last update
                 metrics["final_val_accuracy"] = rollout.validation_accuracy(engine, task, cfg, device)
-            batch_stats(batch, scores, cfg, stats)  # 10. metrics: one all-reduce, then named means
+            batch_stats(batch, cfg, stats)  # 10. metrics: one all-reduce, then named means
             stats.all_reduce(mesh)
         metrics.update(step_metrics(stats, times, cfg))
         log_step(step, metrics, list(stats.losses), cfg, t_start, start_step, tensorboard)

@@ -13,8 +13,9 @@ dtype (2 for bf16, 4 for fp32). The terms, and where each comes from:
   weights     4 (P + Pc) / W        fp32 master weights of policy (P) and critic (Pc)
   adam        8 (P + Pc) / W        AdamW's two fp32 moments (in host memory with offload_optimizer)
   grads       4 P / W               the policy's fp32 gradient shards, alive across its microbatches
-  gathered    c (root + 2 layer)/tp FSDP2's all-gathered weights: embeddings and head for the whole
-                                    pass, a layer and the one prefetched
+  gathered    c (E + 2 layer)/tp    FSDP2's all-gathered weights: the embedding (E = V h) or the
+                                    head with the final norm, each its own FSDP unit (one tied
+                                    tensor when tied), a layer and the one prefetched
   activations L t (4h + 3q + 2k + 4I) c
                                     what autograd saves per token of a decoder layer (HF Llama:
                                     both norms' input and output, q, k, v after RoPE, SDPA's
@@ -27,6 +28,11 @@ dtype (2 for bf16, 4 for fp32). The terms, and where each comes from:
                                     tokens, plus two fp32 (chunk, V/tp) blocks of logprobs.py
   reference   c P / W               the reference policy's shards (host memory; bf16 on GPU)
   parked      4 P / W               the live shards, parked in host memory during the reference pass
+On a GPU the host terms are pinned, and torch's caching host allocator rounds every pinned
+allocation up to a power of two: each set (reference, parked, each AdamW moment of each model) is
+one flat buffer, so `host` counts pinned(set) = the set's bytes rounded up to a power of two, once
+a set. Pinned shard by shard (before issue 28), the rounding hit every tensor: host_per_tensor()
+counts that, for the table's last column.
   engine      given                 vLLM's weights + KV cache on GPU (gpu_memory_utilization x
                                     GPU), freed by sleep mode while training; the HF engine on
                                     CPU: 4P
@@ -36,6 +42,7 @@ The training peak is the policy update's (the critic's is smaller: no LM head, P
   adds the host terms too.
 """
 import argparse
+import math
 
 # Qwen2.5 (Instruct) shapes, from the checkpoints' config.json
 QWEN25 = {
@@ -65,6 +72,35 @@ def sizes(shape):
                 embed=embed, policy=policy, critic=critic)
 
 
+def pinned(nbytes):
+    """What torch's caching host allocator takes for one pinned allocation: the next power of
+    two."""
+    return 2 ** math.ceil(math.log2(nbytes)) if nbytes > 1 else nbytes
+
+
+def shard_sizes(shape, world, critic=True):
+    """Elements of every parameter's shard (FSDP2: dim 0 cut in W chunks, the first ones full),
+    policy then critic, for host_per_tensor."""
+    n = sizes(shape)
+    h, q, kv = n["h"], n["q"], n["kv"]
+    layer = [(q, h), (kv, h), (kv, h), (h, q), (n["inter"], h), (n["inter"], h), (h, n["inter"]), (h,), (h,)]
+    policy = layer * n["layers"] + [(n["vocab"], h), (h,)]
+    if not shape.get("tie_word_embeddings"):
+        policy.append((n["vocab"], h))
+    models = [policy] + ([layer * n["layers"] + [(n["vocab"], h), (h,), (1, h), (1,)]] if critic else [])
+    return [[math.ceil(s[0] / world) * math.prod(s[1:]) for s in model] for model in models]
+
+
+def host_per_tensor(shape, world, c=2, critic=True, offload_optimizer=True):
+    """Pinned host bytes when every shard was its own pinned allocation (before issue 28): the
+    reference (c bytes), parked (4) and each AdamW moment (4) rounded up tensor by tensor."""
+    models = shard_sizes(shape, world, critic)
+    total = sum(pinned(c * e) + pinned(4 * e) for e in models[0])
+    if offload_optimizer:
+        total += sum(2 * pinned(4 * e) for model in models for e in model)
+    return total
+
+
 def predict(shape, world, tp=1, cp=1, c=2, tokens=8192, scored=None, chunk=1024, critic=True,
             activation_checkpointing=True, engine=0.0, offload_optimizer=False, on_cpu=False):
     """Bytes per rank of each term above, and the peaks: device (training, generation) and host."""
@@ -77,7 +113,7 @@ def predict(shape, world, tp=1, cp=1, c=2, tokens=8192, scored=None, chunk=1024,
         weights=4 * models / world,
         adam=8 * models / world,
         grads=4 * n["policy"] / world,
-        gathered=c * (n["policy"] - n["layers"] * n["layer"] + 2 * n["layer"]) / tp,
+        gathered=c * (n["embed"] + 2 * n["layer"]) / tp,
         activations=saved + (t * per_token * c if activation_checkpointing else 0),
         logits=s * n["vocab"] / tp * 2 * c + 2 * min(chunk, s) * n["vocab"] / tp * 4,
         reference=c * n["policy"] / world,
@@ -87,9 +123,14 @@ def predict(shape, world, tp=1, cp=1, c=2, tokens=8192, scored=None, chunk=1024,
     resident = terms["weights"] + (0 if offload_optimizer and not on_cpu else terms["adam"])
     train = (terms["weights"] + terms["adam"]
              + sum(terms[k] for k in ("grads", "gathered", "activations", "logits")))
-    host = terms["reference"] + terms["parked"] + (terms["adam"] if offload_optimizer else 0)
-    if on_cpu:  # one memory: the engine and the host terms sit beside the training peak
+    if on_cpu:  # one memory, nothing pinned: the engine and the host terms beside the training peak
+        host = terms["reference"] + terms["parked"] + (terms["adam"] if offload_optimizer else 0)
         return dict(terms, peak=train + host + engine)
+    # one flat pinned buffer a set; AdamW's two moments, each 4 bytes a parameter, per model
+    moments = [4 * n["policy"] / world] * 2 + ([4 * n["critic"] / world] * 2 if critic else [])
+    host = pinned(terms["reference"]) + pinned(terms["parked"])
+    if offload_optimizer:
+        host += sum(pinned(m) for m in moments)
     return dict(terms, train=train, generate=resident + engine, peak=max(train, resident + engine),
                 host=host)
 
@@ -98,8 +139,8 @@ def table(names, worlds, gpu_gb=80, utilization=0.3):
     """The GSM8K recipe's settings: bf16, 8192 tokens a packed microbatch (about as many scored),
     activation checkpointing, vLLM taking utilization x the GPU while it generates."""
     rows = ["| model | GPUs | weights + AdamW | training peak | generating | peak / 80 GB "
-            "| with offload_optimizer |",
-            "|---|---|---|---|---|---|---|"]
+            "| with offload_optimizer | pinned shard by shard |",
+            "|---|---|---|---|---|---|---|---|"]
     for name in names:
         for world in worlds:
             kw = dict(world=world, engine=utilization * gpu_gb * GB)
@@ -107,7 +148,8 @@ def table(names, worlds, gpu_gb=80, utilization=0.3):
             rows.append(f"| Qwen2.5-{name} | {world} | {(m['weights'] + m['adam']) / GB:.1f} GB "
                         f"| {m['train'] / GB:.1f} GB | {m['generate'] / GB:.1f} GB "
                         f"| {m['peak'] / (gpu_gb * GB):.0%} | "
-                        f"generating {off['generate'] / GB:.1f} GB, host +{off['host'] / GB:.1f} GB |")
+                        f"generating {off['generate'] / GB:.1f} GB, host +{off['host'] / GB:.1f} GB "
+                        f"| host {host_per_tensor(QWEN25[name], world) / GB:.1f} GB |")
     return rows
 
 
@@ -119,4 +161,10 @@ if __name__ == "__main__":
     print("\n".join(table(names, worlds)))
     fig = {f"{name}_{world}gpu_peak_gb": round(predict(QWEN25[name], world, engine=24 * GB)["peak"] / GB, 1)
            for name in names for world in worlds}
+    # the pinned host memory with offload_optimizer, 7B on 8 GPUs (--smoke: its one row): one
+    # buffer a set, and shard by shard as before
+    name, world = (names[0], worlds[0]) if args.smoke else ("7B", 8)
+    host = predict(QWEN25[name], world, offload_optimizer=True)["host"]
+    fig[f"{name}_{world}gpu_host_gb"] = round(host / GB, 1)
+    fig[f"{name}_{world}gpu_host_per_tensor_gb"] = round(host_per_tensor(QWEN25[name], world) / GB, 1)
     print("RESULT " + " ".join(f"{k.replace('.', 'p')}={v}" for k, v in fig.items()))

