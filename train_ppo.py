@@ -841,6 +841,8 @@ def summary(cfg, seconds, stopped):
     the first and the last 5 steps), with a reward model the task's rule the same way, validation
     accuracy first -> last (and the best), and where the run wrote what."""
     rows = [json.loads(line) for line in open(os.path.join(cfg.out_dir, "metrics.jsonl"))]
+    if not rows:  # steps=0: the SFT warm-up alone
+        return f"done: no PPO step in {seconds / 60:.1f} min | the SFT warm-up is in {cfg.out_dir}/sft"
 
     def first_last(key):
         """The means of the first and the last 5 rows that have `key`."""
@@ -896,10 +898,13 @@ def install_stop_handler(device):
 def start_metrics_log(cfg, start_step):
     """A fresh run starts a fresh metrics.jsonl; a resumed one keeps the rows before its step."""
     path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    if dist.get_rank() == 0 and os.path.exists(path):
-        # read before open(path, "w") empties the file
+    if dist.get_rank() != 0:
+        return
+    kept = []
+    if os.path.exists(path):  # read before open(path, "w") empties the file
         kept = [line for line in open(path) if json.loads(line)["step"] < start_step]
-        open(path, "w").writelines(kept)
+    with open(path, "w") as f:
+        f.writelines(kept)
 
 
 # -----------------------------------------------------------------------------
@@ -1045,7 +1050,8 @@ def main(cfg, task=None):
     start_step = progress["step"]
     print0(f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir else "fresh start")
     stop_ids = rollout.stop_token_ids(model_dir, task.eos_id)  # the engine's `finished` is ours
-    engine = None if cfg.replay_rollouts else rollout.make_engine(cfg, model_dir, device, stop_ids)
+    generates = cfg.steps > start_step and not cfg.replay_rollouts
+    engine = rollout.make_engine(cfg, model_dir, device, stop_ids) if generates else None
     if engine is not None and start_step:  # the engine loaded model_dir: give it the resumed policy
         rollout.refit(engine, model_parallel.iter_full_params(policy, engine.dtype), cfg.refit_bucket_mb)
     start_metrics_log(cfg, start_step)

@@ -3,10 +3,10 @@
 reward_model=DIR (and, as OpenRLHF does by default, starts its critic from it: critic_model=DIR).
 
     # pairs for the toy task, from its rule: the right sum against a wrong or an unfinished one
-    python scripts/train_reward_model.py toy-pairs OUT.jsonl [--n 4000] [--seed 1]
+    python scripts/train_reward_model.py toy-pairs OUT.jsonl [--n 8000] [--seed 1]
     # Bradley-Terry training of MODEL_DIR (+ a score head) on {prompt, chosen, rejected} lines
     python scripts/train_reward_model.py train --config RUN.toml --init MODEL_DIR \
-        --pairs FILE.jsonl --out RM_DIR [--steps 300] [--lr 3e-4] [--batch 32] [--val 0.1]
+        --pairs FILE.jsonl --out RM_DIR [--steps 600] [--lr 3e-4] [--batch 32] [--val 0.1]
 
 The loss is -log sigmoid(r(prompt, chosen) - r(prompt, rejected)): the probability that a person
 prefers the chosen response, under a model where each response has a scalar score r. The score is
@@ -31,22 +31,36 @@ sys.path.insert(0, ROOT)
 
 def toy_pairs(n: int, seed: int) -> list:
     """n {prompt, chosen, rejected} rows for the toy task ("a+b=" with operands 0..4): chosen is the
-    sum then EOS; rejected is, in equal parts, a wrong number then EOS, the right sum run on without
-    an EOS (cut off, as a policy that never stops is), or the sum with a stray character before the
-    EOS. The three failures PPO's rule-based reward scores 0."""
+    sum then EOS; rejected is one of the ways a policy fails, the ones PPO's rule scores 0. A
+    reward model only knows what its pairs showed it, and a policy finds whatever it rates high by
+    mistake (a first version without the empty response was beaten by "<eos>" alone, which it had
+    never seen): so every failure a sampling policy makes is here, weighted by how much there is
+    to learn from it.
+      45%  a wrong number, then EOS, half of them near misses (the sum +-1 or +-2): the reward
+           model must learn every sum exactly
+      15%  the empty response: EOS at once
+      15%  the sum run on without an EOS (cut off by max_new_tokens)
+      15%  the sum with a stray character, then EOS
+      10%  two digits or more, then EOS (a number no sum of 0..4 reaches)"""
     import rollout
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         prompt, answer = rng.choice(rollout.TOY_FACTS)
-        kind = rng.randrange(3)
-        if kind == 0:
-            wrong = rng.choice([w for w in range(10) if str(w) != answer])
-            rejected = f"{wrong}{rollout.EOS}"
-        elif kind == 1:
+        kind = rng.random()
+        if kind < 0.45:
+            # half of them a near miss (the sum +-1 or +-2): the hardest to tell from the answer
+            near = [w for w in range(int(answer) - 2, int(answer) + 3) if 0 <= w != int(answer)]
+            far = [w for w in range(10) if w != int(answer)]
+            rejected = str(rng.choice(near if rng.random() < 0.5 else far)) + rollout.EOS
+        elif kind < 0.60:
+            rejected = rollout.EOS
+        elif kind < 0.75:
             rejected = answer + "".join(rng.choices("0123456789+=", k=rng.randint(1, 4)))
+        elif kind < 0.90:
+            rejected = answer + rng.choice("0123456789+=") + rollout.EOS  # (a space: the rule strips it)
         else:
-            rejected = answer + rng.choice("0123456789+= ") + rollout.EOS
+            rejected = str(rng.randint(10, 99)) + rollout.EOS
         rows.append({"prompt": prompt, "chosen": answer + rollout.EOS, "rejected": rejected})
     return rows
 
@@ -92,12 +106,17 @@ def train(args) -> None:
         prompt = task.encode(r["prompt"])
         pairs.append((prompt + encode_response(task, r["chosen"]),
                       prompt + encode_response(task, r["rejected"])))
-    # held-out pairs must be unseen: a rule's pairs repeat, so duplicates go before the split
-    pairs = list(dict.fromkeys((tuple(c), tuple(rj)) for c, rj in pairs))
+    # Held-out pairs must be unseen, and a rule's pairs repeat: the split is over distinct pairs.
+    # Training then samples every row whose pair is not held out, repeats included: deduplicated,
+    # the few distinct wrong-number pairs (the hard ones) would drown among the many distinct
+    # garbage strings, and the model would never learn the near misses.
+    pairs = [(tuple(c), tuple(rj)) for c, rj in pairs]
+    distinct = list(dict.fromkeys(pairs))
     rng = random.Random(args.seed)
-    rng.shuffle(pairs)
-    n_val = max(1, int(len(pairs) * args.val))
-    val, trainset = pairs[:n_val], pairs[n_val:]
+    rng.shuffle(distinct)
+    val = distinct[:max(1, int(len(distinct) * args.val))]
+    held_out = set(val)
+    trainset = [pair for pair in pairs if pair not in held_out]
     torch.manual_seed(args.seed)
     # the backbone from --init; the score head Linear(hidden, 1, bias=False) is new (HF's init)
     model = AutoModelForSequenceClassification.from_pretrained(args.init, num_labels=1, dtype=torch.float32)
@@ -140,14 +159,14 @@ def main(argv=None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("toy-pairs", help="preference pairs for the toy task, from its rule")
     p.add_argument("out")
-    p.add_argument("--n", type=int, default=4000)
+    p.add_argument("--n", type=int, default=8000)
     p.add_argument("--seed", type=int, default=1)
     p = sub.add_parser("train", help="Bradley-Terry training into an HF sequence-classification dir")
     p.add_argument("--config", default="", help="the PPO run's config (its task encodes the prompts)")
     p.add_argument("--init", required=True, help="HF checkpoint dir to start from (e.g. the SFT policy)")
     p.add_argument("--pairs", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--batch", type=int, default=32, help="pairs per step")
     p.add_argument("--val", type=float, default=0.1, help="fraction of pairs held out")

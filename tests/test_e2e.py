@@ -97,6 +97,23 @@ def test_replay_is_mesh_invariant(generated, dp, cp, tp, packing, tmp_path):
             assert close(a[k], b[k]), (a["step"], k, a[k], b[k])
 
 
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_replay_on_8_ranks_with_every_axis_split(generated, packing, tmp_path):
+    """Issue 28: the mesh an 8-GPU user with tp=2 and cp=2 runs, (dp, cp, tp) = (2, 2, 2), every
+    axis above 1 at once (8 gloo ranks on the CPU): the generating run's numbers, as every smaller
+    mesh gives them."""
+    out, _ = generated
+    run_cli(8, "--config", "configs/test_tiny.toml", "--steps=3", "--sft_steps=0", "--tp_size=2",
+            "--cp_size=2", f"--packing={str(packing).lower()}", f"--model={out}/sft",
+            f"--replay_rollouts={out}/rollouts", f"--out_dir={tmp_path}", timeout=900)
+    original, replayed = read_metrics(out), read_metrics(tmp_path)
+    assert len(replayed) == 3
+    for a, b in zip(original, replayed):
+        assert a["reward_mean"] == b["reward_mean"]
+        for k in COMPARED + ("critic_grad_norm",):
+            assert close(a[k], b[k]), (a["step"], k, a[k], b[k])
+
+
 def test_layers_kept_gathered_change_no_number(generated, tmp_path):
     """reshard_after_forward=false (each layer gathered once per no-grad pass and kept from forward
     to backward) at dp2: the generating run's numbers. The reference weight swap must still

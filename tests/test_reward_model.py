@@ -148,3 +148,35 @@ def test_ppo_against_a_reward_model_logs_the_rule_beside_it(root, tmp_path):
     for s in samples:  # the rule, recomputed from the text
         assert s["task_score"] == task.reward(s["response"], s["answer"], s["finished"])
     assert rows[0]["reward_mean"] == pytest.approx(expected.mean().item(), abs=1e-4)
+
+
+def test_toy_pairs_cover_every_failure_and_train_a_reward_model(tmp_path):
+    """scripts/train_reward_model.py: the toy pairs' rejected responses are each a failure the rule
+    scores 0 (every chosen one scores 1); 40 Bradley-Terry steps from a tiny preset write a
+    sequence-classification dir that the trainer accepts as a reward model, and print RESULT."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import train_reward_model
+    task = rollout.ToyTask(1)
+    rows = train_reward_model.toy_pairs(400, seed=0)
+    eos = rollout.EOS
+    for row in rows:
+        answer = row["chosen"][:-len(eos)]
+        for text, score in ((row["chosen"], 1.0), (row["rejected"], 0.0)):
+            ended = text.endswith(eos)
+            assert task.reward(text[:-len(eos)] if ended else text, answer, ended) == score, row
+    rejected = [row["rejected"] for row in rows]
+    assert eos in rejected  # the empty response
+    assert any(not r.endswith(eos) for r in rejected)  # cut off
+    init = mp.materialize_tiny_model("tiny-llama", str(tmp_path), seed=0)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    proc = subprocess.run([sys.executable, "scripts/train_reward_model.py", "train", "--init", init,
+                           "--pairs", str(pairs), "--out", str(tmp_path / "rm"), "--steps", "40"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("RESULT pairwise_accuracy=")
+    assert mp.score_head(str(tmp_path / "rm")).shape == (1, 256)
+    mp.check_hf_dir(str(tmp_path / "rm"), tp_size=1)
