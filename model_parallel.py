@@ -907,8 +907,9 @@ def reshard(model):
 
 
 def _host_copies(tensors, dtype=None):
-    """Copies of `tensors` in host memory (in `dtype`, default the first one's), as views into one
-    flat buffer, pinned on a GPU machine (copies to and from the GPU go faster and asynchronously).
+    """Copies of `tensors` (all of one dtype) in host memory, in `dtype` (default theirs), as views
+    into one flat buffer, pinned on a GPU machine (copies to and from the GPU go faster and
+    asynchronously).
     One buffer a set, not one a tensor: torch's caching host allocator rounds every pinned
     allocation up to a power of two, which per shard came to ~1.9x the bytes at 7B over 8 GPUs;
     per set the rounding is paid once (bench/memory_model.py counts it)."""

@@ -8,6 +8,7 @@ each sampled token, and a score per sequence.
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -133,6 +134,8 @@ def extract_answer(text: str):
         return None
     numerator, _, denominator = candidate.replace(",", "").partition("/")
     value = float(numerator) / float(denominator or 1)
+    if not math.isfinite(value):  # 309 digits or more (a policy looping on digits): no answer
+        return None
     return str(int(value)) if value == int(value) else repr(value)
 
 
@@ -634,7 +637,8 @@ def balanced_split(lengths, num_minibatches, dp_size, chunk=1):
     own longest row: bench/packing.py measures both). The chunks go longest first to the rank with
     the fewest tokens that still has room (greedy longest-processing-time, Graham 1969); then the
     heaviest and the lightest rank swap chunks while a swap narrows their gap. `lengths`: prompt +
-    response tokens of every sample, the same list on every rank, hence the same split."""
+    response tokens of every sample, the same list on every rank, hence the same split. `chunk`
+    must divide a rank's share of a minibatch."""
     per_minibatch = len(lengths) // num_minibatches
     per_rank = per_minibatch // dp_size
     split = [[] for _ in range(dp_size)]
@@ -733,13 +737,10 @@ def rollouts(engine, task, cfg, step, start, mesh):
     it is generated_by (vLLM's sampling is not bit-identical across GPUs, so cp x tp ranks must not
     mix copies); one all-gather hands every rank the whole batch, whose lengths then decide the
     update's split over dp ranks. replay_rollouts: a dumped step's samples instead."""
-    if cfg.replay_rollouts:
-        dumped = load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
-        mine = [dumped[j] for j in generated_by(cfg, mesh, dist.get_rank())]
-        generated = 0
-    else:
-        mine, generated = generate(engine, task, cfg, step, start, mesh)
-        engine.sleep()  # GPU: vLLM frees its memory for training
+    if cfg.replay_rollouts:  # every rank reads the whole step
+        return load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl")), 0
+    mine, generated = generate(engine, task, cfg, step, start, mesh)
+    engine.sleep()  # GPU: vLLM frees its memory for training
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)  # collective: every rank's share on every rank
     every = {s["index"]: s for share in gathered for s in share}

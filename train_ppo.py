@@ -14,17 +14,23 @@ The algorithm is PPO with a learned critic and GAE, as used for RLHF by Instruct
 (Ouyang et al., 2022) and documented in "The N+ implementation details of RLHF with PPO"
 (Huang et al., 2024). One step, in the order of main() below:
   1. draw the next prompts (shuffled epochs, the same on every rank); each data-parallel (dp)
-     rank keeps its slice, which the slice's cp x tp ranks generate in equal shares
-  2. rollout: the engine samples responses and returns its own logprob of each token
-  3. reward: a rule-based score per sequence, placed on its last response token
-  4. forward passes without grad: old policy logprobs (or the engine's), reference logprobs, values
+     slice's cp x tp ranks generate its samples in equal shares (rollout.generated_by)
+  2. rollout: the engine samples responses and returns its own logprob of each token; every
+     rank gets every sample, and takes its rows for the update (rollout.balanced_split: each
+     minibatch dealt to dp ranks with even token sums)
+  3. reward: the task's rule-based score per sequence (or, step 4, a reward model's), placed on
+     its last response token
+  4. forward passes without grad: old policy logprobs (or the engine's), reference logprobs,
+     values, the reward model's scores; the step's samples dumped with the reward trained on
   5. per-token reward = score - kl_coef * KL(policy || reference)
   6. GAE -> advantages and returns; advantages whitened over the whole global batch
-  7. ppo_epochs x minibatches x microbatches of clipped policy and value losses
+  7. ppo_epochs x minibatches x microbatches of clipped policy and value losses (the critic's
+     alone in its first critic_warmup_steps steps)
   8. global grad-norm clip, AdamW step (policy and critic each have their own)
   9. refit: the new policy weights are streamed into the rollout engine
- 10. metrics, rollout dump, plot; a checkpoint every save_every steps (resume=auto continues)
-advantage_estimator="grpo" swaps steps 4-6 for group-normalized scores and drops the critic.
+ 10. metrics, plot; a checkpoint every save_every steps (resume=auto continues)
+advantage_estimator="grpo" or "rloo" swaps steps 4-6 for scores against the prompt's group and
+drops the critic (docs/losses.md).
 
 How one row lines up. Every (b, S) tensor in this file follows one convention: position i holds
 everything about the action "emit token x_i given x_<i". A model's logits at position i predict
@@ -46,7 +52,8 @@ Deviations from the paper's PPO, on purpose:
   1. the minibatch split is fixed across epochs (no reshuffle), so that it does not depend on
      the mesh and every mesh trains on the same minibatches;
   2. the KL penalty uses a fixed kl_coef (no adaptive KL controller);
-  3. there is no reward model: the toy task's reward is a rule (as in RLVR / GSM8K).
+  3. the reward is a task's rule (as in RLVR / GSM8K) unless reward_model names a learned one
+     (InstructGPT's form, make rlhf-demo); rewards are not normalized.
 Deliberately left out: pretraining-loss mixing (PPO-ptx), reward normalization.
 """
 import gc
@@ -83,9 +90,9 @@ import rollout  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # PPO math: small pure functions on (B, S) tensors in the alignment above, importable by tests and
-# readers. `mask` is 1 on response tokens. Losses are sums over tokens divided by `num_tokens`, the
-# number of response tokens in the *global* minibatch, so neither dp nor the microbatch size
-# changes them.
+# readers. `mask` is 1 on response tokens. The losses are per token; aggregate_loss makes one
+# number of each, dividing by counts of the *global* minibatch (its response tokens, its
+# sequences), so neither dp, cp, packing nor the microbatch size changes them.
 
 def masked_sum(x, mask):
     return (x * mask).sum()
@@ -292,7 +299,8 @@ def make_batch(prompts, responses, pad_id, engine_logprobs=None, device="cpu"):
 def training_batch(every, cfg, mesh, pad_id, device):
     """This rank's rows of the step's samples (`every`: {global index: sample}) for steps 4-8, as a
     Batch: its part of each global minibatch (balanced_split; the cp x tp ranks of a dp slice get
-    the same rows), with the task's scores."""
+    the same rows), with the task's scores (a replayed dump of a reward model's run keeps the
+    task's as task_score)."""
     lengths = [len(every[j]["prompt_ids"]) + len(every[j]["response_ids"]) for j in range(len(every))]
     per_rank = cfg.global_batch_size // cfg.num_minibatches // mesh["dp"].size()
     # padded rows: chunks of half a microbatch (a divisor of the rank's share); packed: single rows
@@ -303,7 +311,7 @@ def training_batch(every, cfg, mesh, pad_id, device):
     batch = make_batch([s["prompt_ids"] for s in samples], [s["response_ids"] for s in samples], pad_id,
                        [s["engine_logprobs"] for s in samples], device)
     batch.index = index
-    batch.scores = torch.tensor([s["reward"] for s in samples], device=device)  # (b,)
+    batch.scores = torch.tensor([s.get("task_score", s["reward"]) for s in samples], device=device)  # (b,)
     return batch
 
 
@@ -527,6 +535,7 @@ def score(policy, reference, critic, reward_model, batch, cfg, mesh):
         batch.values = values * batch.mask  # (b, S)
     if reward_model is not None:
         (outputs,) = forward_batch(model_parallel.forward_critic, reward_model, batch, cfg, mesh, shift=False)
+        model_parallel.reshard(reward_model)  # not gathered through the update and generation
         last = torch.tensor(batch.lens, device=outputs.device) - 1  # (b,) each row's last token
         batch.task_scores = batch.scores
         batch.scores = outputs[torch.arange(len(batch.lens)), last]  # (b,)
@@ -551,10 +560,10 @@ def dump_rollouts(every, all_scores, cfg, step):
     it was trained on; with a reward model, the task's rule as `task_score` beside it."""
     if dist.get_rank() != 0:
         return
-    for j, sample in every.items():
-        if cfg.reward_model:
+    if cfg.reward_model:  # (else `reward` is the task's score already)
+        for j, sample in every.items():
             sample["task_score"] = sample.get("task_score", sample["reward"])
-        sample["reward"] = float(all_scores[j])
+            sample["reward"] = float(all_scores[j])
     rollout.dump_rollouts(os.path.join(cfg.out_dir, "rollouts", f"step_{step}.jsonl"), list(every.values()))
 
 
@@ -758,7 +767,7 @@ def batch_stats(batch, cfg, stats):
 
 
 def step_metrics(stats, times, cfg):
-    """The step's named numbers (see README, "What is logged"), from `stats` once all-reduced and
+    """The step's named numbers (every key: docs/metrics.md), from `stats` once all-reduced and
     the step's wall times. Every loss term and grad norm the update reported is logged under its
     own name, as a mean over the optimizer steps that reported it."""
     sums = stats.shares
@@ -842,7 +851,7 @@ def summary(cfg, seconds, stopped):
     accuracy first -> last (and the best), and where the run wrote what."""
     rows = [json.loads(line) for line in open(os.path.join(cfg.out_dir, "metrics.jsonl"))]
     if not rows:  # steps=0: the SFT warm-up alone
-        return f"done: no PPO step in {seconds / 60:.1f} min | the SFT warm-up is in {cfg.out_dir}/sft"
+        return f"done: no PPO step (steps=0) in {seconds / 60:.1f} min | in {cfg.out_dir}: sft/"
 
     def first_last(key):
         """The means of the first and the last 5 rows that have `key`."""
@@ -968,7 +977,14 @@ def save_checkpoint(root, parts, keep, progress):
         shutil.rmtree(path + ".tmp", ignore_errors=True)  # left by a run killed while saving
         os.makedirs(path + ".tmp")
     dist.barrier()
+    # get_state_dict gives an optimizer that has not stepped yet (the policy's, in the critic's
+    # warm-up) a state by running a step at lr 0: taken back after the save, or the policy's first
+    # real update would be bias-corrected as AdamW's second, and a run that saved would train
+    # differently from one that did not
+    fresh = [optimizer for _, optimizer, _ in parts.values() if not optimizer.state]
     dcp.save(_sharded_state(parts), checkpoint_id=path + ".tmp")  # collective; files fsynced
+    for optimizer in fresh:
+        optimizer.state.clear()
     trainer_state = dict(progress=progress, rng=rollout.rng_states(),
                          schedulers={n: p[2].state_dict() for n, p in parts.items()})
     torch.save(trainer_state, os.path.join(path + ".tmp", f"trainer_state_rank{rank}.pt"))
@@ -1043,6 +1059,8 @@ def main(cfg, task=None):
     progress = {"step": 0}
     if resume_dir:
         progress = load_checkpoint(resume_dir, parts, cfg.offload_optimizer)
+    if progress["step"] <= cfg.critic_warmup_steps:  # the policy has not stepped: save_checkpoint
+        parts["policy"][1].state.clear()
     # the prompt stream: the SFT warm-up drew its first sft_steps * sft_batch_size prompts, PPO goes
     # on from there (older checkpoints did not save the position)
     sft_prompts = cfg.sft_steps * cfg.sft_batch_size

@@ -113,21 +113,28 @@ def greedy_accuracy(model_dir: str, cfg, batch_size: int = 32) -> float:
 
 def plot(out_dirs: list, png: str) -> None:
     """Greedy val accuracy (before steps 0, eval_every, ... and after the last) and the sampled
-    reward, per run."""
+    reward, per run; with a critic (PPO), its explained variance too (the axis starts at -2: a
+    new value head starts far below)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for out_dir in out_dirs:
-        rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    runs = [[json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))] for d in out_dirs]
+    critic = any("value_explained_var" in r for rows in runs for r in rows)
+    fig, axes = plt.subplots(1, 3 if critic else 2, figsize=(15 if critic else 10, 3.6))
+    for out_dir, rows in zip(out_dirs, runs):
         val = [(r["step"], r["val_accuracy"]) for r in rows if "val_accuracy" in r]
         val += [(r["step"] + 1, r["final_val_accuracy"]) for r in rows if "final_val_accuracy" in r]
         label = f"seed {json.load(open(os.path.join(out_dir, 'config.json')))['seed']}"
-        left.plot(*zip(*val), marker="o", label=label)
-        right.plot([r["step"] for r in rows], [r["reward_mean"] for r in rows], label=label)
-    left.set(title="greedy accuracy on the held-out sums", xlabel="PPO updates", ylim=(0, 1))
-    right.set(title="mean reward of the sampled responses", xlabel="step", ylim=(0, 1))
-    for ax in (left, right):
+        axes[0].plot(*zip(*val), marker="o", label=label)
+        axes[1].plot([r["step"] for r in rows], [r["reward_mean"] for r in rows], label=label)
+        if critic:
+            ev = [(r["step"], r["value_explained_var"]) for r in rows if "value_explained_var" in r]
+            axes[2].plot(*zip(*ev), label=label)
+    axes[0].set(title="greedy accuracy on the held-out sums", xlabel="PPO updates", ylim=(0, 1))
+    axes[1].set(title="mean reward of the sampled responses", xlabel="step", ylim=(0, 1))
+    if critic:
+        axes[2].set(title="the critic's explained variance", xlabel="step", ylim=(-2, 1))
+    for ax in axes:
         ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()

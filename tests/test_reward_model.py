@@ -126,6 +126,16 @@ def _rlhf_run_body(rank, world_size, out_dir, reward_model):
     train_ppo.main(cfg)
 
 
+def _rlhf_replay_body(rank, world_size, out_dir, reward_model, rollouts):
+    rollout.HFEngine.shutdown = lambda self: None
+    cfg = config.Config(out_dir=out_dir, model="tiny-llama", reward_model=reward_model,
+                        critic_model=reward_model, critic_warmup_steps=1, steps=2, prompts_per_step=2,
+                        samples_per_prompt=4, max_new_tokens=4, micro_batch_size=2, replay_rollouts=rollouts,
+                        export_hf=False, plot_every=0)
+    config.validate(cfg, world_size)
+    train_ppo.main(cfg)
+
+
 def test_ppo_against_a_reward_model_logs_the_rule_beside_it(root, tmp_path):
     """Two steps against a reward model, the critic started from it, the first step the critic's
     alone: the reward is the reward model's score (not the rule's 0/1), task_score the rule's, the
@@ -135,8 +145,10 @@ def test_ppo_against_a_reward_model_logs_the_rule_beside_it(root, tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert "policy_loss" not in rows[0] and "value_loss" in rows[0]  # the critic's warm-up
     assert "policy_loss" in rows[1]
-    for row in rows:
-        assert 0.0 <= row["task_score"] <= 1.0
+    for step, row in enumerate(rows):  # the metric is the mean of the dumped rule scores
+        with open(tmp_path / "rollouts" / f"step_{step}.jsonl") as f:
+            dumped = [json.loads(line)["task_score"] for line in f]
+        assert row["task_score"] == pytest.approx(sum(dumped) / len(dumped))
     with open(tmp_path / "rollouts" / "step_0.jsonl") as f:
         samples = [json.loads(line) for line in f]
     ids = [s["prompt_ids"] + s["response_ids"] for s in samples]
@@ -148,6 +160,14 @@ def test_ppo_against_a_reward_model_logs_the_rule_beside_it(root, tmp_path):
     for s in samples:  # the rule, recomputed from the text
         assert s["task_score"] == task.reward(s["response"], s["answer"], s["finished"])
     assert rows[0]["reward_mean"] == pytest.approx(expected.mean().item(), abs=1e-4)
+    # a replay of those dumps (at dp=1): the rule read back from task_score, the reward model's
+    # scores computed again; the numbers of the generating run
+    replay = tmp_path / "replay"
+    run_ranks(_rlhf_replay_body, 1, str(replay), path, str(tmp_path / "rollouts"))
+    replayed = [json.loads(line) for line in open(replay / "metrics.jsonl")]
+    for a, b in zip(rows, replayed):
+        assert b["task_score"] == pytest.approx(a["task_score"]) and b["reward_mean"] == pytest.approx(
+            a["reward_mean"], abs=1e-5)
 
 
 def test_toy_pairs_cover_every_failure_and_train_a_reward_model(tmp_path):

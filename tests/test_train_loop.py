@@ -285,6 +285,36 @@ def test_optimizer_state_moved_out_and_back_trains_the_same(tmp_path):
     assert calls == ["cpu", "cpu", "engine", "cpu", "cpu", "cpu", "cpu"], calls
 
 
+def _warmup_checkpoint_body(rank, world_size, out_dir):
+    rollout.HFEngine.shutdown = lambda self: None  # keep the process group for the next run
+    for save_every in (0, 1):
+        cfg = config.Config(out_dir=os.path.join(out_dir, str(save_every)), critic_warmup_steps=2,
+                            steps=3, save_every=save_every, prompts_per_step=2, samples_per_prompt=4,
+                            num_minibatches=2, lr=1e-4, max_new_tokens=4, micro_batch_size=2,
+                            rollout_engine="hf", export_hf=False, plot_every=0)
+        config.validate(cfg, world_size)
+        train_ppo.main(cfg)
+    # the saving run, resumed from its warm-up checkpoint (step 2 of 3: the policy not yet stepped)
+    cfg.resume = os.path.join(out_dir, "1", "ckpt", "step_2")
+    cfg.out_dir = os.path.join(out_dir, "resumed")
+    train_ppo.main(cfg)
+
+
+def test_a_checkpoint_in_the_critics_warm_up_changes_no_number(tmp_path):
+    """critic_warmup_steps=2: the policy's AdamW has not stepped when a checkpoint is saved, and
+    saving gives it a state (torch's get_state_dict runs a step at lr 0). A run that saves every
+    step, and one resumed from its warm-up checkpoint, train exactly as a run that never saved;
+    the first policy update is step 2's."""
+    run_ranks(_warmup_checkpoint_body, 2, str(tmp_path))
+    never, saving, resumed = ([json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+                              for name in ("0", "1", "resumed"))
+    assert [("policy_loss" in r) for r in never] == [False, False, True]
+    assert [r["step"] for r in resumed] == [2]  # its own out_dir: the one step it ran
+    for key in ("policy_loss", "grad_norm", "value_loss", "kl"):
+        assert saving[2][key] == never[2][key], (key, saving[2][key], never[2][key])
+        assert resumed[-1][key] == never[2][key], (key, resumed[-1][key], never[2][key])
+
+
 def _tensorboard_body(rank, world_size, out_dir):
     rollout.HFEngine.shutdown = lambda self: None  # keep the process group: the spawn helper ends it
     cfg = config.Config(out_dir=out_dir, tensorboard=True, steps=2, prompts_per_step=2, samples_per_prompt=2,
@@ -346,6 +376,30 @@ def test_readme_recipe_for_your_own_task_runs_as_written(tmp_path):
         assert s["answer"] == word[::-1]
         finished = s["response_ids"][-1] == rollout.ToyTask(0).eos_id
         assert s["finished"] == finished and s["reward"] == float(finished and s["response"] == s["answer"])
+
+
+@pytest.mark.slow  # a CLI run under torchrun
+def test_readme_recipe_for_a_new_loss_term_runs_as_written(tmp_path):
+    """The "A new loss term" block of README.md, verbatim, launched as its first line says
+    (smaller: test_tiny, 2 steps), with GRPO and kl_coef=0: the new term is logged by its name
+    (that a wrapped term is also trained, its gradient in every backward, is the test of
+    policy_loss_terms' own example above), and a run with no kl_loss term logs none and ends."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme[readme.index("### A new loss term"):]
+    start = section.index("```python\n") + len("```python\n")
+    script = tmp_path / "my_loss.py"
+    script.write_text(section[start:section.index("```\n", start)])
+    proc = subprocess.run(torchrun_cmd(2, "--config", "configs/test_tiny.toml", "--steps=2",
+                                       "--advantage_estimator=grpo", "--kl_coef=0",
+                                       f"--out_dir={tmp_path / 'out'}", script=str(script)),
+                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=cpu_env(PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert len(rows) == 2
+    for row in rows:  # the new term, logged by its name; no KL term at all
+        assert math.isfinite(row["drift_penalty"]) and row["drift_penalty"] >= 0
+        assert "kl_loss" not in row and "value_loss" not in row
+    assert "drift_penalty" in proc.stdout and proc.stdout.strip().splitlines()[-1].startswith("done: 2 steps")
 
 
 def test_gpu_step_bench_counts_matmul_weights_once():
