@@ -20,7 +20,7 @@ import numpy as np
 import tiktoken
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, StaticCache
 
 
 # -----------------------------------------------------------------------------
@@ -378,6 +378,36 @@ class Engine(Protocol):
         """The end of the run: release the engine; the default process group goes with it."""
 
 
+# Sampling on the device, reproducibly per sample. Gumbel-max: argmax_v (log p_v + g_v) with
+# g_v = -log(-log u_v), u_v uniform, is a draw from softmax(log p) (Gumbel 1954; the
+# exponential race vLLM's sampler uses is the same draw). u comes from a counter-based hash of
+# (the sample's seed, the token's position in the response, v) rather than from a generator
+# object: a sample does not depend on the batch it is drawn in, nor on the device, and the
+# whole (B, V) step never leaves the device (a host copy of it was 311 MB a token at B=512 with
+# Qwen's 151,936 ids).
+
+def _mix32(x):
+    """lowbias32 (C. Wellons, "Hash function prospector", 2018): a bijective mix of 32-bit
+    integers held in int64 tensors; each product is cut back to its low 32 bits, which are exact
+    whatever the int64 product wrapped to."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def gumbel_sample(logp, seeds, position):
+    """One token per row of logp (B, V), log-probabilities, drawn by Gumbel-max with noise from
+    a hash of (seeds[b], position, v). 23 bits of u: the noise lies in [-2.8, 16.6], so a token
+    more than 19 nats below the row's best (p < 4e-9 in every case) is never drawn."""
+    vocab = torch.arange(logp.shape[-1], device=logp.device)  # (V,)
+    row = _mix32(_mix32(seeds) ^ position)  # (B,) one key per sample and position
+    bits = _mix32(row[:, None] ^ _mix32(vocab + 0x9E3779B9)[None])  # (B, V)
+    u = ((bits >> 9).float() + 0.5) / 2**23  # (B, V) uniform in (0, 1), exact in fp32
+    return (logp - torch.log(-torch.log(u))).argmax(-1)  # (B,)
+
+
 # The HF engine: a plain (unsharded) transformers model on each rank with a hand-written sampling
 # loop; the fallback when vLLM is absent, and the simplest place to read how generation works.
 # It is refit after every step by vLLM's code path (`refit` below): it samples the current policy.
@@ -392,45 +422,49 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompt_ids, seeds, max_new_tokens, temperature):
-        """Prompts are left-padded so that every row's next token sits in the last column."""
+        """Prompts are left-padded so that every row's next token sits in the last column. Every
+        token is drawn on the device; the one host read a token is the stop check."""
         B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
-        ids = torch.zeros((B, P), dtype=torch.long, device=self.device)  # (B, P) left-padded prompts
-        mask = torch.zeros(B, P, dtype=torch.long, device=self.device)  # (B, P) 1 = real token
-        for b, p in enumerate(prompt_ids):
-            ids[b, P - len(p):] = torch.tensor(p)
-            mask[b, P - len(p):] = 1
+        on = dict(device=self.device)
+        ids = torch.tensor([[0] * (P - len(p)) + p for p in prompt_ids], **on)  # (B, P) left-padded
+        lengths = torch.tensor([len(p) for p in prompt_ids], **on)  # (B,)
+        mask = (torch.arange(P, **on)[None] >= P - lengths[:, None]).long()  # (B, P) 1 = a real token
         # Position ids count real tokens only, so a left-padded prompt sees the same positions as
         # it would alone (otherwise RoPE would shift by the padding).
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
-        # one generator per sample: a row's draws never depend on the other rows
-        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        seeds = torch.tensor(seeds, **on)  # (B,)
+        stop = torch.tensor(self.stop_ids, dtype=torch.long, **on)  # (stop ids,)
+        tokens = torch.zeros(B, max_new_tokens, dtype=torch.long, **on)  # (B, N)
+        logprobs = torch.zeros(B, max_new_tokens, **on)  # (B, N)
+        done = torch.zeros(B, dtype=torch.bool, **on)  # (B,)
+        # A static cache, allocated once for the whole response, with each step's cache slot given
+        # (cache_position): transformers then reads nothing back from the device in a decode step
+        # (with a growing cache, its mask code checks on the host whether the padding can be
+        # ignored, a GPU sync every token)
+        cache = StaticCache(config=self.model.config, max_cache_len=P + max_new_tokens)
         # the prompt pass: keep only the last position's logits, the cache for the rest
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                         logits_to_keep=1)
-        responses, logprobs = [[] for _ in range(B)], [[] for _ in range(B)]
-        done = [False] * B
-        for _ in range(max_new_tokens):
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                         cache_position=torch.arange(P, **on), logits_to_keep=1)
+        for t in range(max_new_tokens):
             # the trainer's convention: log-softmax of logits / T in fp32 (T = 0: greedy, plain
             # logprobs)
-            logits = out.logits[:, -1].float().cpu()  # (B, V)
-            logp = torch.log_softmax(logits / (temperature or 1.0), -1)  # (B, V)
-            if temperature == 0:
-                token = logp.argmax(-1, keepdim=True)  # (B, 1)
-            else:
-                token = torch.stack([torch.multinomial(logp[b].exp(), 1, generator=gens[b])
-                                     for b in range(B)])  # (B, 1)
-            for b in range(B):
-                if not done[b]:
-                    responses[b].append(token[b, 0].item())
-                    logprobs[b].append(logp[b, token[b, 0]].item())
-                    done[b] = token[b, 0].item() in self.stop_ids
-            if all(done):
+            logp = torch.log_softmax(out.logits[:, -1].float() / (temperature or 1.0), -1)  # (B, V)
+            token = logp.argmax(-1) if temperature == 0 else gumbel_sample(logp, seeds, t)  # (B,)
+            tokens[:, t] = token
+            logprobs[:, t] = logp.gather(1, token[:, None])[:, 0]
+            done |= torch.isin(token, stop)
+            if bool(done.all()):  # the one host read a token (a GPU sync)
                 break
-            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=self.device)], 1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # (B, P + t + 1)
             pos = pos[:, -1:] + 1  # (B, 1)
-            out = self.model(input_ids=token.to(self.device), attention_mask=mask,
-                             position_ids=pos, past_key_values=out.past_key_values, use_cache=True)
-        return list(zip(responses, logprobs))
+            out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=pos,
+                             past_key_values=cache, cache_position=torch.arange(P + t, P + t + 1, **on))
+        # each response ends at its first stop token (what came after it was drawn, not kept)
+        results = []
+        for row, lps in zip(tokens[:, :t + 1].tolist(), logprobs[:, :t + 1].tolist()):
+            end = next((k + 1 for k, token in enumerate(row) if token in self.stop_ids), len(row))
+            results.append((row[:end], lps[:end]))
+        return results
 
     @torch.no_grad()
     def load_weights(self, named_tensors):

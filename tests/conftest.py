@@ -10,8 +10,10 @@ import os
 import signal
 import subprocess
 import sys
+import traceback
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -146,3 +148,36 @@ def varlen_case():
     cu_seqlens_q = torch.tensor([0, 10, 14, 19], dtype=torch.int32)
     cu_seqlens_k = torch.tensor([0, 10, 19, 24], dtype=torch.int32)
     return q, k, v, cu_seqlens_q, cu_seqlens_k
+
+
+# ---- host reads: where the CPU would wait for a GPU
+
+# Tensor -> Python conversions: on a GPU each one waits until every queued kernel has run.
+HOST_READ_NAMES = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu")
+
+
+class HostReads(TorchFunctionMode):
+    """Counts host reads of tensors inside the block (any device: on CPU every tensor is a host
+    tensor, so it is the count that tells), and indexing with a Python list, whose index tensor a
+    GPU copies from pageable memory, synchronously. `where` keeps (kind, the caller's file:line)
+    of each, to show what to fix."""
+
+    def __init__(self):
+        super().__init__()
+        self.where = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        listed = name in ("__getitem__", "__setitem__") and _holds_list(args[1])
+        if name in HOST_READ_NAMES or listed:
+            caller = next(f for f in traceback.extract_stack()[::-1] if f.filename != __file__)
+            self.where.append((name, f"{os.path.basename(caller.filename)}:{caller.lineno}"))
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def count(self):
+        return len(self.where)
+
+
+def _holds_list(index):
+    return isinstance(index, list) or (isinstance(index, tuple) and any(isinstance(i, list) for i in index))
