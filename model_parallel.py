@@ -920,7 +920,9 @@ def _host_copies(tensors, dtype=None):
     offset = 0
     for tensor in tensors:
         view = flat[offset:offset + tensor.numel()].view(tensor.shape)
-        copies.append(view.copy_(tensor, non_blocking=True))
+        # blocking: from a GPU, non_blocking=True returns before the bytes have landed, and the
+        # host may read these at once (a checkpoint of offloaded moments)
+        copies.append(view.copy_(tensor))
         offset += tensor.numel()
     return copies
 
@@ -966,7 +968,7 @@ def swapped_weights(model, snapshot):
                 parked.update(zip(params, copies))
             else:
                 for name, param in params.items():
-                    parked[name].copy_(_local(param), non_blocking=True)
+                    parked[name].copy_(_local(param))  # blocking, as in _host_copies
             _copy_into(model, weights)
         leave = lambda: _copy_into(model, parked)  # noqa: E731
     enter()
@@ -977,23 +979,29 @@ def swapped_weights(model, snapshot):
 
 
 def move_optimizer_state(optimizer, device):
-    """AdamW's two moments (8 bytes a parameter: twice the fp32 weights) to `device`: "cpu" (pinned
-    host memory) while vLLM generates, the GPU again before the update, as NeMo-RL's
-    offload_before_refit / offload_after_refit. Sharded (DTensor) states keep their sharding. In
-    host memory each moment is one flat buffer (_host_copies)."""
+    """AdamW's two moments (8 bytes a parameter: twice the fp32 weights) to `device`: "host" (pinned
+    host memory) while vLLM generates, the trainer's device again before the update, as NeMo-RL's
+    offload_before_refit / offload_after_refit. Sharded (DTensor) states stay DTensors of their
+    mesh, with their local shard where it now lives, as FSDP2's CPU offload keeps its parameters:
+    a checkpoint saved meanwhile is the same checkpoint. In host memory each moment is one flat
+    buffer (_host_copies)."""
     states = [state for state in optimizer.state.values() if "exp_avg" in state]
     for key in ("exp_avg", "exp_avg_sq"):
         olds = [state[key] for state in states]
         if not olds:
             continue
-        if torch.device(device).type == "cpu":
+        if device == "host":
             news = _host_copies([_local(old) for old in olds])
         else:
-            news = [_local(old).to(device, non_blocking=True) for old in olds]
+            # copy: a tensor of its own also where the trainer's device is the CPU
+            news = [_local(old).to(device, non_blocking=True, copy=True) for old in olds]
         for state, old, new in zip(states, olds, news):
-            if isinstance(old, DTensor):  # the moved shard, wrapped as the old one was
-                new = DTensor.from_local(new, old.device_mesh, old.placements, run_check=False,
-                                         shape=old.shape, stride=old.stride())
+            if isinstance(old, DTensor):
+                # the moved shard, wrapped as the old one was. Not DTensor.from_local: on a CUDA
+                # mesh it moves a host tensor back to the GPU (that made offloading free nothing).
+                # The constructor (private in torch 2.13) wraps it where it is, as FSDP2 wraps its
+                # CPU-offloaded shards (fsdp/_fully_shard/_fsdp_common._from_local_no_grad)
+                new = DTensor(new, old._spec, requires_grad=False)
             state[key] = new
 
 

@@ -662,7 +662,7 @@ def update(parts, batch, cfg, mesh, stats, device, train_policy=True):
     used = memory_used_gb()
     if cfg.offload_optimizer:  # and out again: the engine gets the room
         for _, optimizer, _ in parts.values():
-            model_parallel.move_optimizer_state(optimizer, "cpu")
+            model_parallel.move_optimizer_state(optimizer, "host")
     return used
 
 
@@ -1015,7 +1015,7 @@ def load_checkpoint(path, parts, offload_optimizer=False):
         set_state_dict(model, optimizer, model_state_dict=state[name],
                        optim_state_dict=state[name + "_optimizer"])
         if offload_optimizer:
-            model_parallel.move_optimizer_state(optimizer, "cpu")
+            model_parallel.move_optimizer_state(optimizer, "host")
     state_file = os.path.join(path, f"trainer_state_rank{dist.get_rank()}.pt")
     if not os.path.isfile(state_file):  # a rank the saving run did not have
         state_file = os.path.join(path, "trainer_state_rank0.pt")

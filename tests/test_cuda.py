@@ -132,7 +132,7 @@ def test_ppo_cli_on_gpu_trains_resumes_and_exports(tmp_path):
 
 
 def _offload_on_gpu(rank, path, port):
-    """One GPU: after an AdamW step, move_optimizer_state(opt, "cpu") frees the two moments' GPU
+    """One GPU: after an AdamW step, move_optimizer_state(opt, "host") frees the two moments' GPU
     bytes (8 a parameter) into pinned host memory; moved back they are the same numbers."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
@@ -148,7 +148,7 @@ def _offload_on_gpu(rank, path, port):
              for s in optimizer.state.values()}
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    mp.move_optimizer_state(optimizer, "cpu")
+    mp.move_optimizer_state(optimizer, "host")
     torch.cuda.synchronize()
     moments = 8 * sum(mp._local(p).numel() for p in policy.parameters())
     assert before - torch.cuda.memory_allocated() >= 0.99 * moments, \

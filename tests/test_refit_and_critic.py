@@ -1,6 +1,9 @@
 """Refit leaves the engine computing with the trained weights; the critic's value head is
 right-shifted. Both at dp=2 (FSDP2 over 2 gloo ranks), against plain single-process HF."""
 import torch
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 from transformers import AutoModel
 
 import model_parallel
@@ -132,7 +135,7 @@ def _flat_host_sets_body(rank, world_size, tmp):
     optimizer.step()
     states = list(optimizer.state.values())
     moments = {k: [s[k].to_local().clone() for s in states] for k in ("exp_avg", "exp_avg_sq")}
-    model_parallel.move_optimizer_state(optimizer, "cpu")
+    model_parallel.move_optimizer_state(optimizer, "host")
     for key, before in moments.items():
         after = [s[key].to_local() for s in optimizer.state.values()]
         assert len(storages(after)) == 1 and all(torch.equal(a, b) for a, b in zip(after, before))
@@ -142,3 +145,63 @@ def test_host_copies_are_one_flat_buffer_a_set(tmp_path):
     """Issue 28: torch's caching host allocator rounds every pinned allocation up to a power of two
     (~1.9x the bytes at 7B when pinned shard by shard); one buffer a set pays the rounding once."""
     run_ranks(_flat_host_sets_body, 1, str(tmp_path))
+
+
+def _copies_into_host_buffers(record):
+    """record() under a recorder of every Tensor.copy_; returns [(destination, non_blocking)]."""
+    class Copies(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if getattr(func, "__name__", "") == "copy_":
+                seen.append((args[0], bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))))
+            return func(*args, **kwargs)
+    seen = []
+    with Copies():
+        record()
+    return seen
+
+
+def _offload_on_a_gpu_mesh_body(rank, world_size, tmp):
+    """The GPU's behaviour, swapped in: DTensor.from_local moves a local tensor to its mesh's
+    device type when the two differ (torch/distributed/tensor/_api.py), so on a CUDA mesh a host
+    copy wrapped with it is copied straight back to the GPU. Here every from_local copies its input
+    (what a move to another device is); the CPU mesh alone would let a wrapped host copy pass."""
+    real_from_local = DTensor.from_local
+    DTensor.from_local = staticmethod(lambda local, *a, **k: real_from_local(local.clone(), *a, **k))
+    mesh = model_parallel.make_mesh(world_size, 1, 1, "cpu")
+    path = model_parallel.materialize_tiny_model("tiny-llama", tmp, seed=3)
+    policy = model_parallel.load_policy(path, mesh, Config(out_dir=tmp))
+    lp, _ = model_parallel.forward_policy(policy, torch.tensor(IDS), LENS, mesh, Config())
+    (-lp.sum()).backward()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    optimizer.step()
+    saved = get_optimizer_state_dict(policy, optimizer)  # the checkpoint's view of the state
+    states = optimizer.state.values()
+    moments = {k: [s[k].to_local().clone() for s in states] for k in ("exp_avg", "exp_avg_sq")}
+    copies = _copies_into_host_buffers(lambda: model_parallel.move_optimizer_state(optimizer, "host"))
+    for key, before in moments.items():
+        states = [s[key] for s in optimizer.state.values()]
+        # still DTensors of the policy's mesh, whose local shards are views of one host buffer
+        assert all(isinstance(s, DTensor) and s.device_mesh is states[0].device_mesh for s in states)
+        buffers = {s.to_local().untyped_storage().data_ptr() for s in states}
+        assert len(buffers) == 1, f"{key}: {len(buffers)} storages: the state is not the host buffer"
+        assert all(torch.equal(s.to_local(), b) for s, b in zip(states, before))
+        # every copy into the host buffer was blocking: its bytes are there when it returns
+        into = [blocking for dest, blocking in copies if dest.untyped_storage().data_ptr() in buffers]
+        assert len(into) == len(states) and not any(into), f"{key}: a host copy made with non_blocking=True"
+    # a checkpoint taken while the moments are out holds the same tensors
+    offloaded = get_optimizer_state_dict(policy, optimizer)["state"]
+    for name, state in saved["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(offloaded[name][key].to_local(), state[key].to_local()), (name, key)
+    optimizer.step()  # AdamW takes the moved states
+    DTensor.from_local = real_from_local
+
+
+def test_offloaded_moments_are_the_host_buffer_on_a_gpu_mesh(tmp_path):
+    """Issue 34: offload_optimizer freed nothing on an H200 (93,422,080 bytes allocated before and
+    after): each host copy was wrapped with DTensor.from_local, which on a CUDA mesh copies it back
+    to the GPU. With from_local's GPU behaviour swapped in, the offloaded state must still be the
+    host buffer (each moment one flat buffer), hold the same numbers, be written by blocking
+    copies, and read as the same checkpoint."""
+    run_ranks(_offload_on_a_gpu_mesh_body, 1, str(tmp_path))

@@ -259,7 +259,18 @@ def _offload_body(rank, world_size, out_dir):
     # the room they would hold): the calls in order, recorded
     calls = []
     move, make_engine = model_parallel.move_optimizer_state, rollout.make_engine
-    model_parallel.move_optimizer_state = lambda opt, device: (calls.append(str(device)), move(opt, device))
+
+    def recording_move(optimizer, device):
+        """Where the moments are after the move: "host" if each moment is one flat host buffer,
+        the device's name if every state has a tensor of its own (on CPU both are host memory)."""
+        move(optimizer, device)
+        states = [s for s in optimizer.state.values() if "exp_avg" in s]
+        where = set()
+        for key in ("exp_avg", "exp_avg_sq"):
+            storages = {s[key].to_local().untyped_storage().data_ptr() for s in states}
+            where.add({1: "host", len(states): str(device)}.get(len(storages), f"{len(storages)} storages"))
+        calls.append(" and ".join(sorted(where)))
+    model_parallel.move_optimizer_state = recording_move
     rollout.make_engine = lambda *args: (calls.append("engine"), make_engine(*args))[1]
     cfg.steps, cfg.resume = 4, "auto"
     train_ppo.main(cfg)
@@ -281,8 +292,9 @@ def test_optimizer_state_moved_out_and_back_trains_the_same(tmp_path):
     assert plain[-1]["step"] == 2 and plain[-1]["kl"] != 0.0  # three steps, and the policy moved
     with open(tmp_path / "resume_calls.json") as f:
         calls = json.load(f)
-    # policy's and critic's moments out at load, then the engine; then the update's in and out
-    assert calls == ["cpu", "cpu", "engine", "cpu", "cpu", "cpu", "cpu"], calls
+    # policy's and critic's moments out at load, then the engine; then the update's in and out,
+    # each where it was sent: one flat host buffer a moment, or back on the trainer's device
+    assert calls == ["host", "host", "engine", "cpu", "cpu", "host", "host"], calls
 
 
 def _warmup_checkpoint_body(rank, world_size, out_dir):
