@@ -403,6 +403,15 @@ def _validate_sizes(cfg: Config, world_size: int) -> None:
                           f"minibatch of {minibatch // dp} sequences: pick a divisor of it")
     if cfg.sft_steps and cfg.sft_batch_size % dp:
         raise ConfigError(f"sft_batch_size={cfg.sft_batch_size} does not split over dp={dp} ranks")
+    # a packed row holds whole sequences, up to max_model_len tokens each (prompt + response; the
+    # SFT warm-up's rows are cut to it), in a multiple of 2*cp*tp tokens: refused now, not at the
+    # first long response hours in
+    multiple = 2 * cfg.cp_size * cfg.tp_size
+    if cfg.packing and cfg.max_tokens_per_microbatch // multiple * multiple < cfg.max_model_len:
+        least = -(-cfg.max_model_len // multiple) * multiple
+        raise ConfigError(f"max_tokens_per_microbatch={cfg.max_tokens_per_microbatch} cannot hold a sequence "
+                          f"of max_model_len={cfg.max_model_len} tokens (a packed row is a multiple of "
+                          f"2*cp*tp={multiple}): raise it to {least} or more, or lower max_model_len")
 
 
 def _validate_paths(cfg: Config) -> None:

@@ -62,18 +62,19 @@ def _math_dtype(dtype):
 # ----------------------------------------------------------------------------
 # context parallel: the zigzag split and its inverse
 
-def zigzag_positions(seq_len, cp_size, cp_rank):
-    """Global positions held by cp_rank, in local order: chunk r, then chunk 2cp-1-r."""
+def zigzag_positions(seq_len, cp_size, cp_rank, device=None):
+    """Global positions held by cp_rank, in local order: chunk r, then chunk 2cp-1-r; made on
+    `device` (no copy from the host)."""
     if cp_size == 1:
-        return torch.arange(seq_len)  # (S,)
+        return torch.arange(seq_len, device=device)  # (S,)
     if seq_len % (2 * cp_size) != 0:
         raise ValueError(f"seq_len={seq_len} must be a multiple of 2*cp_size={2 * cp_size}")
     chunk = seq_len // (2 * cp_size)
     # under a causal mask late positions attend to more keys; pairing chunk r with its mirror
     # 2cp-1-r gives every rank one cheap and one costly chunk, hence equal attention work
     late = 2 * cp_size - 1 - cp_rank
-    early_pos = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)  # (S/2cp,)
-    late_pos = torch.arange(late * chunk, (late + 1) * chunk)  # (S/2cp,)
+    early_pos = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)  # (S/2cp,)
+    late_pos = torch.arange(late * chunk, (late + 1) * chunk, device=device)  # (S/2cp,)
     return torch.cat([early_pos, late_pos])  # (S/cp,)
 
 
@@ -81,7 +82,7 @@ def zigzag_split(x, cp_size, cp_rank, dim=1):
     """This cp rank's zigzag part of x along dim (differentiable; x itself when cp = 1)."""
     if cp_size == 1:
         return x
-    positions = zigzag_positions(x.shape[dim], cp_size, cp_rank).to(x.device)  # (S/cp,)
+    positions = zigzag_positions(x.shape[dim], cp_size, cp_rank, x.device)  # (S/cp,)
     return x.index_select(dim, positions)  # (..., S/cp, ...)
 
 
@@ -136,7 +137,7 @@ def _vocab_range(logits, tp_group):
     """Collective over tp. (first vocab id of this rank's shard, model vocab size) from the real
     shard sizes. DTensor shards like torch.chunk (510 over 4 ranks is 128/128/128/126), and the
     model's vocab may exceed the tokenizer's, so offsets are never derived from V // tp: we gather
-    the real sizes."""
+    the real sizes. With tp > 1 both are 0-dim tensors on the device (read by no host code)."""
     local_vocab = logits.shape[-1]
     if _size(tp_group) == 1:
         return 0, local_vocab
@@ -144,8 +145,7 @@ def _vocab_range(logits, tp_group):
     sizes = torch.zeros(_size(tp_group), dtype=torch.long, device=logits.device)  # (tp,)
     sizes[_rank(tp_group)] = local_vocab
     _all_reduce_(sizes, dist.ReduceOp.SUM, tp_group)
-    sizes = sizes.tolist()  # a host sync, once per call
-    return sum(sizes[: _rank(tp_group)]), sum(sizes)
+    return sizes[: _rank(tp_group)].sum(), sizes.sum()
 
 
 def _logprob_chunk(x, local_target, owned, tp_group, temperature, with_entropy=False):
@@ -298,13 +298,14 @@ def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlen
         raise ValueError(f"logits {tuple(logits.shape)} must be (B, S/cp, V/tp) for input_ids "
                          f"{tuple(input_ids.shape)} and cp={cp_size}")
     vocab_start, vocab_size = _vocab_range(logits, tp_group)
-    # an id beyond the model's vocab would silently score 0 on every rank: refuse (a host sync)
-    if input_ids.min() < 0 or input_ids.max() >= vocab_size:
-        raise ValueError(f"input_ids must lie in [0, {vocab_size}) (the model's vocab), got "
-                         f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+    # an id beyond the model's vocab would silently score 0 on every rank: refuse. Checked on the
+    # device, with no host read (which would make the CPU wait for the GPU every microbatch): on
+    # CPU it raises at once, on a GPU it is a device-side assert that stops the run
+    in_vocab = (input_ids.min() >= 0) & (input_ids.max() < vocab_size)
+    torch._assert_async(in_vocab, "input_ids must lie in [0, the model's vocab size)")
     # Each local row of logits sits at global position g and predicts token g+1. We score that
     # next token here, gather the scores over cp in natural order, and shift right by one.
-    positions = zigzag_positions(seq_len, cp_size, cp_rank).to(input_ids.device)  # (S/cp,)
+    positions = zigzag_positions(seq_len, cp_size, cp_rank, input_ids.device)  # (S/cp,)
     # (g = S-1 has no next token: clamped here, its score dropped by the shift)
     next_ids = input_ids[:, (positions + 1).clamp(max=seq_len - 1)]  # (B, S/cp)
     local_ids = next_ids.reshape(-1).to(logits.device) - vocab_start  # (N,)  N = B*S/cp
@@ -336,8 +337,8 @@ def unpack_packed(packed, cu_seqlens, seq_len):
     Pure indexing, so it is differentiable and works for ids, logprobs and masks alike."""
     starts = cu_seqlens[:-1].long().to(packed.device)  # (n,)
     lengths = cu_seqlens[1:].long().to(packed.device) - starts  # (n,)
-    if int(lengths.max()) > seq_len:
-        raise ValueError(f"a packed sequence has {int(lengths.max())} tokens > seq_len={seq_len}")
+    # checked on the device (no host read): on a GPU a device-side assert
+    torch._assert_async(lengths.max() <= seq_len, f"a packed sequence is longer than seq_len={seq_len}")
     offsets = torch.arange(seq_len, device=packed.device)  # (S,)
     valid = offsets[None, :] < lengths[:, None]  # (n, S)
     index = (starts[:, None] + offsets[None, :]).clamp(max=packed.shape[1] - 1)  # (n, S)

@@ -26,6 +26,7 @@ import contextlib
 import copy
 import datetime
 import inspect
+import itertools
 import json
 import math
 import os
@@ -147,6 +148,15 @@ def _device(mesh):
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def to_device(values, device):
+    """torch.tensor(values) on `device`, without making the host wait: a copy from pageable memory
+    waits for every kernel queued before it, one from pinned memory with non_blocking does not."""
+    host = torch.tensor(values)
+    if device.type == "cuda":  # GPU only
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 # -----------------------------------------------------------------------------
@@ -486,14 +496,18 @@ class ValueHead(nn.Linear):
         return F.linear(hidden, self.weight) + self.bias
 
 
-def _build(path, mesh, cfg, critic):
+def _build(path, mesh, cfg, critic, frozen=False):
     """The architecture at `path` as this rank's sharded module, with its shards allocated but not
     yet read (_load_weights fills them). The steps, in order: build on the meta device, split over
-    tp, shard (FSDP2) or replicate (DDP) over dp x cp, allocate, tie the embeddings again."""
+    tp, shard (FSDP2) or replicate (DDP) over dp x cp, allocate, tie the embeddings again.
+    `frozen` (a reward model: no optimizer) keeps no fp32 master copy, being stored in its compute
+    dtype (bf16 under the bf16 recipe; its value head stays fp32), and under FSDP2 its shards
+    live in host memory between its passes (FSDP2's CPU offload gathers them onto the GPU for its
+    one pass a step): it would otherwise hold GPU memory through generation and the update."""
     config = AutoConfig.from_pretrained(path)
     tp_size = mesh["tp"].size()
     _check_supported(config, tp_size)
-    model = _on_meta(config, critic)
+    model = _on_meta(config, critic, torch.bfloat16 if frozen and cfg.dtype == "bf16" else torch.float32)
     tied = not critic and config.tie_word_embeddings
     if tp_size > 1:
         parallelize_module(model, mesh["tp"], _tp_plan(config.model_type, cfg.sequence_parallel, critic))
@@ -503,7 +517,7 @@ def _build(path, mesh, cfg, critic):
     if cfg.activation_checkpointing:  # recompute each decoder layer in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     device = _device(mesh)
-    offload = device.type == "cuda" and cfg.cpu_offload  # GPU only
+    offload = cfg.data_parallel == "fsdp" and (cfg.cpu_offload or frozen)
     if cfg.data_parallel == "fsdp":
         _shard_fsdp(model, mesh.dp_cp, cfg, critic, offload)
     elif mesh.dp_cp.size() > 1:  # ddp (on one rank: a plain module)
@@ -517,14 +531,15 @@ def _build(path, mesh, cfg, critic):
     return model
 
 
-def _on_meta(config, critic):
-    """The model on the meta device: shapes only, no memory and no init (the checkpoint fills it).
-    The critic is the same backbone with its "LM head" replaced by the value head."""
+def _on_meta(config, critic, dtype):
+    """The model on the meta device, in `dtype`: shapes only, no memory and no init (the checkpoint
+    fills it). The critic is the same backbone with its "LM head" replaced by the value head (fp32,
+    whatever the backbone's dtype)."""
     if critic:
         config.final_logit_softcapping = None  # Gemma's logit softcap must not squash values
     with torch.device("meta"):
         # attn_implementation="ppo": every layer calls ppo_attention (registered above)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="ppo", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="ppo", dtype=dtype)
         if critic:
             model.lm_head = ValueHead(config.hidden_size, 1)
     return model
@@ -544,14 +559,16 @@ def _shard_fsdp(model, mesh, cfg, critic, offload):
     A tied head shares the embedding's tensor: the two stay one unit, the root. dtype=bf16 (the
     GPU recipe, on any device): parameters are all-gathered and computed in bf16, gradients
     reduced in fp32 into fp32 master weights, which AdamW updates. `offload` keeps the shards (and
-    AdamW's state) in host memory (GPU only)."""
+    AdamW's state) in host memory, pinned on a GPU machine (on CPU the same code runs, moving
+    nothing)."""
     if cfg.dtype == "bf16":
         compute = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         compute = MixedPrecisionPolicy()
     # reshard_after_forward=False: a gathered layer stays gathered until its backward (or, in
     # no-grad passes, until the next explicit reshard: every microbatch of a pass reuses it)
-    fsdp = dict(mesh=mesh, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
+    host = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    fsdp = dict(mesh=mesh, offload_policy=host if offload else OffloadPolicy(),
                 reshard_after_forward=cfg.reshard_after_forward)
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     if not tied:
@@ -658,14 +675,14 @@ def score_head(path):
     return None
 
 
-def load_critic(path, mesh, cfg):
+def load_critic(path, mesh, cfg, frozen=False):
     """Collective (every rank): the backbone of the checkpoint at `path` + an fp32 Linear(hidden, 1)
     value head, identical on every rank. From a reward model (a sequence-classification checkpoint),
     the head is its score head: the critic starts from the reward model, OpenRLHF's default, and
     predicts the reward from its first step. Else the head is initialized from the seed with std
     1/sqrt(hidden+1) and zero bias (Ziegler et al. 2019's value head, as in
     summarize_from_feedback_details)."""
-    model = _build(path, mesh, cfg, critic=True)
+    model = _build(path, mesh, cfg, critic=True, frozen=frozen)
     weight = score_head(path)
     if weight is None:
         hidden = model.config.hidden_size
@@ -678,8 +695,9 @@ def load_critic(path, mesh, cfg):
 def load_reward_model(path, mesh, cfg):
     """Collective (every rank): a reward model, `*ForSequenceClassification` with one label, sharded
     on the training mesh as the policy is (TP plan, FSDP2, CP, packing) and frozen: no optimizer, no
-    gradient; it scores in the no-grad phase (forward_critic with shift=False)."""
-    model = load_critic(path, mesh, cfg)
+    gradient; it scores in the no-grad phase (forward_critic with shift=False). Stored in bf16 under
+    the bf16 recipe and kept in host memory between its passes (_build's `frozen`)."""
+    model = load_critic(path, mesh, cfg, frozen=True)
     model.requires_grad_(False)
     return model
 
@@ -775,7 +793,7 @@ def _varlen_index(doc_lens, num_rows, row_len, cp_size, cp_rank, kv_rows):
         kv_index = torch.cat([row * row_len + slot[start:end] for row, start, end in k_spans])  # (total_k,)
 
     def boundaries(lens):  # segment lengths -> (segments + 1,) int32 offsets
-        return F.pad(torch.tensor(lens).cumsum(0), (1, 0)).to(kv_rows.device, torch.int32)
+        return to_device([0, *itertools.accumulate(lens)], kv_rows.device).to(torch.int32)
 
     return dict(cu_seqlens_q=boundaries(q_lens), cu_seqlens_k=boundaries(k_lens),
                 max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), kv_index=kv_index)
@@ -800,7 +818,9 @@ def _layout(input_ids, seq_lens, mesh, cfg):
     cp_size, cp_rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
     multiple = 2 * cp_size * mesh["tp"].size()
     device = _device(mesh)
-    # the rows' own longest, not the (b, S) batch's: a short microbatch costs what it holds
+    # Every index below is made on the device or copied there without a host sync (to_device):
+    # the host keeps queueing the GPU's work. The rows' own longest, not the (b, S) batch's: a
+    # short microbatch costs what it holds.
     input_ids = input_ids[:, :max(seq_lens)].to(device)  # (b, S')
     if cfg.packing:
         # one row: the sequences back to back, the padding tail as a document of its own
@@ -809,9 +829,10 @@ def _layout(input_ids, seq_lens, mesh, cfg):
         pieces = [input_ids[k, :n] for k, n in enumerate(lens)] + [input_ids.new_zeros(tail)]
         ids = torch.cat(pieces)[None]  # (1, T)
         doc_lens = lens + [tail] if tail else lens
-        lengths = torch.tensor(doc_lens, device=device)  # (docs,)
+        lengths = to_device(doc_lens, device)  # (docs,)
         cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # (docs + 1,)
-        docs = torch.repeat_interleave(torch.arange(len(doc_lens), device=device), lengths)[None]  # (1, T)
+        docs = torch.repeat_interleave(torch.arange(len(doc_lens), device=device), lengths,
+                                       output_size=ids.shape[1])[None]  # (1, T) (its size given: no sync)
         # position ids restart at 0 in each sequence: RoPE sees every sequence as if alone
         positions = torch.arange(ids.shape[1], device=device)[None] - cu_seqlens[docs]  # (1, T)
     else:
@@ -822,14 +843,13 @@ def _layout(input_ids, seq_lens, mesh, cfg):
         positions = torch.arange(ids.shape[1], device=device).expand_as(ids)  # (b, T)
     # queries: this rank's zigzag share (chunks r, 2cp-1-r); keys: every share, all-gathered in
     # rank order
-    q_rows = zigzag_positions(ids.shape[1], cp_size, cp_rank).to(device)  # (T/cp,)
-    shares = [zigzag_positions(ids.shape[1], cp_size, r) for r in range(cp_size)]
-    kv_rows = torch.cat(shares).to(device)  # (T,)
+    q_rows = zigzag_positions(ids.shape[1], cp_size, cp_rank, device)  # (T/cp,)
+    kv_rows = torch.cat([zigzag_positions(ids.shape[1], cp_size, r, device) for r in range(cp_size)])  # (T,)
     # (unpacked rows: their length is known only now; config.validate refused the worst case)
     error = masked_attention_error(ids.shape[1], cp_size, ids.shape[0])
     if cfg.attention == "masked" and error:
         raise ValueError(error)
-    return Layout(ids=ids, positions=positions, seq_lens=torch.as_tensor(seq_lens, device=device),
+    return Layout(ids=ids, positions=positions, seq_lens=to_device(list(seq_lens), device),
                   cu_seqlens=cu_seqlens, varlen=cfg.attention == "varlen", cp_group=_group(mesh, "cp"),
                   q_rows=q_rows, kv_rows=kv_rows, q_docs=docs[:, q_rows], kv_docs=docs[:, kv_rows],
                   **_varlen_index(doc_lens, ids.shape[0], ids.shape[1], cp_size, cp_rank, kv_rows))
@@ -1010,10 +1030,10 @@ def move_optimizer_state(optimizer, device):
 
 def clip_grad_norm(params, max_norm):
     """Collective (every rank): clip the gradients of `params` in place to a global L2 norm of
-    max_norm; return the norm before clipping. A DTensor's local squares are summed over the mesh
-    dims it is sharded on, never over those it is replicated on (that would count the copies); a
-    plain tensor is a full copy on every rank. Works for any mix of meshes (FSDP only, FSDP x TP,
-    the value head)."""
+    max_norm; return the norm before clipping, a 0-dim tensor. A DTensor's local squares are
+    summed over the mesh dims it is sharded on, never over those it is replicated on (that would
+    count the copies); a plain tensor is a full copy on every rank. Works for any mix of meshes
+    (FSDP only, FSDP x TP, the value head)."""
     grads = [p.grad for p in params if p.grad is not None]
     # process groups to sum over -> sum of squares of the local elements
     by_groups = {}
@@ -1040,7 +1060,7 @@ def clip_grad_norm(params, max_norm):
         scales = {_local(g).device: scale.to(_local(g).device) for g in grads}  # one copy per device
         for grad in grads:
             _local(grad).mul_(scales[_local(grad).device])
-    return float(norm)
+    return norm  # () on the device: the caller reads it when it must (the NaN check), once
 
 
 # -----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import os
 import random
 import re
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Optional, Protocol
 
@@ -281,7 +282,13 @@ class GSM8KTask:
 
     def __init__(self, cfg, model_dir: str, model_vocab_size: int):
         from transformers import AutoTokenizer
-        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        try:
+            self.tok = AutoTokenizer.from_pretrained(model_dir)
+        except (OSError, ValueError) as e:  # no tokenizer files, or none transformers can build
+            reason = str(e).splitlines()[0].strip()
+            raise TaskError(f"task=gsm8k needs the checkpoint's own tokenizer, and {model_dir} has none that "
+                            f"transformers can load ({reason}): give a checkpoint dir with its tokenizer "
+                            f"files (tokenizer.json, tokenizer_config.json)") from None
         self.seed = cfg.seed
         self.format_reward = cfg.format_reward
         if len(self.tok) > model_vocab_size:
@@ -790,35 +797,42 @@ def rollouts(engine, task, cfg, step, start, mesh):
 # time and vLLM keeps at most one incomplete layer from earlier buckets, so the transient memory
 # does not grow with the model, unlike a full state dict (verl and NeMo-RL bucket their refit for
 # this reason). On GPU the sleeping engine gets its weight memory back first and its KV cache only
-# after the last bucket (vLLM's documented order, also TRL's and verl's): the gathered tensors
-# never coexist with the KV cache.
+# after the last bucket is gone (vLLM's documented order, also TRL's and verl's): the gathered
+# tensors never coexist with the KV cache.
 
 def refit(engine: Engine, named_full_tensors, bucket_mb: float) -> dict:
     """Collective (every rank, through named_full_tensors): the trained weights into the engine.
-    Returns the bytes sent, the bytes gathered (as the tensors arrived: twice the bytes sent if
-    they came in fp32 for a bf16 engine) and the largest bucket, for the metrics."""
+    The tensors must arrive in the engine's dtype: cast before they were gathered
+    (iter_full_params(model, engine.dtype)), not here after the gather, which would move twice the
+    bytes for a bf16 engine. Returns the bytes sent and the largest bucket, for the metrics."""
     # GPU: what training freed goes back to the driver before vLLM takes it
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     engine.wake_up(["weights"])
-    limit, dtype = bucket_mb * 2**20, engine.dtype
+    limit = bucket_mb * 2**20
     bucket, size = [], 0
-    largest, total, gathered = 0, 0, 0
+    largest, total = 0, 0
     for name, tensor in named_full_tensors:
-        gathered += tensor.numel() * tensor.element_size()
-        tensor = tensor.detach().to(dtype)  # (a no-op when the gather was in the engine's dtype)
+        if tensor.dtype != engine.dtype:
+            raise TypeError(f"refit: {name} arrived in {tensor.dtype} for a {engine.dtype} engine: gather "
+                            f"in the engine's dtype (iter_full_params(model, engine.dtype))")
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > limit:  # flush before overflowing
             engine.load_weights(bucket)
             bucket, size = [], 0
-        bucket.append((name, tensor))
+        bucket.append((name, tensor.detach()))
         size += nbytes
         largest, total = max(largest, size), total + nbytes
     if bucket:
         engine.load_weights(bucket)
+    # the last bucket goes before the KV cache comes back (with vllm_gpu_memory_utilization set
+    # high, waking it beside the bucket could run out of memory), and its memory to the driver
+    bucket = tensor = None
     engine.finish_refit()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     engine.wake_up(["kv_cache"])
-    return {"refit_bytes": total, "refit_gathered_bytes": gathered, "refit_largest_bucket_bytes": largest}
+    return {"refit_bytes": total, "refit_largest_bucket_bytes": largest}
 
 
 # -----------------------------------------------------------------------------
@@ -846,11 +860,30 @@ def quiet_third_party_output() -> None:
 # -----------------------------------------------------------------------------
 # Rollout dumps: what the policy said, readable by a person, and replayable.
 
+# One writer thread: a step's dump is written while the next step runs (rank 0 would otherwise
+# write while every other rank waits at the next collective). A write's error surfaces at the
+# next dump or at wait_for_dumps().
+_DUMPS = ThreadPoolExecutor(max_workers=1)
+_pending = []
+
+
 def dump_rollouts(path: str, samples: list) -> None:
-    """Write one JSON line per sample, atomically (temp file, then rename)."""
+    """Write one JSON line per sample, atomically (temp file, then rename), in the background; the
+    samples must not change afterwards. Waits for the previous dump first."""
+    wait_for_dumps()
+    _pending.append(_DUMPS.submit(_write_jsonl, path, sorted(samples, key=lambda s: s["index"])))
+
+
+def wait_for_dumps() -> None:
+    """Until every dump is on disk (the end of a run); raises a failed write's error."""
+    while _pending:
+        _pending.pop().result()
+
+
+def _write_jsonl(path: str, samples: list) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(s) + "\n" for s in sorted(samples, key=lambda s: s["index"]))
+        f.writelines(json.dumps(s) + "\n" for s in samples)
     os.replace(path + ".tmp", path)
 
 

@@ -81,7 +81,8 @@ if __name__ == "__main__":
 import torch  # noqa: E402  (after the config check, on purpose)
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,  # noqa: E402
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from transformers import AutoConfig  # noqa: E402
 
 import model_parallel  # noqa: E402
@@ -252,6 +253,16 @@ def print0(*args):
         print(*args, flush=True)
 
 
+def rank0_decides(value):
+    """Collective (every rank): rank 0's `value`, on every rank. What the run reads from a shared
+    file system (the checkpoint to resume, whether the SFT dir is done) is decided once: a node
+    whose directory listing lags would pick another step, and the collectives that follow would
+    not match (a hang, or a crash in the checkpoint reader)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def dp_sum(tensor, mesh):
     """Collective over dp. In-place sum over the dp ranks (each holds a share of the global
     batch)."""
@@ -333,7 +344,8 @@ class StepStats:
       steps    how many optimizer steps reported each loss term and norm (step_metrics divides)
 
     shares and losses are summed over dp once, at the end (all_reduce). Nothing here names a
-    metric in advance: whatever loss terms the update reports are logged, by their names."""
+    metric in advance: whatever loss terms the update reports are logged, by their names. The
+    sums may be numbers or 0-dim tensors on the device: all_reduce reads them all at once."""
 
     def __init__(self, device):
         self.device = device  # of the all-reduce's tensor: the trainer's (NCCL needs it on GPU)
@@ -345,13 +357,13 @@ class StepStats:
         self.skipped_updates = 0  # optimizer steps skipped for a NaN/inf loss or norm
 
     def add(self, **shares):
-        self.shares.update({name: float(value) for name, value in shares.items()})
+        self.shares.update(shares)
 
     def add_update(self, terms, norm_name, norm, skipped):
         """One optimizer step of a model: its loss terms ({name: this rank's share}), its grad norm
         (named `norm_name`), and whether it was skipped."""
         self.losses.update(terms)
-        self.norms[norm_name] += float(norm)
+        self.norms[norm_name] += norm
         self.steps.update([*terms, norm_name])  # one more optimizer step for each of these names
         self.skipped_updates += int(skipped)
 
@@ -363,10 +375,15 @@ class StepStats:
         names = sorted(self.shares)
         # the loss terms keep the order the update reported them in: the console's and plot's order
         terms = list(self.losses)
-        local = [self.shares[n] for n in names] + [self.losses[n] for n in terms]
-        summed = dp_sum(torch.tensor(local, dtype=torch.float64, device=self.device), mesh).tolist()
-        self.shares = Counter(dict(zip(names, summed)))
-        self.losses = Counter(dict(zip(terms, summed[len(names):])))
+        norms = list(self.norms)  # already global: not summed
+
+        def column(values):  # numbers and device scalars -> one (n,) float64 tensor on the device
+            return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values])
+        summed = dp_sum(column([self.shares[n] for n in names] + [self.losses[n] for n in terms]), mesh)
+        values = torch.cat([summed, column([self.norms[n] for n in norms])]).tolist()  # the one read
+        self.shares = Counter(dict(zip(names, values)))
+        self.losses = Counter(dict(zip(terms, values[len(names):])))
+        self.norms = Counter(dict(zip(norms, values[len(names) + len(terms):])))
 
 
 def memory_used_gb():
@@ -424,7 +441,7 @@ def prepare_inputs(cfg, task):
             raise model_parallel.CheckpointError(
                 f"reward_model={cfg.reward_model!r} has no one-label score head: give a "
                 f"*ForSequenceClassification checkpoint with num_labels=1 (scripts/train_reward_model.py)")
-        resume_dir = find_checkpoint(cfg.resume, cfg.out_dir)
+        resume_dir = rank0_decides(find_checkpoint(cfg.resume, cfg.out_dir))
         if task is None:
             task = rollout.make_task(cfg, model_dir, AutoConfig.from_pretrained(model_dir).vocab_size)
     except (rollout.TaskError, model_parallel.CheckpointError) as e:
@@ -438,7 +455,7 @@ def sft_warmup(model_dir, task, cfg, mesh):
     first stage of RLHF, kept short on purpose: PPO should start from a policy that knows the
     format and is right sometimes. Saved as out_dir/sft (reused when present); returns that dir."""
     sft_dir = os.path.join(cfg.out_dir, "sft")
-    if os.path.isfile(os.path.join(sft_dir, "config.json")):
+    if rank0_decides(os.path.isfile(os.path.join(sft_dir, "config.json"))):
         return sft_dir
     policy = model_parallel.load_policy(model_dir, mesh, cfg)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft_lr, weight_decay=0.0, fused=True)
@@ -446,18 +463,20 @@ def sft_warmup(model_dir, task, cfg, mesh):
     for it in range(cfg.sft_steps):
         pairs = task.prompts(it * cfg.sft_batch_size, cfg.sft_batch_size)  # the start of the stream
         first = mesh["dp"].get_local_rank() * per_rank
-        mine = pairs[first:first + per_rank]
-        batch = make_batch([task.encode(p) for p, _ in mine], [task.target(a) for _, a in mine], task.pad_id,
-                           device=mesh.device_type)
+        prompts = [task.encode(p) for p, _ in pairs[first:first + per_rank]]
+        # an answer is cut where its row would pass max_model_len (as SFT trainers' max_length): a
+        # packed row holds max_model_len tokens (config.validate), and no row may be longer
+        answers = [task.target(a)[:max(0, cfg.max_model_len - len(p))]
+                   for p, (_, a) in zip(prompts, pairs[first:first + per_rank])]
+        batch = make_batch(prompts, answers, task.pad_id, device=mesh.device_type)
         num_tokens = dp_sum(batch.mask.sum(), mesh)  # global answer tokens
 
-        def nll(idx):
+        def nll(idx, lens):
             """The mean negative log-likelihood of the answers, the one loss term; no counts."""
-            lens = [batch.lens[i] for i in idx]
             lp, _ = model_parallel.forward_policy(policy, batch.ids[idx], lens, mesh, cfg)
             return {"sft_loss": -masked_sum(lp, batch.mask[idx]) / num_tokens}, {}
 
-        minibatch_update(policy, optimizer, nll, list(range(len(mine))), batch, cfg, mesh)
+        minibatch_update(policy, optimizer, nll, list(range(len(prompts))), batch, cfg, mesh)
         if it % 10 == 0 or it == cfg.sft_steps - 1:
             print0(f"sft {it + 1}/{cfg.sft_steps}")
     # + the tokenizer and generation_config (the stop ids) of model_dir
@@ -500,8 +519,9 @@ def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
     collectives matched); full (b, S) tensors in row order (packing reorders rows)."""
     outs = None
     for micro in model_parallel.microbatches(batch.lens, cfg, mesh):
-        idx, _ = micro_rows(micro, list(range(len(batch.lens))))
-        result = forward(model, batch.ids[idx], [batch.lens[i] for i in idx], mesh, cfg, **kwargs)
+        rows, _ = micro_rows(micro, list(range(len(batch.lens))))
+        idx = model_parallel.to_device(rows, batch.ids.device)  # (rows,) with no host sync
+        result = forward(model, batch.ids[idx], [batch.lens[i] for i in rows], mesh, cfg, **kwargs)
         if not isinstance(result, tuple):
             result = (result,)
         if outs is None:
@@ -557,13 +577,15 @@ def global_scores(batch, mesh):
 
 def dump_rollouts(every, all_scores, cfg, step):
     """Rank 0: every sample of the step to out_dir/rollouts/step_N.jsonl, with `reward` the score
-    it was trained on; with a reward model, the task's rule as `task_score` beside it."""
+    it was trained on; with a reward model, the task's rule as `task_score` beside it. Written in
+    the background (the next phases do not wait for the disk)."""
     if dist.get_rank() != 0:
         return
     if cfg.reward_model:  # (else `reward` is the task's score already)
+        scores = all_scores.tolist()  # (N,) one host read
         for j, sample in every.items():
             sample["task_score"] = sample.get("task_score", sample["reward"])
-            sample["reward"] = float(all_scores[j])
+            sample["reward"] = scores[j]
     rollout.dump_rollouts(os.path.join(cfg.out_dir, "rollouts", f"step_{step}.jsonl"), list(every.values()))
 
 
@@ -601,34 +623,39 @@ def compute_advantages(batch, all_scores, cfg, mesh):
 def minibatch_update(model, optimizer, loss_fn, rows, batch, cfg, mesh, stats=None, norm_name="grad_norm"):
     """Collective over the mesh. One optimizer step of `model` on the batch rows `rows`.
 
-    `loss_fn(idx)` gives, for the rows idx of one microbatch, (terms, counts): the loss as named
-    terms {name: scalar tensor}, minimized as their sum, and numbers to count {name: number}.
-    Forward + backward over the microbatches of `rows` (the gradients add up), then clip the
-    global grad norm and step, unless the norm or the loss on some dp rank is NaN/inf: then skip,
-    weights and AdamW state untouched, as Megatron-LM does. `stats` gets the terms and counts
-    (weighted: a dummy microbatch's are 0), the norm (as `norm_name`) and the skip."""
-    loss_share = 0.0
+    `loss_fn(idx, lens)` gives, for the rows of one microbatch (idx: their indices, a tensor on
+    the batch's device; lens: their lengths), (terms, counts): the loss as named terms {name:
+    scalar tensor}, minimized as their sum, and numbers to count {name: scalar tensor}. Forward +
+    backward over the microbatches of `rows` (the gradients add up), then clip the global grad
+    norm and step, unless the norm or the loss on some dp rank is NaN/inf: then skip, weights and
+    AdamW state untouched, as Megatron-LM does. `stats` gets the terms and counts (weighted: a
+    dummy microbatch's are 0), the norm (as `norm_name`) and the skip.
+
+    The sums stay on the device: no microbatch reads one back (on a GPU each read would wait for
+    the queued kernels, and the host could not queue the next microbatch ahead). An optimizer
+    step reads two numbers: the microbatch count (microbatches) and the NaN flag."""
+    device = batch.ids.device
     term_sums = Counter()
     count_sums = Counter()
     micros = model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh)
     for i, micro in enumerate(micros):
         model_parallel.sync_gradients(model, sync=i == len(micros) - 1)
         idx, weight = micro_rows(micro, rows)
-        terms, counts = loss_fn(idx)
-        loss = sum(terms.values())
-        (weight * loss).backward()
-        loss_share += weight * float(loss.detach())
-        term_sums.update({name: weight * float(term.detach()) for name, term in terms.items()})
-        count_sums.update({name: weight * float(count) for name, count in counts.items()})
+        terms, counts = loss_fn(model_parallel.to_device(idx, device), [batch.lens[j] for j in idx])
+        (weight * sum(terms.values())).backward()
+        term_sums.update({name: weight * term.detach() for name, term in terms.items()})
+        count_sums.update({name: weight * count for name, count in counts.items()})
     norm = model_parallel.clip_grad_norm(list(model.parameters()), cfg.max_grad_norm)
-    finite = torch.tensor([float(math.isfinite(norm) and math.isfinite(loss_share))], device=batch.ids.device)
+    # the loss is the sum of its terms: finite where each term's sum is
+    finite = torch.stack([norm.to(device), *term_sums.values()]).isfinite().all().float()
     dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=mesh["dp"].get_group())
-    if finite.item():
+    stepped = bool(finite.item())  # the optimizer step's host read: step or skip, on every rank
+    if stepped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if stats is not None:
         stats.add(**count_sums)
-        stats.add_update(term_sums, norm_name, norm, skipped=not finite.item())
+        stats.add_update(term_sums, norm_name, norm, skipped=not stepped)
 
 
 def update(parts, batch, cfg, mesh, stats, device, train_policy=True):
@@ -647,7 +674,7 @@ def update(parts, batch, cfg, mesh, stats, device, train_policy=True):
             rows = list(range(first, first + per_minibatch))
             # the loss's normalizers: counts over the whole global minibatch, before any
             # microbatch runs, so that no mesh changes the loss (docs/losses.md)
-            num_tokens = dp_sum(batch.mask[rows].sum(), mesh)  # global response tokens
+            num_tokens = dp_sum(batch.mask[first:first + per_minibatch].sum(), mesh)  # global response tokens
             aggregate = functools.partial(aggregate_loss, mode=cfg.loss_agg_mode, num_tokens=num_tokens,
                                           num_seqs=global_minibatch,
                                           norm=cfg.loss_agg_norm or cfg.max_new_tokens)
@@ -718,8 +745,7 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
 def update_policy(policy, optimizer, batch, rows, aggregate, cfg, mesh, stats):
     """Collective over the mesh. One minibatch of the policy's loss, the sum of
     policy_loss_terms."""
-    def loss_fn(idx):
-        lens = [batch.lens[i] for i in idx]
+    def loss_fn(idx, lens):
         lp, entropy = model_parallel.forward_policy(policy, batch.ids[idx], lens, mesh, cfg,
                                                     temperature=cfg.temperature,
                                                     with_entropy=cfg.entropy_coef > 0,
@@ -734,8 +760,7 @@ def update_policy(policy, optimizer, batch, rows, aggregate, cfg, mesh, stats):
 def update_critic(critic, optimizer, batch, rows, aggregate, cfg, mesh, stats):
     """Collective over the mesh. One minibatch of the clipped value loss, one term:
     "value_loss"."""
-    def loss_fn(idx):
-        lens = [batch.lens[i] for i in idx]
+    def loss_fn(idx, lens):
         values = model_parallel.forward_critic(critic, batch.ids[idx], lens, mesh, cfg)
         per_token = value_loss(values, batch.values[idx], batch.returns[idx], cfg.value_clip)  # (rows, S)
         return {"value_loss": aggregate(per_token, batch.mask[idx])}, {}
@@ -957,12 +982,18 @@ def find_checkpoint(resume, out_dir):
     return resume or None
 
 
-def _sharded_state(parts):
-    """{name: model state, name_optimizer: optimizer state}, DTensor shards named by FQN."""
+def _sharded_state(parts, optimizers):
+    """{name: model state, and name_optimizer: optimizer state for each name in `optimizers`},
+    DTensor shards named by FQN. An optimizer that has not stepped (the policy's, in the critic's
+    warm-up) has no state to save: asked for one, get_optimizer_state_dict would create it (a
+    step at lr 0, AdamW's moments allocated on the GPU while vLLM is awake), and the policy's
+    first real update would then be bias-corrected as AdamW's second."""
     state = {}
     for name, (model, optimizer, _) in parts.items():
         model_parallel.reshard(model)  # the registered parameters must be the sharded ones
-        state[name], state[name + "_optimizer"] = get_state_dict(model, optimizer)
+        state[name] = get_model_state_dict(model)
+        if name in optimizers:
+            state[name + "_optimizer"] = get_optimizer_state_dict(model, optimizer)
     return state
 
 
@@ -977,14 +1008,8 @@ def save_checkpoint(root, parts, keep, progress):
         shutil.rmtree(path + ".tmp", ignore_errors=True)  # left by a run killed while saving
         os.makedirs(path + ".tmp")
     dist.barrier()
-    # get_state_dict gives an optimizer that has not stepped yet (the policy's, in the critic's
-    # warm-up) a state by running a step at lr 0: taken back after the save, or the policy's first
-    # real update would be bias-corrected as AdamW's second, and a run that saved would train
-    # differently from one that did not
-    fresh = [optimizer for _, optimizer, _ in parts.values() if not optimizer.state]
-    dcp.save(_sharded_state(parts), checkpoint_id=path + ".tmp")  # collective; files fsynced
-    for optimizer in fresh:
-        optimizer.state.clear()
+    stepped = [name for name, (_, optimizer, _) in parts.items() if optimizer.state]
+    dcp.save(_sharded_state(parts, stepped), checkpoint_id=path + ".tmp")  # collective; files fsynced
     trainer_state = dict(progress=progress, rng=rollout.rng_states(),
                          schedulers={n: p[2].state_dict() for n, p in parts.items()})
     torch.save(trainer_state, os.path.join(path + ".tmp", f"trainer_state_rank{rank}.pt"))
@@ -1009,12 +1034,16 @@ def load_checkpoint(path, parts, offload_optimizer=False):
     takes rank 0's RNG states. offload_optimizer: AdamW's moments, which set_state_dict creates on
     the trainer's device, go to host memory at once, where update() expects them: else they would
     sit on the GPU through vLLM's start and the first generation, whose room offloading made."""
-    state = _sharded_state(parts)
+    # the optimizers the saving run had stepped, as its files name them
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    stepped = [name for name in parts if any(key.startswith(name + "_optimizer.") for key in saved)]
+    state = _sharded_state(parts, stepped)
     dcp.load(state, checkpoint_id=path)  # collective: each rank reads the pieces its shards cover
     for name, (model, optimizer, _) in parts.items():
-        set_state_dict(model, optimizer, model_state_dict=state[name],
-                       optim_state_dict=state[name + "_optimizer"])
-        if offload_optimizer:
+        set_model_state_dict(model, state[name])
+        if name in stepped:
+            set_optimizer_state_dict(model, optimizer, state[name + "_optimizer"])
+        if offload_optimizer and name in stepped:
             model_parallel.move_optimizer_state(optimizer, "host")
     state_file = os.path.join(path, f"trainer_state_rank{dist.get_rank()}.pt")
     if not os.path.isfile(state_file):  # a rank the saving run did not have
@@ -1033,6 +1062,7 @@ def load_checkpoint(path, parts, offload_optimizer=False):
 def finish_run(cfg, policy, model_dir, engine, mesh, t_start, stopped):
     """Collective (every rank). The end of a run: the HF export (not after a stop signal: the run
     is not done), the summary line, then the engine, the process group and the mesh let go."""
+    rollout.wait_for_dumps()  # the last step's rollouts on disk
     dist.barrier()
     if cfg.export_hf and not stopped:
         dtype = torch.bfloat16 if cfg.export_dtype == "bf16" else torch.float32
@@ -1059,8 +1089,6 @@ def main(cfg, task=None):
     progress = {"step": 0}
     if resume_dir:
         progress = load_checkpoint(resume_dir, parts, cfg.offload_optimizer)
-    if progress["step"] <= cfg.critic_warmup_steps:  # the policy has not stepped: save_checkpoint
-        parts["policy"][1].state.clear()
     # the prompt stream: the SFT warm-up drew its first sft_steps * sft_batch_size prompts, PPO goes
     # on from there (older checkpoints did not save the position)
     sft_prompts = cfg.sft_steps * cfg.sft_batch_size

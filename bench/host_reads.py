@@ -13,7 +13,8 @@ This counts them on CPU with a TorchFunctionMode recorder (tests/conftest.HostRe
 call of train_ppo.update: one process, tiny-llama, policy and critic, one global minibatch of 8
 rows of 9-16 tokens, split into 2 and then 8 microbatches (micro_batch_size 4 and 1; packed:
 max_tokens_per_microbatch 64 and 16). Every kind is counted on any tensor (on CPU they are all
-host tensors): the count itself is what must not grow with the microbatches.
+host tensors): the count itself is what must not grow with the microbatches. DeviceMesh's
+reads of its own rank layout (a CPU tensor on every machine) are not counted.
 Last line: RESULT padded_2=N padded_8=N packed_2=N packed_8=N
 """
 import argparse

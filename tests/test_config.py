@@ -60,6 +60,12 @@ def test_every_field_has_a_doc_and_sizes_say_per_rank_or_global():
     (["--advantage_estimator=rloo", "--samples_per_prompt=1"], 1, "samples_per_prompt >= 2"),
     (["--loss_agg_mode=seq-mean"], 1, "loss_agg_mode"),
     (["--clip_ratio_high=-0.1"], 1, "clip_ratio_high"),
+    # issue 34: a packed row shorter than the longest sequence crashed at the first long response
+    (["--packing=true", "--max_tokens_per_microbatch=512", "--max_model_len=2048"], 8,
+     "max_tokens_per_microbatch=512 cannot hold a sequence of max_model_len=2048"),
+    # 2*cp*tp = 8 leaves 512 // 8 * 8 = 512 of 519: not 513 tokens
+    (["--packing=true", "--max_tokens_per_microbatch=519", "--max_model_len=513", "--tp_size=2",
+      "--cp_size=2"], 4, "raise it to 520"),
 ])
 def test_bad_config_names_the_key(argv, world, key, tmp_path):
     with pytest.raises(config.ConfigError, match=key):

@@ -134,6 +134,14 @@ def test_tokenizer_larger_than_the_model_vocab(model_dir, tmp_path):
         rollout.make_task(cfg, str(path), 262)
 
 
+def test_gsm8k_with_a_checkpoint_without_a_tokenizer(model_dir, tmp_path):
+    """Issue 34: --task=gsm8k --model=tiny-llama (a checkpoint with no tokenizer files) ended in a
+    32-line transformers traceback about slow tokenizers."""
+    cfg = gsm8k_cfg(tmp_path, ['{"question": "1+1?", "answer": "#### 2"}'])
+    with pytest.raises(rollout.TaskError, match="needs the checkpoint's own tokenizer, and .* has none"):
+        rollout.make_task(cfg, model_dir, 262)
+
+
 def test_out_dir_not_writable(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(config.ConfigError, match="out_dir=.* is not writable"):
@@ -185,6 +193,7 @@ def write_rollouts(path, steps, nan_steps, prompts_per_step=4, samples_per_promp
                                 prompt_ids=tok.encode(prompt), response_ids=response,
                                 engine_logprobs=[-1.0] * len(response)))
         rollout.dump_rollouts(os.path.join(path, f"step_{step}.jsonl"), samples)
+    rollout.wait_for_dumps()  # (written in the background)
 
 
 @pytest.mark.slow  # a CLI run under torchrun

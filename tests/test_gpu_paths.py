@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import config
 import model_parallel as mp
@@ -119,8 +120,8 @@ class RecordingEngine(rollout.HFEngine):
     """The HF engine noting every call the trainer makes. On rank 1 it samples with other seeds,
     as a second GPU's engine may (vLLM's batching differs per GPU): whose copy a row is shows."""
 
-    def __init__(self, model_dir, device, stop_ids):
-        super().__init__(model_dir, device, stop_ids)
+    def __init__(self, model_dir, device, stop_ids, dtype):
+        super().__init__(model_dir, device, stop_ids, dtype)
         self.calls, self.generated = [], []
 
     def generate(self, prompt_ids, seeds, max_new_tokens, temperature):
@@ -147,23 +148,36 @@ class RecordingEngine(rollout.HFEngine):
 
 
 def _recording_body(rank, world_size, out_dir):
+    """The GPU recipe (bf16, a bf16 engine) at tp=2, with the engine's calls and the trainer's
+    all-gathers recorded."""
     cfg = config.Config(out_dir=out_dir, tp_size=2, steps=2, prompts_per_step=4, samples_per_prompt=2,
                         max_new_tokens=4, micro_batch_size=8, entropy_coef=0.1, rollout_engine="hf",
-                        export_hf=False, plot_every=0)
+                        export_hf=False, plot_every=0, dtype="bf16")
     config.validate(cfg, world_size)
-    engines, trained, make_batch = [], [], train_ppo.make_batch
+    engines, trained, make_batch, gathered = [], [], train_ppo.make_batch, []
+    full_tensor = DTensor.full_tensor
 
     def make_engine(cfg, model_dir, device, stop_ids):
-        engines.append(RecordingEngine(model_dir, device, stop_ids))
+        engines.append(RecordingEngine(model_dir, device, stop_ids, torch.bfloat16))
         return engines[-1]
 
     def recording_make_batch(*args):  # the rows this rank trains on
         trained.append(make_batch(*args))
         return trained[-1]
 
+    def recording_full_tensor(self, *args, **kwargs):  # what each all-gather moves
+        gathered.append(self.dtype)
+        return full_tensor(self, *args, **kwargs)
+
     rollout.make_engine, train_ppo.make_batch = make_engine, recording_make_batch
+    DTensor.full_tensor = recording_full_tensor
     train_ppo.main(cfg)
+    DTensor.full_tensor = full_tensor
     engine = engines[0]
+    # issue 34: the refit gathers each fp32 master shard cast to the engine's bf16 first, not the
+    # fp32 weights cast after (twice the bytes): every all-gather of the run is a refit's
+    assert len(gathered) == 2 * len(list(engine.model.parameters())), len(gathered)
+    assert set(gathered) == {torch.bfloat16}, set(gathered)
 
     # the GPU order: the engine sleeps while the trainer trains, then takes its weight memory
     # back, is refit, and only then takes its KV cache back (every step)

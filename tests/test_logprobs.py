@@ -229,7 +229,8 @@ def test_unpack_packed_by_hand():
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     rows = unpack_packed(ids, torch.tensor([0, 2, 5]), 3)
     torch.testing.assert_close(rows, torch.tensor([[5, 6, 0], [7, 8, 9]]), atol=0, rtol=0)
-    with pytest.raises(ValueError):
+    # checked on the device, not read back (torch._assert_async): RuntimeError
+    with pytest.raises(RuntimeError, match="longer than seq_len=3"):
         unpack_packed(packed, cu_seqlens, 3)
 
 
@@ -245,9 +246,13 @@ def test_zigzag_by_hand():
 
 
 def test_ids_beyond_model_vocab_are_an_error():
+    """Checked on the device without a host read (torch._assert_async): on CPU it raises at once,
+    a RuntimeError; on a GPU a device-side assert stops the run."""
     logits = torch.randn(1, 4, 10)
-    with pytest.raises(ValueError, match="vocab"):
+    with pytest.raises(RuntimeError, match="vocab"):
         token_logprobs(logits, torch.tensor([[1, 2, 10, 3]]))
+    with pytest.raises(RuntimeError, match="vocab"):
+        token_logprobs(logits, torch.tensor([[1, -1, 0, 3]]))
 
 
 def test_bf16_logits_compute_in_fp32():

@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM
 
 import model_parallel as mp
@@ -72,6 +73,12 @@ def _check_case(root, name, mesh, cfg, label):
     share = len(LENS) // dp_size
     mine = list(range(dp_rank * share, (dp_rank + 1) * share))  # this dp rank's global rows
     policy, critic = mp.load_policy(path, mesh, cfg), mp.load_critic(path, mesh, cfg)
+    # cpu_offload runs FSDP2's CPU offload on CPU too (it moves nothing there, but its code runs):
+    # every unit of both models must have it, or the case would test the plain path
+    units = [m for model in (policy, critic) for m in model.modules()
+             if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group]
+    assert all(u._get_fsdp_state()._fsdp_param_group.fsdp_params[0].offload_to_cpu == cfg.cpu_offload
+               for u in units), label
     n_tokens = mask.sum()  # global response tokens (every rank knows the whole batch here)
     seen, outputs = [], {}
     micros = mp.microbatches([LENS[i] for i in mine], cfg, mesh)

@@ -299,6 +299,12 @@ def test_optimizer_state_moved_out_and_back_trains_the_same(tmp_path):
 
 def _warmup_checkpoint_body(rank, world_size, out_dir):
     rollout.HFEngine.shutdown = lambda self: None  # keep the process group for the next run
+    saves, real_save = [], train_ppo.dcp.save
+
+    def recording_save(state, **kwargs):  # which states each checkpoint holds
+        saves.append(sorted(state))
+        return real_save(state, **kwargs)
+    train_ppo.dcp.save = recording_save
     for save_every in (0, 1):
         cfg = config.Config(out_dir=os.path.join(out_dir, str(save_every)), critic_warmup_steps=2,
                             steps=3, save_every=save_every, prompts_per_step=2, samples_per_prompt=4,
@@ -310,6 +316,9 @@ def _warmup_checkpoint_body(rank, world_size, out_dir):
     cfg.resume = os.path.join(out_dir, "1", "ckpt", "step_2")
     cfg.out_dir = os.path.join(out_dir, "resumed")
     train_ppo.main(cfg)
+    if rank == 0:
+        with open(os.path.join(out_dir, "saves.json"), "w") as f:
+            json.dump(saves, f)
 
 
 def test_a_checkpoint_in_the_critics_warm_up_changes_no_number(tmp_path):
@@ -322,6 +331,13 @@ def test_a_checkpoint_in_the_critics_warm_up_changes_no_number(tmp_path):
                               for name in ("0", "1", "resumed"))
     assert [("policy_loss" in r) for r in never] == [False, False, True]
     assert [r["step"] for r in resumed] == [2]  # its own out_dir: the one step it ran
+    # issue 34: no warm-up checkpoint asks for the policy's AdamW state (which would create it,
+    # on the GPU, with vLLM awake); the saving run's steps 1, 2, 3, then the resumed run's step 3
+    with open(tmp_path / "saves.json") as f:
+        saves = json.load(f)
+    warm_up, trained = ["critic", "critic_optimizer", "policy"], ["critic", "critic_optimizer", "policy",
+                                                                  "policy_optimizer"]
+    assert saves == [warm_up, warm_up, trained, trained], saves
     for key in ("policy_loss", "grad_norm", "value_loss", "kl"):
         assert saving[2][key] == never[2][key], (key, saving[2][key], never[2][key])
         assert resumed[-1][key] == never[2][key], (key, resumed[-1][key], never[2][key])
@@ -429,3 +445,22 @@ def test_gpu_step_bench_counts_matmul_weights_once():
     assert with_critic == 6 * (policy + critic) * 10 * 2
     without = gpu_step.update_flops(model_config, tokens=10, ppo_epochs=2, with_critic=False)
     assert without == 6 * policy * 10 * 2
+
+
+def _host_reads_body(rank, world_size, tmp):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from host_reads import count_update_reads
+    for packing in (False, True):
+        counts = [count_update_reads(packing, micro, tmp) for micro in (2, 8)]
+        # policy and critic, one optimizer step each: the microbatch count and the NaN flag
+        assert counts == [4, 4], (packing, counts)
+
+
+def test_host_reads_of_an_update_do_not_grow_with_its_microbatches(tmp_path):
+    """Issue 34: every microbatch read its loss, each term and each count back to the host
+    (float()), the ids' range (bool()) and indexed the batch with Python lists: on a GPU the host
+    waited for the device each time (99 reads at 2 microbatches, 333 at 8, padded). Counted with a
+    TorchFunctionMode recorder (conftest.HostReads) around one update (bench/host_reads.py): two a
+    model's optimizer step (how many microbatches, and whether the step is finite), at 2 and at 8
+    microbatches, padded and packed."""
+    run_ranks(_host_reads_body, 1, str(tmp_path))
