@@ -464,14 +464,10 @@ def validate(cfg: Config, world_size: int) -> None:
     # refused now, not at the first long rollout hours in: a packed row is at most
     # max_tokens_per_microbatch; an unpacked microbatch is micro_batch_size rows of at most
     # max_model_len (prompt + response)
-    if cfg.attention == "masked" and cfg.packing:
-        error = masked_attention_error(cfg.max_tokens_per_microbatch, cfg.cp_size)
-        if error:
-            raise ConfigError(error)
-    if cfg.attention == "masked" and not cfg.packing:
-        error = masked_attention_error(cfg.max_model_len, cfg.cp_size, cfg.micro_batch_size)
-        if error:
-            raise ConfigError(error)
+    unpacked = (cfg.micro_batch_size, cfg.max_model_len)
+    rows, tokens = (1, cfg.max_tokens_per_microbatch) if cfg.packing else unpacked
+    if cfg.attention == "masked" and masked_attention_error(tokens, cfg.cp_size, rows):
+        raise ConfigError(masked_attention_error(tokens, cfg.cp_size, rows))
     # FSDP2's CPU offload keeps parameters, gradients and hence AdamW's moments on the host already;
     # moving the moments to the GPU for the update would meet CPU gradients there
     if cfg.offload_optimizer and cfg.cpu_offload:

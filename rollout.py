@@ -285,10 +285,9 @@ class GSM8KTask:
         try:
             self.tok = AutoTokenizer.from_pretrained(model_dir)
         except (OSError, ValueError) as e:  # no tokenizer files, or none transformers can build
-            reason = str(e).splitlines()[0].strip()
             raise TaskError(f"task=gsm8k needs the checkpoint's own tokenizer, and {model_dir} has none that "
-                            f"transformers can load ({reason}): give a checkpoint dir with its tokenizer "
-                            f"files (tokenizer.json, tokenizer_config.json)") from None
+                            f"transformers can load ({str(e).splitlines()[0].strip()}): give a checkpoint "
+                            f"dir with its tokenizer files (tokenizer.json, tokenizer_config.json)") from None
         self.seed = cfg.seed
         self.format_reward = cfg.format_reward
         if len(self.tok) > model_vocab_size:
@@ -434,15 +433,13 @@ class HFEngine:
         B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
         on = dict(device=self.device)
         ids = torch.tensor([[0] * (P - len(p)) + p for p in prompt_ids], **on)  # (B, P) left-padded
-        lengths = torch.tensor([len(p) for p in prompt_ids], **on)  # (B,)
-        mask = (torch.arange(P, **on)[None] >= P - lengths[:, None]).long()  # (B, P) 1 = a real token
+        mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompt_ids], **on)  # (B, P) 1 = real
         # Position ids count real tokens only, so a left-padded prompt sees the same positions as
         # it would alone (otherwise RoPE would shift by the padding).
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
         seeds = torch.tensor(seeds, **on)  # (B,)
         stop = torch.tensor(self.stop_ids, dtype=torch.long, **on)  # (stop ids,)
-        tokens = torch.zeros(B, max_new_tokens, dtype=torch.long, **on)  # (B, N)
-        logprobs = torch.zeros(B, max_new_tokens, **on)  # (B, N)
+        tokens, logprobs = [], []  # a (B,) tensor per step, on the device
         done = torch.zeros(B, dtype=torch.bool, **on)  # (B,)
         # A static cache, allocated once for the whole response, with each step's cache slot given
         # (cache_position): transformers then reads nothing back from the device in a decode step
@@ -457,8 +454,8 @@ class HFEngine:
             # logprobs)
             logp = torch.log_softmax(out.logits[:, -1].float() / (temperature or 1.0), -1)  # (B, V)
             token = logp.argmax(-1) if temperature == 0 else gumbel_sample(logp, seeds, t)  # (B,)
-            tokens[:, t] = token
-            logprobs[:, t] = logp.gather(1, token[:, None])[:, 0]
+            tokens.append(token)
+            logprobs.append(logp.gather(1, token[:, None])[:, 0])  # (B,)
             done |= torch.isin(token, stop)
             if bool(done.all()):  # the one host read a token (a GPU sync)
                 break
@@ -468,7 +465,7 @@ class HFEngine:
                              past_key_values=cache, cache_position=torch.arange(P + t, P + t + 1, **on))
         # each response ends at its first stop token (what came after it was drawn, not kept)
         results = []
-        for row, lps in zip(tokens[:, :t + 1].tolist(), logprobs[:, :t + 1].tolist()):
+        for row, lps in zip(torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()):
             end = next((k + 1 for k, token in enumerate(row) if token in self.stop_ids), len(row))
             results.append((row[:end], lps[:end]))
         return results
@@ -646,24 +643,9 @@ def make_engine(cfg, model_dir: str, device: torch.device, stop_ids: list) -> En
 # Steps 1-3 of a PPO step, across the mesh: which rank generates which samples, and how every
 # rank gets them all. Sample j of a step is the (j % K)-th response to prompt j // K (K =
 # samples_per_prompt), seeded by what it is (sample_seed), so a config samples the same responses
-# on any mesh. Generation is split by the static dp slices below; the update's split over dp
-# ranks is decided after generation, when the lengths are known (balanced_split).
-
-def local_indices(global_batch, num_minibatches, dp_size, dp_rank):
-    """Global sample indices of dp slice `dp_rank`, minibatch-major. Global minibatch m is the
-    contiguous block [m*M, (m+1)*M) of the step's samples on every mesh, and slice r holds the
-    r-th part of each block."""
-    per_minibatch = global_batch // num_minibatches
-    per_rank = per_minibatch // dp_size
-    return [m * per_minibatch + dp_rank * per_rank + i
-            for m in range(num_minibatches) for i in range(per_rank)]
-
-
-def samples_of(cfg, mesh, rank):
-    """Global sample indices of a rank's dp slice. The mesh is row-major over (dp, cp, tp), so the
-    rank's dp index is rank // (cp*tp) (worked example: generated_by)."""
-    dp_index = rank // (mesh["cp"].size() * mesh["tp"].size())
-    return local_indices(cfg.global_batch_size, cfg.num_minibatches, mesh["dp"].size(), dp_index)
+# on any mesh. Generation is split over all ranks in contiguous shares (generated_by); the
+# update's split over dp ranks is decided after generation, when the lengths are known
+# (balanced_split).
 
 def balanced_split(lengths, num_minibatches, dp_size, chunk=1):
     """The update's split of the step's samples over dp ranks: per rank, its global indices,
@@ -714,54 +696,38 @@ def balanced_split(lengths, num_minibatches, dp_size, chunk=1):
     return split
 
 
-def generated_by(cfg, mesh, rank):
-    """Global indices of the samples `rank` generates. A dp slice's samples are split (not
-    repeated) in equal shares over the slice's cp x tp ranks; all of them then train on the whole
-    slice, which the all-gather in rollouts hands them.
-
-    init_device_mesh lays the ranks out row-major over (dp, cp, tp): the mesh is
-    arange(world).view(dp, cp, tp), so dp slice d is the cp*tp consecutive ranks from d*cp*tp on.
-    A rank's dp index is rank // (cp*tp), its place among its slice's ranks rank % (cp*tp), and its
-    share is that place's part of the slice. Example: 8 ranks, (dp, cp, tp) = (2, 2, 2),
-    global_batch_size 16 in 2 minibatches: each dp slice holds 8 samples (local_indices: 4 of
-    each minibatch), 2 for each of its 4 ranks:
-
-        rank            0      1      2      3        4      5      6        7
-        dp index        0      0      0      0        1      1      1        1
-        place           0      1      2      3        0      1      2        3
-        dp slice        0-3 and 8-11                  4-7 and 12-15
-        generates       0, 1   2, 3   8, 9   10, 11   4, 5   6, 7   12, 13   14, 15
-    """
-    ranks_per_slice = mesh["cp"].size() * mesh["tp"].size()
-    place = rank % ranks_per_slice
-    slice_ = samples_of(cfg, mesh, rank)
-    # (a slice with fewer samples than ranks leaves some ranks an empty share)
-    start = place * len(slice_) // ranks_per_slice
-    end = (place + 1) * len(slice_) // ranks_per_slice
-    return slice_[start:end]
+def generated_by(cfg, rank, world_size):
+    """Global indices of the samples `rank` generates: the step's samples cut into equal
+    contiguous shares, one a rank (split, not repeated: each sample is drawn once). Which rank
+    trains on a sample is decided after generation, when the lengths are known (balanced_split),
+    so the shares need not follow the mesh; a vLLM group (rollout_tp_size consecutive ranks) draws
+    its members' consecutive shares together. 16 samples over 8 ranks: rank r draws 2r and 2r+1;
+    3 samples over 4 ranks: rank 0 draws none, ranks 1, 2, 3 one each."""
+    n = cfg.global_batch_size
+    return list(range(rank * n // world_size, (rank + 1) * n // world_size))
 
 
-def generate(engine, task, cfg, step, start, mesh):
+def generate(engine, task, cfg, step, start):
     """Collective over each vLLM group. Draw the step's prompts (from position `start` of the
     task's stream), sample this rank's share of the responses (generated_by) and score them.
     The ranks of one vLLM tensor-parallel group (rollout_tp_size consecutive ranks) must pass
     identical requests: the group generates the shares of all its members, and each keeps its
     own. Returns (samples, number generated)."""
-    rank = dist.get_rank()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     K = cfg.samples_per_prompt  # sample j is the (j % K)-th response to prompt j // K
     prompts = task.prompts(start, cfg.prompts_per_step)
     prompt_ids = [task.encode(p) for p, _ in prompts]  # (chat template applied)
     first = rank - rank % cfg.rollout_tp_size  # the first rank of this rank's vLLM group
     group = range(first, first + cfg.rollout_tp_size)
-    wanted = sorted({j for member in group for j in generated_by(cfg, mesh, member)})
-    outs = []  # none wanted: the dp slice has fewer samples than cp x tp ranks
+    wanted = [j for member in group for j in generated_by(cfg, member, world_size)]  # in order
+    outs = []  # none wanted: fewer samples than ranks
     if wanted:
         seeds = [sample_seed(cfg.seed, step, j // K, j % K) for j in wanted]
         requests = [prompt_ids[j // K] for j in wanted]
         outs = engine.generate(requests, seeds, cfg.max_new_tokens, cfg.temperature)
     by_index = dict(zip(wanted, outs))
     samples = []
-    for j in generated_by(cfg, mesh, rank):
+    for j in generated_by(cfg, rank, world_size):
         response, lps = by_index[j]
         prompt, answer = prompts[j // K]
         text = task.decode(response)
@@ -772,15 +738,16 @@ def generate(engine, task, cfg, step, start, mesh):
     return samples, len(wanted)
 
 
-def rollouts(engine, task, cfg, step, start, mesh):
+def rollouts(engine, task, cfg, step, start):
     """Collective (every rank). Every sample of the step, {global index: sample}, on every rank,
     and how many samples this rank's engine generated. Each sample exists once, drawn by the rank
-    it is generated_by (vLLM's sampling is not bit-identical across GPUs, so cp x tp ranks must not
-    mix copies); one all-gather hands every rank the whole batch, whose lengths then decide the
-    update's split over dp ranks. replay_rollouts: a dumped step's samples instead."""
+    it is generated_by (vLLM's sampling is not bit-identical across GPUs, so the ranks of a dp
+    slice must not mix copies); one all-gather hands every rank the whole batch, whose lengths
+    then decide the update's split over dp ranks. replay_rollouts: a dumped step's samples
+    instead."""
     if cfg.replay_rollouts:  # every rank reads the whole step
         return load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl")), 0
-    mine, generated = generate(engine, task, cfg, step, start, mesh)
+    mine, generated = generate(engine, task, cfg, step, start)
     engine.sleep()  # GPU: vLLM frees its memory for training
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)  # collective: every rank's share on every rank

@@ -13,8 +13,8 @@
 The algorithm is PPO with a learned critic and GAE, as used for RLHF by InstructGPT
 (Ouyang et al., 2022) and documented in "The N+ implementation details of RLHF with PPO"
 (Huang et al., 2024). One step, in the order of main() below:
-  1. draw the next prompts (shuffled epochs, the same on every rank); each data-parallel (dp)
-     slice's cp x tp ranks generate its samples in equal shares (rollout.generated_by)
+  1. draw the next prompts (shuffled epochs, the same on every rank); the ranks generate the
+     step's samples in equal shares (rollout.generated_by)
   2. rollout: the engine samples responses and returns its own logprob of each token; every
      rank gets every sample, and takes its rows for the update (rollout.balanced_split: each
      minibatch dealt to dp ranks with even token sums)
@@ -81,8 +81,8 @@ if __name__ == "__main__":
 import torch  # noqa: E402  (after the config check, on purpose)
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,  # noqa: E402
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 from transformers import AutoConfig  # noqa: E402
 
 import model_parallel  # noqa: E402
@@ -326,15 +326,6 @@ def training_batch(every, cfg, mesh, pad_id, device):
     return batch
 
 
-def micro_rows(micro, rows):
-    """Batch rows of a microbatch (`micro` indexes into `rows`) and its loss weight. An empty one
-    is a dummy that keeps the collectives matched across dp ranks (every rank runs as many
-    microbatches): a real row again, with weight 0, so it changes nothing."""
-    if not micro:
-        return [rows[0]], 0.0
-    return [rows[i] for i in micro], 1.0
-
-
 class StepStats:
     """Named sums for one step's metrics, in buckets by how each becomes a global number:
 
@@ -504,9 +495,7 @@ def build_models(model_dir, cfg, mesh):
         # 20x slower here); the same math, in a different order of float operations
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=True)
         parts[name] = (model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup))
-    reward_model = None
-    if cfg.reward_model:
-        reward_model = model_parallel.load_reward_model(cfg.reward_model, mesh, cfg)
+    reward_model = model_parallel.load_reward_model(cfg.reward_model, mesh, cfg) if cfg.reward_model else None
     return parts, reference, reward_model
 
 
@@ -518,8 +507,7 @@ def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
     tuple of (rows, S) tensors) over every microbatch, dummies included (they keep the
     collectives matched); full (b, S) tensors in row order (packing reorders rows)."""
     outs = None
-    for micro in model_parallel.microbatches(batch.lens, cfg, mesh):
-        rows, _ = micro_rows(micro, list(range(len(batch.lens))))
+    for rows, weight in model_parallel.microbatches(batch.lens, cfg, mesh):
         idx = model_parallel.to_device(rows, batch.ids.device)  # (rows,) with no host sync
         result = forward(model, batch.ids[idx], [batch.lens[i] for i in rows], mesh, cfg, **kwargs)
         if not isinstance(result, tuple):
@@ -527,7 +515,7 @@ def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
         if outs is None:
             outs = [None if r is None else r.new_zeros(batch.ids.shape) for r in result]
         for out, r in zip(outs, result):
-            if micro and out is not None:
+            if weight and out is not None:
                 out[idx] = r  # (rows, S); a dummy's output is dropped
     return outs
 
@@ -562,17 +550,14 @@ def score(policy, reference, critic, reward_model, batch, cfg, mesh):
 
 
 @torch.no_grad()
-def global_scores(batch, mesh):
+def global_scores(batch, cfg, mesh):
     """Collective over dp. Every sample's reward by global index, (N,): each dp rank has its rows'
-    (their reward model's scores, or the task's); GRPO's and RLOO's groups may span dp ranks."""
-    mine = torch.stack([torch.tensor(batch.index, device=batch.scores.device).double(),
-                        batch.scores.double()])  # (2, b): the same b on every dp rank
-    parts = [torch.empty_like(mine) for _ in range(mesh["dp"].size())]
-    dist.all_gather(parts, mine, group=mesh["dp"].get_group())
-    every = torch.cat(parts, dim=1)  # (2, N)
-    scores = torch.empty(every.shape[1], dtype=torch.float64, device=mine.device)  # (N,)
-    scores[every[0].long()] = every[1]
-    return scores.float()
+    (their reward model's scores, or the task's); GRPO's and RLOO's groups may span dp ranks. Each
+    sample is one dp rank's: a sum over dp of each rank's scores at its indices, zeros elsewhere,
+    puts every score in its place (exactly: one number and zeros)."""
+    scores = torch.zeros(cfg.global_batch_size, dtype=torch.float64, device=batch.scores.device)  # (N,)
+    scores[model_parallel.to_device(batch.index, scores.device)] = batch.scores.double()
+    return dp_sum(scores, mesh).float()
 
 
 def dump_rollouts(every, all_scores, cfg, step):
@@ -638,9 +623,9 @@ def minibatch_update(model, optimizer, loss_fn, rows, batch, cfg, mesh, stats=No
     term_sums = Counter()
     count_sums = Counter()
     micros = model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh)
-    for i, micro in enumerate(micros):
+    for i, (micro, weight) in enumerate(micros):
         model_parallel.sync_gradients(model, sync=i == len(micros) - 1)
-        idx, weight = micro_rows(micro, rows)
+        idx = [rows[j] for j in micro]  # (a dummy: weight 0)
         terms, counts = loss_fn(model_parallel.to_device(idx, device), [batch.lens[j] for j in idx])
         (weight * sum(terms.values())).backward()
         term_sums.update({name: weight * term.detach() for name, term in terms.items()})
@@ -1053,8 +1038,7 @@ def load_checkpoint(path, parts, offload_optimizer=False):
     rollout.set_rng_states(trainer_state["rng"])
     for name, (_, _, scheduler) in parts.items():
         scheduler.load_state_dict(trainer_state["schedulers"][name])
-    # older checkpoints saved the step alone
-    return trainer_state.get("progress", {"step": trainer_state.get("step")})
+    return trainer_state["progress"]
 
 
 # -----------------------------------------------------------------------------
@@ -1086,13 +1070,11 @@ def main(cfg, task=None):
     parts, reference, reward_model = build_models(model_dir, cfg, mesh)
     policy = parts["policy"][0]
     critic = parts["critic"][0] if "critic" in parts else None
-    progress = {"step": 0}
+    # the prompt stream: the SFT warm-up drew its first sft_steps * sft_batch_size prompts, PPO goes
+    # on from there (a checkpoint saves the position)
+    progress = {"step": 0, "prompts_drawn": cfg.sft_steps * cfg.sft_batch_size}
     if resume_dir:
         progress = load_checkpoint(resume_dir, parts, cfg.offload_optimizer)
-    # the prompt stream: the SFT warm-up drew its first sft_steps * sft_batch_size prompts, PPO goes
-    # on from there (older checkpoints did not save the position)
-    sft_prompts = cfg.sft_steps * cfg.sft_batch_size
-    progress.setdefault("prompts_drawn", sft_prompts + progress["step"] * cfg.prompts_per_step)
     start_step = progress["step"]
     print0(f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir else "fresh start")
     stop_ids = rollout.stop_token_ids(model_dir, task.eos_id)  # the engine's `finished` is ours
@@ -1117,11 +1099,11 @@ def main(cfg, task=None):
                 metrics["val_accuracy"] = rollout.validation_accuracy(engine, task, cfg, device)
             with timed(times, "time_rollout_s"):  # 1-3. prompts, rollout, reward
                 start = progress["prompts_drawn"]  # the prompt stream's position
-                every, metrics["rollout_samples"] = rollout.rollouts(engine, task, cfg, step, start, mesh)
+                every, metrics["rollout_samples"] = rollout.rollouts(engine, task, cfg, step, start)
                 batch = training_batch(every, cfg, mesh, task.pad_id, device)
             with timed(times, "time_logprobs_s"):  # 4-6. no-grad passes, rewards, advantages
                 score(policy, reference, critic, reward_model, batch, cfg, mesh)
-                all_scores = global_scores(batch, mesh)  # (N,)
+                all_scores = global_scores(batch, cfg, mesh)  # (N,)
                 dump_rollouts(every, all_scores, cfg, step)
                 compute_advantages(batch, all_scores, cfg, mesh)
             with timed(times, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches

@@ -1,4 +1,4 @@
-"""Three per-step overheads of the data_parallel=ddp update, each before and after its change,
+"""Two per-step overheads of the data_parallel=ddp update, each before and after its change,
 measured in the same run (2 processes over gloo, 1 thread each, as bench/peer_trl.py's ours_2p).
 
     .venv/bin/python bench/ddp_update.py          # ~3 min on a quiet 2-core machine
@@ -12,20 +12,18 @@ measured in the same run (2 processes over gloo, 1 thread each, as bench/peer_tr
    backward + grad norm + fused AdamW step of a Llama of the 135M model's shape cut to 10 layers
    (63.7M parameters, tied embeddings), 4 rows of 130 tokens per rank, gradients summed by the
    trainer's SUM comm hook; the two variants alternate, median of 7 after one warm-up each.
-2. The reference swap (model_parallel.swapped_weights). Before: the live weights copied to CPU,
-   the reference copied in, the live weights copied back (three copies of the model). After,
-   for plain CPU tensors: the two sides trade storage, no copy. Both timed through
-   model_parallel's own functions (the copy path is still what FSDP2 and GPU weights take) on a
-   module with the full 135M model's parameter shapes (134.5M fp32 elements), median of 5.
-3. The squares of the global grad norm. Before: grad.pow(2).sum(), which writes a squared copy of
+   (A third, the reference swap trading storage instead of copying for plain CPU tensors, 0.333 s
+   against 0.0006 s a swap at 135M, was measured here, and taken out again in issue 34: one copy
+   path that every mesh runs, for the code budget.)
+2. The squares of the global grad norm. Before: grad.pow(2).sum(), which writes a squared copy of
    every gradient; after: model_parallel.clip_grad_norm itself (max_norm=0: the norm only), the
    squared norms of each gradient's rows, summed, in one pass. Same 135M shapes, median of 5.
    Also the error against fp64 on the largest tensor (the 28M-element embedding): of
    clip_grad_norm, and of one vector_norm over the whole tensor, which on CPU runs a single fp32
    sum and drifts (why the norms are taken per row).
 
-Last line: RESULT ddp_step_copy_s=... ddp_step_view_s=... swap_copy_s=... swap_trade_s=...
-norm_pow_sum_s=... norm_rows_s=... (rank 0's clock; seconds per call) norm_rows_rel_err=...
+Last line: RESULT ddp_step_copy_s=... ddp_step_view_s=... norm_pow_sum_s=... norm_rows_s=...
+(rank 0's clock; seconds per call) norm_rows_rel_err=...
 norm_whole_rel_err=... (relative error of the sum of squares). Figures: docs/performance.md.
 """
 import argparse
@@ -37,7 +35,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-# the Llama of the DDP step (part 1) and the model whose parameter shapes parts 2 and 3 use:
+# the Llama of the DDP step (part 1) and the model whose parameter shapes part 2 uses:
 # the 135M model (hidden 576, 30 layers, MLP 1536, 9 heads / 3 KV heads of 64, vocab 49,152, tied)
 FULL = dict(hidden=576, mlp=1536, heads=9, kv_heads=3, vocab=49152, ddp_layers=10, shape_layers=30, rows=4,
             tokens=130, steps=8, reps=5)
@@ -112,18 +110,8 @@ def worker(s):
         for i, shape in enumerate(llama_shapes(s)):
             holder.register_parameter(f"p{i}", torch.nn.Parameter(torch.randn(shape)))
             holder.get_parameter(f"p{i}").grad = torch.randn(shape) * 1e-3
-        params, snapshot = list(holder.parameters()), mp.snapshot_weights(holder)
-
-        def swap_copy():  # the copy path (FSDP2, GPU), which was the only one before
-            live = mp.snapshot_weights(holder)["weights"]
-            mp._copy_into(holder, snapshot["weights"])
-            mp._copy_into(holder, live)
-
-        def swap_trade():  # what swapped_weights does now for plain tensors
-            with mp.swapped_weights(holder, snapshot):
-                pass
+        params = list(holder.parameters())
         reps = s["reps"]
-        figures.update(swap_copy_s=median_time(swap_copy, reps), swap_trade_s=median_time(swap_trade, reps))
         figures.update(
             norm_pow_sum_s=median_time(lambda: sum(p.grad.float().pow(2).sum() for p in params), reps),
             norm_rows_s=median_time(lambda: mp.clip_grad_norm(params, max_norm=0), reps))
@@ -136,8 +124,6 @@ def worker(s):
         print(f"DDP step ({s['ddp_layers']}-layer Llama, {s['rows']} x {s['tokens']} tokens per rank): "
               f"bucket copies {figures['ddp_step_copy_s']:.2f} s, "
               f"bucket views {figures['ddp_step_view_s']:.2f} s")
-        print(f"reference swap, {n_model:.1f}M fp32: copies {figures['swap_copy_s']:.3f} s, "
-              f"trade {figures['swap_trade_s']:.4f} s")
         print(f"grad-norm squares, {n_model:.1f}M fp32: pow(2).sum() {figures['norm_pow_sum_s']:.3f} s, "
               f"per-row norms {figures['norm_rows_s']:.3f} s; "
               f"error vs fp64 on {n_emb:.1f}M elements: per row {figures['norm_rows_rel_err']:.1e}, "

@@ -20,9 +20,9 @@ tokens, and a few ramble to the limit). 8 dp ranks, micro_batch_size 8, packed r
   tokens, each padded to a multiple of 2*cp*tp (here 2), as _layout builds them.
 - dp imbalance = max over ranks / mean over ranks of the tokens of one global minibatch (each
   minibatch ends in a gradient reduction that waits for the slowest rank), averaged over the
-  minibatches of 5 seeded steps. before: contiguous slices (rollout.local_indices); after:
-  rollout.balanced_split, in chunks of half a microbatch as the trainer deals padded rows (and,
-  last, in single rows as it deals packed ones).
+  minibatches of 5 seeded steps. before: contiguous slices (each rank the r-th part of each
+  minibatch); after: rollout.balanced_split, in chunks of half a microbatch as the trainer deals
+  padded rows (and, last, in single rows as it deals packed ones).
 
 Last line: RESULT padded_ratio_before=... padded_ratio_after=... packed_ratio=...
 dp_imbalance_before=... dp_imbalance_after=... dp_imbalance_after_packed=...
@@ -59,7 +59,7 @@ def computed_tokens(rows, lengths, num_minibatches, cfg, mesh):
     total = 0
     for first in range(0, len(rows), per_minibatch):
         minibatch = list(range(first, first + per_minibatch))
-        for micro in mp.microbatches([lens[i] for i in minibatch], cfg, mesh):
+        for micro, _ in mp.microbatches([lens[i] for i in minibatch], cfg, mesh):
             idx = [minibatch[i] for i in micro]
             total += mp._layout(ids[idx], [lens[i] for i in idx], mesh, cfg).ids.numel()
     return total
@@ -70,7 +70,11 @@ def step_figures(lengths, num_minibatches, mesh):
     padded = config.Config(micro_batch_size=MICRO_BATCH_SIZE, attention="varlen")
     packed = config.Config(packing=True, max_tokens_per_microbatch=PACKED_ROW, attention="varlen")
     n = len(lengths)
-    before = [rollout.local_indices(n, num_minibatches, DP, r) for r in range(DP)]
+    # contiguous slices: rank r holds the r-th part of each minibatch
+    per_minibatch = n // num_minibatches
+    per_rank = per_minibatch // DP
+    before = [[m * per_minibatch + r * per_rank + i for m in range(num_minibatches) for i in range(per_rank)]
+              for r in range(DP)]
     # the trainer's chunks (train_ppo.training_batch): half a microbatch padded, single rows packed
     after = rollout.balanced_split(lengths, num_minibatches, DP, chunk=MICRO_BATCH_SIZE // 2)
     after_packed = rollout.balanced_split(lengths, num_minibatches, DP, chunk=1)

@@ -82,17 +82,17 @@ def _check_case(root, name, mesh, cfg, label):
     n_tokens = mask.sum()  # global response tokens (every rank knows the whole batch here)
     seen, outputs = [], {}
     micros = mp.microbatches([LENS[i] for i in mine], cfg, mesh)
-    for i, rows in enumerate(micros):
+    for i, (rows, w) in enumerate(micros):
         for model in (policy, critic):  # ddp: all-reduce after the last microbatch only
             mp.sync_gradients(model, i == len(micros) - 1)
-        idx, w = ([mine[r] for r in rows], 1.0) if rows else ([mine[0]], 0.0)  # dummy: weight 0
+        idx = [mine[r] for r in rows]  # a dummy: weight 0
         lens = [LENS[i] for i in idx]
         # unscored: the LM head skips the prompt where it can (cp = 1, no packing, no SP)
         lp, ent = mp.forward_policy(policy, ids[idx], lens, mesh, cfg, TEMPERATURE, True, unscored=PROMPT_LEN)
         values = mp.forward_critic(critic, ids[idx], lens, mesh, cfg)
         loss = ((lp * weights[idx] * mask[idx]).sum() + (values**2 * mask[idx]).sum()) / n_tokens
         (w * loss).backward()
-        if rows:
+        if w:  # (not a dummy)
             seen += idx
             # the LM head skips the prompt where positions are row positions: lp, ent are 0 there
             skipped = mesh["cp"].size() == 1 and not (cfg.packing or cfg.sequence_parallel)
@@ -222,9 +222,10 @@ def _microbatch_check(root, world_size):
     # first-fit decreasing into 12 tokens: 9 -> row 0, 7 -> row 1, 5 -> row 1, 4 -> row 2,
     # 3 -> row 0
     packed = mp.microbatches(lens, _cfg(packing=True, max_tokens_per_microbatch=12), mesh)
-    assert packed == [[1, 2], [3, 0], [4]]
+    assert packed == [([1, 2], 1.0), ([3, 0], 1.0), ([4], 1.0)]
     # unpacked: longest first, two at a time: 9 and 7, 5 and 4, then 3
-    assert mp.microbatches(lens, _cfg(micro_batch_size=2), mesh) == [[1, 3], [0, 4], [2]]
+    unpacked = mp.microbatches(lens, _cfg(micro_batch_size=2), mesh)
+    assert unpacked == [([1, 3], 1.0), ([0, 4], 1.0), ([2], 1.0)]
     with pytest.raises(ValueError, match="max_tokens_per_microbatch=8"):
         mp.microbatches(lens, _cfg(packing=True, max_tokens_per_microbatch=8), mesh)
     # a complete checkpoint dir is reused, not rewritten
@@ -443,7 +444,7 @@ def _own_longest_row_body(rank, world_size):
     back = mp._unlayout(torch.ones(2, 6), layout, ids)
     assert back.shape == (2, 20) and back.sum(1).tolist() == [3.0, 5.0]
     # lengths 3, 9, 5, 7: the two longest (rows 1 and 3) together, then rows 2 and 0
-    assert mp.microbatches([3, 9, 5, 7], cfg, mesh) == [[1, 3], [2, 0]]
+    assert mp.microbatches([3, 9, 5, 7], cfg, mesh) == [([1, 3], 1.0), ([2, 0], 1.0)]
 
 
 def test_a_microbatch_is_padded_to_its_own_longest_row():

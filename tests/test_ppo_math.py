@@ -4,7 +4,6 @@ import math
 import pytest
 import torch
 
-from rollout import local_indices
 from train_ppo import aggregate_loss, compute_gae, kl_penalty, masked_whiten, policy_loss, value_loss
 
 
@@ -120,12 +119,3 @@ def test_value_loss_both_clipping_branches():
     plain = value_loss(v, old, ret, value_clip=0.0).mean()
     assert plain.item() == pytest.approx(0.5 * (0.25 + 1.21 + 0.04) / 3)
 
-
-def test_local_indices_cover_each_minibatch_once_on_any_dp():
-    # 12 samples, 3 minibatches of 4: minibatch membership is the same for dp = 1, 2, 4.
-    for dp in (1, 2, 4):
-        per_rank = [local_indices(12, 3, dp, r) for r in range(dp)]
-        assert sorted(sum(per_rank, [])) == list(range(12))
-        for mb in range(3):
-            members = sorted(i for idx in per_rank for i in idx[mb * 4 // dp:(mb + 1) * 4 // dp])
-            assert members == list(range(mb * 4, mb * 4 + 4))

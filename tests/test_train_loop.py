@@ -2,7 +2,7 @@
 critic and its advantages by hand (plus the spawn helper's closing barrier, which that check
 once lost a race without); a fork's extra loss term trained and logged, with GRPO and no KL
 term; the metrics, console line, plot and summary of such a run against hand-computed means;
-the generation shares of generated_by's worked example; and small defects a GPU review found
+the generation shares of generated_by by hand; and small defects a GPU review found
 that a CPU can test (log-ratio clamp, GSM8K reward needs EOS, gpu_step's FLOP count), plus the
 README's recipe. The engine-call order of a GPU run is in tests/test_gpu_paths.py."""
 import contextlib
@@ -41,7 +41,7 @@ def _grpo_body(rank, world_size):
     batch.old_lp = batch.ref_lp = batch.engine_lp
     batch.index = mine
     batch.scores = torch.tensor([scores[j] for j in mine])
-    every_score = train_ppo.global_scores(batch, mesh)  # the other rank's rows' scores too
+    every_score = train_ppo.global_scores(batch, cfg, mesh)  # the other rank's rows' scores too
     assert every_score.tolist() == scores
     train_ppo.compute_advantages(batch, every_score, cfg, mesh)
     for row, j in enumerate(mine):  # the same advantage on every response token, 0 elsewhere
@@ -191,29 +191,15 @@ def test_step_metrics_console_plot_and_summary_follow_the_loss_terms(tmp_path, m
                     f"in {tmp_path}: metrics.jsonl, curves.png, rollouts/")
 
 
-class _Dim:
-    """A mesh dimension, as generated_by and samples_of use one: its size."""
-
-    def __init__(self, size):
-        self._size = size
-
-    def size(self):
-        return self._size
-
-
-def test_generation_shares_of_the_worked_example():
-    """generated_by's example by hand: 8 ranks at (dp, cp, tp) = (2, 2, 2), 16 samples in 2
-    minibatches of 8. dp slice 0 (ranks 0-3) holds the first 4 of each minibatch, 0-3 and 8-11,
-    slice 1 (ranks 4-7) the others; each rank generates the next 2 of its slice. Then 3 samples
-    over cp x tp = 4 ranks: one rank has none, each sample is drawn once."""
-    mesh = {"dp": _Dim(2), "cp": _Dim(2), "tp": _Dim(2)}
+def test_generation_shares_by_hand():
+    """generated_by's rule by hand: the step's samples in equal contiguous shares over every rank,
+    whatever the mesh (the update's split comes later, from the lengths). 16 samples over 8 ranks:
+    two each, in order; 3 samples over 4 ranks: rank 0 draws none, each sample is drawn once."""
     cfg = config.Config(prompts_per_step=8, samples_per_prompt=2, num_minibatches=2)
-    by_hand = [[0, 1], [2, 3], [8, 9], [10, 11], [4, 5], [6, 7], [12, 13], [14, 15]]
-    assert [rollout.generated_by(cfg, mesh, rank) for rank in range(8)] == by_hand
-    assert rollout.samples_of(cfg, mesh, 6) == [4, 5, 6, 7, 12, 13, 14, 15]
-    mesh = {"dp": _Dim(1), "cp": _Dim(2), "tp": _Dim(2)}
+    by_hand = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert [rollout.generated_by(cfg, rank, 8) for rank in range(8)] == by_hand
     cfg = config.Config(prompts_per_step=3, samples_per_prompt=1, num_minibatches=1)
-    assert [rollout.generated_by(cfg, mesh, rank) for rank in range(4)] == [[], [0], [1], [2]]
+    assert [rollout.generated_by(cfg, rank, 4) for rank in range(4)] == [[], [0], [1], [2]]
 
 
 def _old_logprobs_body(rank, world_size, out_dir):
