@@ -146,7 +146,7 @@ def _equivalence_body(rank, world_size, root, cases, checks=()):
 def _weights_check(root, world_size, data_parallel="fsdp", name="tiny-qwen3"):
     """Refit names/values, the reference swap, clipping and HF export: on 4 ranks FSDP x TP
     (dp2 tp2), on 2 ranks CP (cp2) under FSDP2 and under DDP (tied embeddings there: the swap
-    trades the one shared tensor)."""
+    copies the one shared tensor once)."""
     mesh = mp.make_mesh(world_size, 2 if world_size == 4 else 1, 2 if world_size == 2 else 1, "cpu")
     path = _materialize(root, name)
     cfg = _cfg(packing=True, data_parallel=data_parallel)
