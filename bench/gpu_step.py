@@ -6,7 +6,8 @@
                                         # (seconds)
 
 Runs the real trainer (torchrun train_ppo.py) for --steps steps, skips the first (vLLM and
-CUDA warm-up), and reports the median over the rest of, from metrics.jsonl:
+CUDA warm-up), and reports the median over the rest of, from metrics.jsonl (--out DIR keeps the
+run, metrics.jsonl and all; bench/gpu_check.py reads its figures with step_figures):
   generate_s   time_rollout_s: vLLM generation (+ reward)
   logprobs_s   time_logprobs_s: the no-grad passes (old policy, reference, values) + advantages
   update_s     time_update_s: the PPO update of policy and critic
@@ -55,12 +56,54 @@ def update_flops(model_config, tokens, ppo_epochs, with_critic):
     return 6 * weights * tokens * ppo_epochs
 
 
+def step_figures(out, nproc, peak_tflops):
+    """The figures above from a trainer run's out_dir (its metrics.jsonl and config.json), the
+    first step left out (warm-up): {} if no step after the first finished. Also the first step's
+    time (first_step_s) and the attention path and dtype that ran."""
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        every = [json.loads(line) for line in f]
+    rows = every[1:]
+    if not rows:
+        return {}
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    from transformers import AutoConfig
+    sys.path.insert(0, ROOT)
+    from model_parallel import TINY_PRESETS
+    model_dir = os.path.join(out, "sft") if cfg["sft_steps"] else cfg["model"]
+    if cfg["model"] in TINY_PRESETS and not cfg["sft_steps"]:
+        model_dir = os.path.join(out, cfg["model"])  # the trainer writes a preset into its out_dir
+    model_config = AutoConfig.from_pretrained(model_dir)
+    med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+    mfu = [update_flops(model_config, r["tokens"], cfg["ppo_epochs"], cfg["advantage_estimator"] == "gae")
+           / (r["time_update_s"] * nproc * peak_tflops * 1e12) for r in rows]
+    return dict(
+        attention=cfg["attention"], dtype=cfg["dtype"], engine=cfg["rollout_engine"], steps=len(rows),
+        first_step_s=every[0]["time_step_s"], step_s=med("time_step_s"),
+        generate_s=med("time_rollout_s"), logprobs_s=med("time_logprobs_s"), update_s=med("time_update_s"),
+        refit_s=med("time_refit_s"), tokens_per_s_per_gpu=med("tokens_per_s") / nproc,
+        update_mfu=statistics.median(mfu), mem_used_gb=max(r["mem_used_gb"] for r in rows),
+        params_m=matmul_weights(model_config, critic=False) / 1e6)
+
+
+def run_trainer(config_file, nproc, steps, out, extra, env, timeout=None):
+    """torchrun train_ppo.py into `out` (kept); returns its exit code (None: stopped at timeout)."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--standalone", f"--nproc_per_node={nproc}", "train_ppo.py", *config_file,
+           f"--steps={steps}", f"--out_dir={out}", "--save_every=0", "--export_hf=false", *extra]
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="configs/gsm8k_qwen2.5_0.5b_1gpu.toml")
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--peak_tflops", type=float, default=989.0)
+    p.add_argument("--out", help="keep the run here (default: a temporary dir, removed with --smoke)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, HF engine (a fast test runs this)")
     args, extra = p.parse_known_args()  # anything else goes to the trainer (--key=value)
     env = dict(os.environ)
@@ -73,31 +116,12 @@ def main():
         if not torch.cuda.is_available():
             sys.exit("bench/gpu_step.py needs CUDA GPUs (none found); on CPU use --smoke, or "
                      "bench/peer_trl.py, bench/refit.py, bench/logprob_memory.py or bench/packing.py")
-    scratch = tempfile.TemporaryDirectory(prefix="gpu_step_smoke_") if args.smoke else None  # removed at exit
-    out = scratch.name if scratch else tempfile.mkdtemp(prefix="gpu_step_")
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    subprocess.run([torchrun, "--standalone", f"--nproc_per_node={args.nproc}", "train_ppo.py",
-                    "--config", args.config, f"--steps={args.steps}", f"--out_dir={out}",
-                    "--save_every=0", "--export_hf=false", *extra], cwd=ROOT, check=True, env=env)
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
-    with open(os.path.join(out, "config.json")) as f:
-        cfg = json.load(f)
-    from transformers import AutoConfig
-    sys.path.insert(0, ROOT)
-    from model_parallel import TINY_PRESETS
-    model_dir = os.path.join(out, "sft") if cfg["sft_steps"] else cfg["model"]
-    if cfg["model"] in TINY_PRESETS and not cfg["sft_steps"]:
-        model_dir = os.path.join(out, cfg["model"])  # the trainer writes a preset into its out_dir
-    model_config = AutoConfig.from_pretrained(model_dir)
-    med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
-    mfu = [update_flops(model_config, r["tokens"], cfg["ppo_epochs"], cfg["advantage_estimator"] == "gae")
-           / (r["time_update_s"] * args.nproc * args.peak_tflops * 1e12) for r in rows]
-    print(f"attention={cfg['attention']} dtype={cfg['dtype']} engine={cfg['rollout_engine']}")
-    figures = dict(
-        generate_s=med("time_rollout_s"), logprobs_s=med("time_logprobs_s"), update_s=med("time_update_s"),
-        refit_s=med("time_refit_s"), tokens_per_s_per_gpu=med("tokens_per_s") / args.nproc,
-        update_mfu=statistics.median(mfu), mem_used_gb=max(r["mem_used_gb"] for r in rows),
-        params_m=matmul_weights(model_config, critic=False) / 1e6)
+    scratch = tempfile.TemporaryDirectory(prefix="gpu_step_smoke_") if args.smoke and not args.out else None
+    out = args.out or (scratch.name if scratch else tempfile.mkdtemp(prefix="gpu_step_"))
+    if run_trainer(["--config", args.config], args.nproc, args.steps, out, extra, env):
+        sys.exit(f"the trainer failed (its out_dir: {out})")
+    figures = step_figures(out, args.nproc, args.peak_tflops)
+    print(f"attention={figures.pop('attention')} dtype={figures.pop('dtype')} engine={figures.pop('engine')}")
     for key, value in figures.items():
         print(f"{key:22s} {value:.4g}")
     print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in figures.items()))

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from conftest import close, cpu_env, read_metrics, run_cli
+from conftest import close, cpu_env, paired, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun (~1 min a launch on 2 cores)
 
@@ -90,8 +90,7 @@ def test_replay_is_mesh_invariant(generated, dp, cp, tp, packing, tmp_path):
             f"--tp_size={tp}", f"--cp_size={cp}", f"--packing={str(packing).lower()}",
             f"--model={out}/sft", f"--replay_rollouts={out}/rollouts", f"--out_dir={tmp_path}")
     original, replayed = read_metrics(out), read_metrics(tmp_path)
-    assert len(replayed) == 3
-    for a, b in zip(original, replayed):
+    for a, b in paired(original, replayed, 3):
         assert a["reward_mean"] == b["reward_mean"]  # the very same rollouts
         for k in COMPARED:
             assert close(a[k], b[k]), (a["step"], k, a[k], b[k])
@@ -107,8 +106,7 @@ def test_replay_on_8_ranks_with_every_axis_split(generated, packing, tmp_path):
             "--cp_size=2", f"--packing={str(packing).lower()}", f"--model={out}/sft",
             f"--replay_rollouts={out}/rollouts", f"--out_dir={tmp_path}", timeout=900)
     original, replayed = read_metrics(out), read_metrics(tmp_path)
-    assert len(replayed) == 3
-    for a, b in zip(original, replayed):
+    for a, b in paired(original, replayed, 3):
         assert a["reward_mean"] == b["reward_mean"]
         for k in COMPARED + ("critic_grad_norm",):
             assert close(a[k], b[k]), (a["step"], k, a[k], b[k])
@@ -122,7 +120,7 @@ def test_layers_kept_gathered_change_no_number(generated, tmp_path):
     run_cli(2, "--config", "configs/test_tiny.toml", "--steps=3", "--sft_steps=0",
             "--reshard_after_forward=false",
             f"--model={out}/sft", f"--replay_rollouts={out}/rollouts", f"--out_dir={tmp_path}")
-    for a, b in zip(read_metrics(out), read_metrics(tmp_path)):
+    for a, b in paired(read_metrics(out), read_metrics(tmp_path), 3):
         for k in COMPARED + ("critic_grad_norm",):
             assert close(a[k], b[k]), (a["step"], k, a[k], b[k])
 
@@ -162,7 +160,7 @@ def test_bf16_replay_stays_close_to_fp32(generated, fp32_replay, dp, cp, tp, pac
     run_cli(dp * cp * tp, "--config", "configs/test_tiny.toml", "--steps=3", "--sft_steps=0", "--dtype=bf16",
             *LR_1E5, f"--tp_size={tp}", f"--cp_size={cp}", f"--packing={str(packing).lower()}",
             f"--model={out}/sft", f"--replay_rollouts={out}/rollouts", f"--out_dir={tmp_path}")
-    for a, b in zip(fp32_replay, read_metrics(tmp_path)):
+    for a, b in paired(fp32_replay, read_metrics(tmp_path), 3):
         assert b["value_loss"] != a["value_loss"], "no bf16 rounding seen: is dtype=bf16 in effect?"
         print(f"bf16 dp{dp}cp{cp}tp{tp} step {a['step']}: " + ", ".join(
             f"{k} {relative(b[k], a[k]):.2%}" for k in ("value_loss", "grad_norm", "critic_grad_norm")))
@@ -179,6 +177,6 @@ def test_varlen_replay_equals_masked(generated, tmp_path):
     run_cli(4, "--config", "configs/test_tiny.toml", "--steps=3", "--sft_steps=0", "--attention=varlen",
             "--tp_size=2", "--cp_size=2", "--packing=true",
             f"--model={out}/sft", f"--replay_rollouts={out}/rollouts", f"--out_dir={tmp_path}")
-    for a, b in zip(read_metrics(out), read_metrics(tmp_path)):
+    for a, b in paired(read_metrics(out), read_metrics(tmp_path), 3):
         for k in COMPARED + ("critic_grad_norm",):
             assert close(a[k], b[k]), (a["step"], k, a[k], b[k])

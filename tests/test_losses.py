@@ -143,6 +143,20 @@ def _mesh_body(rank, world_size, model_dir, dp, cp, tp, out):
             numbers = {**stats.losses, **stats.norms}
             results[f"{mode} {'packed' if packing else 'padded'}"] = {
                 name: numbers[name] / stats.steps[name] for name in NAMES}
+    if world_size == 1:  # issue 34: the config's switches reach the update (checked below)
+        cfg.packing, cfg.loss_agg_mode = False, "seq-mean-token-sum-norm"
+        switches = {}
+        runs = (("norm 0", dict(loss_agg_norm=0)), ("norm 3", dict(loss_agg_norm=3)),
+                ("symmetric", dict(loss_agg_norm=0)), ("clip-higher", dict(clip_ratio_high=0.28)))
+        for label, overrides in runs:
+            for key, value in overrides.items():
+                setattr(cfg, key, value)
+            stats = train_ppo.StepStats(torch.device("cpu"))
+            train_ppo.update(parts, batch, cfg, mesh, stats, torch.device("cpu"))
+            stats.all_reduce(mesh)
+            switches[label] = dict(policy_loss=stats.losses["policy_loss"],
+                                   clipped=stats.shares["clipped_tokens"])
+        results["switches"] = switches
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -166,12 +180,47 @@ def test_every_mode_is_mesh_invariant(single_process, dp, cp, tp, tmp_path):
     run_ranks(_mesh_body, dp * cp * tp, model_dir, dp, cp, tp, out)
     with open(out) as f:
         results = json.load(f)
+    reference = {case: r for case, r in reference.items() if case != "switches"}
     # the modes differ from each other, so the check can tell them apart
     assert len({round(r["policy_loss"], 6) for r in reference.values()}) >= 4
     for case, expected in reference.items():
         for name in NAMES:
             got, want = results[case][name], expected[name]
             assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (case, name, got, want)
+
+
+def test_the_configs_switches_reach_the_update(single_process):
+    """Issue 34: loss_agg_norm and clip_ratio_high were tested on the pure functions alone, so
+    removing `cfg.loss_agg_norm or` or `cfg.clip_ratio_high or None` from the trainer failed no
+    test. Through train_ppo.update (lr 0, the same batch): seq-mean-token-sum-norm divides each
+    response's token sum by loss_agg_norm, or by max_new_tokens (9) when it is 0, so 3 gives
+    exactly 3 times the loss of 0; clip-higher at 0.28 clips fewer tokens than the symmetric 0.2
+    (ratios up to e^0.3 = 1.35 here) and changes the loss."""
+    switches = single_process[1]["switches"]
+    norm_3, norm_0 = switches["norm 3"]["policy_loss"], switches["norm 0"]["policy_loss"]
+    assert norm_3 == pytest.approx(3 * norm_0, rel=1e-5) and norm_0 != 0
+    higher, symmetric = switches["clip-higher"], switches["symmetric"]
+    assert 0 < higher["clipped"] < symmetric["clipped"], switches
+    assert higher["policy_loss"] != pytest.approx(symmetric["policy_loss"], rel=1e-4)
+
+
+def test_the_estimator_switches_reach_compute_advantages():
+    """Issue 34: the trainer's compute_advantages with grpo_norm_by_std=false (Dr. GRPO: the group
+    mean subtracted, nothing divided) and with advantage_estimator=rloo, by hand: 2 prompts x 4
+    samples, every response token of a row gets its row's number."""
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])  # global, prompt-major
+    batch = train_ppo.make_batch([[1, 2]] * 8, [[3, 4, 5]] * 8, pad_id=0)
+    batch.old_lp = batch.ref_lp = batch.engine_lp
+    batch.index = list(range(8))
+    # group 0: mean 1/4; group 1: mean 3/4. RLOO: K/(K-1) (s - mean) = 4/3 (s - mean)
+    dr_grpo = [0.75, -0.25, -0.25, -0.25, 0.25, 0.25, -0.75, 0.25]
+    by_hand = {("grpo", False): dr_grpo, ("rloo", True): [4 / 3 * a for a in dr_grpo]}
+    for (estimator, norm_by_std), want in by_hand.items():
+        cfg = config.Config(prompts_per_step=2, samples_per_prompt=4, advantage_estimator=estimator,
+                            grpo_norm_by_std=norm_by_std)
+        train_ppo.compute_advantages(batch, scores, cfg, mesh=None)
+        expected = torch.tensor([[0.0, 0.0] + [a] * 3 for a in want])
+        torch.testing.assert_close(batch.advantages, expected, atol=1e-6, rtol=0)
 
 
 # ---- the update's split over dp ranks (issue 28)
@@ -181,6 +230,32 @@ def test_balanced_split_by_hand():
     4 -> r0, 3 -> r1, 2 -> r1 (full), 1 -> r0: 22 tokens each, where contiguous slices give 34
     and 10."""
     assert rollout.balanced_split([10, 9, 8, 7, 1, 2, 3, 4], 1, 2) == [[0, 3, 4, 7], [1, 2, 5, 6]]
+
+
+class _DpDim:
+    """A mesh's dp dimension as training_batch reads it: 2 ranks, this one `rank`."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def size(self):
+        return 2
+
+    def get_local_rank(self):
+        return self.rank
+
+
+def test_the_trainer_deals_its_rows_with_balanced_split():
+    """Issue 34: the tests above split rows themselves; this is the trainer's own training_batch.
+    The hand case above as samples (one prompt token, then the rest): 22 tokens on each rank, where
+    contiguous slices would give 34 and 10."""
+    lengths = [10, 9, 8, 7, 1, 2, 3, 4]
+    every = {j: dict(prompt_ids=[1], response_ids=[2] * (n - 1), engine_logprobs=[0.0] * (n - 1), reward=0.0)
+             for j, n in enumerate(lengths)}
+    cfg = config.Config(prompts_per_step=4, samples_per_prompt=2, num_minibatches=1, packing=True)
+    for rank, rows in enumerate([[0, 3, 4, 7], [1, 2, 5, 6]]):
+        batch = train_ppo.training_batch(every, cfg, {"dp": _DpDim(rank)}, 257, "cpu")
+        assert batch.index == rows and sum(batch.lens) == 22, (rank, batch.index, batch.lens)
 
 
 def test_balanced_split_keeps_minibatches_and_evens_tokens():

@@ -122,6 +122,8 @@ def _flat_host_sets_body(rank, world_size, tmp):
     live = {n: p.to_local().clone() for n, p in policy.named_parameters()}
     snapshot = model_parallel.snapshot_weights(policy, torch.bfloat16)
     assert len(storages(snapshot["weights"].values())) == 1
+    # in bf16, and what it holds is each live shard cast (not only the right dtype)
+    assert all(torch.equal(snapshot["weights"][n], live[n].to(torch.bfloat16)) for n in live)
     assert all(snapshot["weights"][n].dtype == torch.bfloat16 for n in live)
     with model_parallel.swapped_weights(policy, snapshot):
         pass

@@ -65,11 +65,13 @@ def test_toy_task():
 def test_stop_tokens_without_generation_config_include_config_json_eos(tmp_path):
     """Issue 28: a checkpoint with no generation_config.json. vLLM then stops at config.json's
     eos_token_id; the trainer's set must hold it too, or a response that ended there is counted
-    unfinished and scored 0. A generation_config.json adds its ids to config.json's."""
+    unfinished and scored 0. A generation_config.json adds its ids to config.json's (an id of its
+    own, 9: config.json's 7 must stay in the set, which a generation_config that repeated 7 could
+    not show)."""
     with open(tmp_path / "config.json", "w") as f:
         json.dump({"model_type": "llama", "eos_token_id": 7}, f)
     assert rollout.stop_token_ids(str(tmp_path), 3) == [3, 7]
     with open(tmp_path / "generation_config.json", "w") as f:
-        json.dump({"eos_token_id": [9, 7]}, f)
+        json.dump({"eos_token_id": [9]}, f)
     assert rollout.stop_token_ids(str(tmp_path), 3) == [3, 7, 9]
     assert rollout.stop_token_ids(str(tmp_path), None) == []

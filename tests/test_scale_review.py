@@ -12,6 +12,7 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 import config
 import model_parallel
@@ -66,7 +67,15 @@ def _one_rank_body(rank, world_size, tmp):
     head = [dtypes.pop("lm_head.weight"), dtypes.pop("lm_head.bias")]
     assert head == [torch.float32] * 2 and set(dtypes.values()) == {torch.bfloat16}, dtypes
     assert _offloaded(reward_model)
-    assert not _offloaded(model_parallel.load_policy(path, mesh, bf16))
+    # and it is resharded after its pass: FSDP2 leaves the root unit (the final norm, here)
+    # gathered after a forward, which would hold a full copy on the GPU through the update
+    policy = model_parallel.load_policy(path, mesh, bf16)
+    batch = train_ppo.make_batch([[1, 2, 3], [4, 5]], [[6, 7], [8]], pad_id=257)
+    batch.scores = torch.zeros(2)
+    train_ppo.score(policy, model_parallel.snapshot_weights(policy), None, reward_model, batch, bf16, mesh)
+    gathered = [n for n, p in reward_model.named_parameters() if not isinstance(p, DTensor)]
+    assert not gathered, f"the reward model was left gathered: {gathered}"
+    assert not _offloaded(policy)
     assert _offloaded(model_parallel.load_policy(path, mesh, config.Config(cpu_offload=True)))
     return lengths
 

@@ -22,7 +22,7 @@ import model_parallel
 import rollout
 import train_ppo
 from _dist import run_ranks
-from conftest import ROOT, cpu_env, torchrun_cmd
+from conftest import ROOT, cpu_env, paired, torchrun_cmd
 
 
 def _grpo_body(rank, world_size):
@@ -116,7 +116,7 @@ def _fork_term_body(rank, world_size, out_dir):
     # with the term in its loss at weight 1
     assert len(values) == 2 * 4 and [float(g) for g in grads] == [1.0] * 8
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
-    for row, mine in zip(rows, (values[:4], values[4:])):
+    for row, mine in paired(rows, (values[:4], values[4:]), 2):
         assert not {"kl_loss", "value_loss", "critic_grad_norm"} & set(row), row
         assert row["ratio_penalty"] == pytest.approx(sum(mine) / 4, rel=1e-6, abs=1e-12)
     # each PPO step's first optimizer step starts at pi_old (no drift); the entropy bonus moves the
@@ -223,7 +223,7 @@ def test_engine_logprobs_as_old_policy_train_the_same_in_fp32(tmp_path):
     run_ranks(_old_logprobs_body, 2, str(tmp_path))
     trainer, engine = ([json.loads(line) for line in open(tmp_path / source / "metrics.jsonl")]
                        for source in ("trainer", "engine"))
-    for a, b in zip(trainer, engine):
+    for a, b in paired(trainer, engine, 2):
         assert "entropy" in a and "entropy" not in b and b["logprob_mismatch"] == 0.0
         assert a["logprob_mismatch"] < 1e-5  # what makes the engine's logprobs usable here
         for key in ("reward_mean", "kl", "policy_loss", "value_loss", "grad_norm", "critic_grad_norm",
@@ -272,7 +272,7 @@ def test_optimizer_state_moved_out_and_back_trains_the_same(tmp_path):
     run_ranks(_offload_body, 2, str(tmp_path))
     plain, offloaded = ([json.loads(line) for line in open(tmp_path / str(flag) / "metrics.jsonl")]
                         for flag in (False, True))
-    for a, b in zip(plain, offloaded):
+    for a, b in paired(plain, offloaded, 3):
         for key in ("reward_mean", "kl", "policy_loss", "value_loss", "grad_norm", "critic_grad_norm"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
     assert plain[-1]["step"] == 2 and plain[-1]["kl"] != 0.0  # three steps, and the policy moved
