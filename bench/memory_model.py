@@ -33,6 +33,11 @@ allocation up to a power of two: each set (reference, parked, each AdamW moment 
 one flat buffer, so `host` counts pinned(set) = the set's bytes rounded up to a power of two, once
 a set. Pinned shard by shard (before issue 28), the rounding hit every tensor: host_per_tensor()
 counts that, for the table's last column.
+  reward model (optional, RLHF)     frozen, the critic's shape: c Pc / W in host memory under
+                                    FSDP2's CPU offload, which pins each shard on its own (so
+                                    rounded up shard by shard), gathered onto the GPU a unit at a
+                                    time for its one pass a step. Before issue 34: 4 Pc / W fp32
+                                    shards on the GPU all run, through generation (reward_model())
   engine      given                 vLLM's weights + KV cache on GPU (gpu_memory_utilization x
                                     GPU), freed by sleep mode while training; the HF engine on
                                     CPU: 4P
@@ -101,6 +106,14 @@ def host_per_tensor(shape, world, c=2, critic=True, offload_optimizer=True):
     return total
 
 
+def reward_model(shape, world, c=2):
+    """(pinned host bytes now, GPU bytes before issue 34) of a frozen reward model of the critic's
+    shape: its shards in c bytes, each pinned on its own by FSDP2's CPU offload; before, its fp32
+    shards on the GPU for the whole run."""
+    shards = shard_sizes(shape, world, critic=True)[1]
+    return sum(pinned(c * e) for e in shards), 4 * sizes(shape)["critic"] / world
+
+
 def predict(shape, world, tp=1, cp=1, c=2, tokens=8192, scored=None, chunk=1024, critic=True,
             activation_checkpointing=True, engine=0.0, offload_optimizer=False, on_cpu=False):
     """Bytes per rank of each term above, and the peaks: device (training, generation) and host."""
@@ -139,8 +152,8 @@ def table(names, worlds, gpu_gb=80, utilization=0.3):
     """The GSM8K recipe's settings: bf16, 8192 tokens a packed microbatch (about as many scored),
     activation checkpointing, vLLM taking utilization x the GPU while it generates."""
     rows = ["| model | GPUs | weights + AdamW | training peak | generating | peak / 80 GB "
-            "| with offload_optimizer | pinned shard by shard |",
-            "|---|---|---|---|---|---|---|---|"]
+            "| with offload_optimizer | pinned shard by shard | a reward model: host (GPU before) |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for name in names:
         for world in worlds:
             kw = dict(world=world, engine=utilization * gpu_gb * GB)
@@ -149,7 +162,9 @@ def table(names, worlds, gpu_gb=80, utilization=0.3):
                         f"| {m['train'] / GB:.1f} GB | {m['generate'] / GB:.1f} GB "
                         f"| {m['peak'] / (gpu_gb * GB):.0%} | "
                         f"generating {off['generate'] / GB:.1f} GB, host +{off['host'] / GB:.1f} GB "
-                        f"| host {host_per_tensor(QWEN25[name], world) / GB:.1f} GB |")
+                        f"| host {host_per_tensor(QWEN25[name], world) / GB:.1f} GB "
+                        f"| host +{reward_model(QWEN25[name], world)[0] / GB:.1f} GB "
+                        f"({reward_model(QWEN25[name], world)[1] / GB:.1f} GB) |")
     return rows
 
 
@@ -167,4 +182,7 @@ if __name__ == "__main__":
     host = predict(QWEN25[name], world, offload_optimizer=True)["host"]
     fig[f"{name}_{world}gpu_host_gb"] = round(host / GB, 1)
     fig[f"{name}_{world}gpu_host_per_tensor_gb"] = round(host_per_tensor(QWEN25[name], world) / GB, 1)
+    reward_host, reward_gpu_before = reward_model(QWEN25[name], world)
+    fig[f"{name}_{world}gpu_reward_model_host_gb"] = round(reward_host / GB, 1)
+    fig[f"{name}_{world}gpu_reward_model_gpu_before_gb"] = round(reward_gpu_before / GB, 1)
     print("RESULT " + " ".join(f"{k.replace('.', 'p')}={v}" for k, v in fig.items()))

@@ -174,8 +174,12 @@ def _two_rank_body(rank, world_size, out_dir):
 def test_resume_and_sft_reuse_are_rank_0s_decisions_and_logits_are_full_vocab_at_tp1(tmp_path):
     """4 and 8, in one 2-rank spawn."""
     run_ranks(_two_rank_body, 2, str(tmp_path))
+    # and the docs say so (they said "no rank holds full-vocab logits", without the condition)
     readme = open(os.path.join(ROOT, "README.md")).read()
-    assert "no rank ever holds full-vocab logits" not in readme.lower()
+    tp_row = next(line for line in readme.splitlines() if line.startswith("| tp (+ SP)"))
+    import logprobs
+    for text in (tp_row, logprobs.__doc__):
+        assert "with tp > 1 no rank holds full-vocab logits" in text and "at tp=1" in text, text
 
 
 def test_the_rollout_dump_is_written_while_the_step_goes_on(tmp_path, monkeypatch):
