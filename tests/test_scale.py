@@ -171,12 +171,12 @@ def _stop_set_body(rank, world_size, model, out_dir):
     config.validate(cfg, world_size)
     train_ppo.main(cfg)  # SFT from the two-EOS checkpoint, one step, the HF export
     assert made[0].stop_ids == [EOS, SECOND_EOS], "the engine built from the SFT dir must know both"
-    mesh, task = mp.make_mesh(world_size, 1, 1, "cpu"), rollout.ToyTask(cfg.seed)
+    task = rollout.ToyTask(cfg.seed)
     one = config.Config(prompts_per_step=1, samples_per_prompt=1)
     hit = next(p for p in range(25) if task.prompts(p, 1)[0][1] == "7")  # a prompt whose answer is 7
     miss = next(p for p in range(25) if task.prompts(p, 1)[0][1] != "7")
     for position, reward in ((hit, 1.0), (miss, 0.0)):
-        (sample,), _ = rollout.generate(ScriptedEngine(), task, one, 0, position, mesh)
+        (sample,), _ = rollout.generate(ScriptedEngine(), task, one, 0, position)
         assert sample["finished"] and sample["response"] == "7" and sample["reward"] == reward, sample
 
 
