@@ -543,7 +543,9 @@ def score(policy, reference, critic, reward_model, batch, cfg, mesh):
         batch.values = values * batch.mask  # (b, S)
     if reward_model is not None:
         (outputs,) = forward_batch(model_parallel.forward_critic, reward_model, batch, cfg, mesh, shift=False)
-        model_parallel.reshard(reward_model)  # not gathered through the update and generation
+        # not gathered through the update and generation (reshard_after_forward=false keeps every
+        # unit gathered after a pass)
+        model_parallel.reshard(reward_model)
         last = torch.tensor(batch.lens, device=outputs.device) - 1  # (b,) each row's last token
         batch.task_scores = batch.scores
         batch.scores = outputs[torch.arange(len(batch.lens)), last]  # (b,)

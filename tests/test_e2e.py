@@ -12,7 +12,10 @@ import re
 
 import pytest
 
-from conftest import close, cpu_env, paired, read_metrics, run_cli
+import config
+import train_ppo
+from _dist import run_ranks
+from conftest import ROOT, close, cpu_env, paired, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun (~1 min a launch on 2 cores)
 
@@ -80,36 +83,47 @@ def test_console_at_most_10_lines_besides_progress(generated):
 MESHES = [(1, 1, 1), (2, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 2), (1, 2, 2)]  # (dp, cp, tp)
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def _replays_body(rank, world_size, out, tp, cp, target):
+    """The replay, padded and then packed, in one spawn of dp*cp*tp ranks: the command line's
+    config (test_tiny.toml and the flags below), through train_ppo.main, twice. Starting ranks
+    (importing torch and transformers) is most of a launch: one start for both layouts."""
+    train_ppo.dist.destroy_process_group = lambda *args: None  # keep the group for the second run
+    for packing in ("false", "true"):
+        tiny = os.path.join(ROOT, "configs", "test_tiny.toml")
+        cfg = config.parse_args(["--config", tiny, "--steps=3", "--sft_steps=0", f"--tp_size={tp}",
+                                 f"--cp_size={cp}", f"--packing={packing}", f"--model={out}/sft",
+                                 f"--replay_rollouts={out}/rollouts",
+                                 f"--out_dir={os.path.join(target, packing)}"])
+        config.validate(cfg, world_size)
+        train_ppo.main(cfg)
+
+
 @pytest.mark.parametrize("dp, cp, tp", MESHES, ids=[f"dp{d}cp{c}tp{t}" for d, c, t in MESHES])
-def test_replay_is_mesh_invariant(generated, dp, cp, tp, packing, tmp_path):
-    """Train on the generating run's rollouts on another mesh: same numbers, up to fp32
-    reduction order (1e-4 relative, 1e-6 absolute near zero)."""
+def test_replay_is_mesh_invariant(generated, dp, cp, tp, tmp_path):
+    """Train on the generating run's rollouts on another mesh, padded and packed: same numbers,
+    up to fp32 reduction order (1e-4 relative, 1e-6 absolute near zero)."""
     out, _ = generated
-    run_cli(dp * cp * tp, "--config", "configs/test_tiny.toml", "--steps=3", "--sft_steps=0",
-            f"--tp_size={tp}", f"--cp_size={cp}", f"--packing={str(packing).lower()}",
-            f"--model={out}/sft", f"--replay_rollouts={out}/rollouts", f"--out_dir={tmp_path}")
-    original, replayed = read_metrics(out), read_metrics(tmp_path)
-    for a, b in paired(original, replayed, 3):
-        assert a["reward_mean"] == b["reward_mean"]  # the very same rollouts
-        for k in COMPARED:
-            assert close(a[k], b[k]), (a["step"], k, a[k], b[k])
+    run_ranks(_replays_body, dp * cp * tp, out, tp, cp, str(tmp_path))
+    original = read_metrics(out)
+    for packing in ("false", "true"):
+        for a, b in paired(original, read_metrics(tmp_path / packing), 3):
+            assert a["reward_mean"] == b["reward_mean"]  # the very same rollouts
+            for k in COMPARED:
+                assert close(a[k], b[k]), (packing, a["step"], k, a[k], b[k])
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-def test_replay_on_8_ranks_with_every_axis_split(generated, packing, tmp_path):
+def test_replay_on_8_ranks_with_every_axis_split(generated, tmp_path):
     """Issue 28: the mesh an 8-GPU user with tp=2 and cp=2 runs, (dp, cp, tp) = (2, 2, 2), every
-    axis above 1 at once (8 gloo ranks on the CPU): the generating run's numbers, as every smaller
-    mesh gives them."""
+    axis above 1 at once (8 gloo ranks on the CPU), padded and packed: the generating run's
+    numbers, as every smaller mesh gives them."""
     out, _ = generated
-    run_cli(8, "--config", "configs/test_tiny.toml", "--steps=3", "--sft_steps=0", "--tp_size=2",
-            "--cp_size=2", f"--packing={str(packing).lower()}", f"--model={out}/sft",
-            f"--replay_rollouts={out}/rollouts", f"--out_dir={tmp_path}", timeout=900)
-    original, replayed = read_metrics(out), read_metrics(tmp_path)
-    for a, b in paired(original, replayed, 3):
-        assert a["reward_mean"] == b["reward_mean"]
-        for k in COMPARED + ("critic_grad_norm",):
-            assert close(a[k], b[k]), (a["step"], k, a[k], b[k])
+    run_ranks(_replays_body, 8, out, 2, 2, str(tmp_path))
+    original = read_metrics(out)
+    for packing in ("false", "true"):
+        for a, b in paired(original, read_metrics(tmp_path / packing), 3):
+            assert a["reward_mean"] == b["reward_mean"]
+            for k in COMPARED + ("critic_grad_norm",):
+                assert close(a[k], b[k]), (packing, a["step"], k, a[k], b[k])
 
 
 def test_layers_kept_gathered_change_no_number(generated, tmp_path):

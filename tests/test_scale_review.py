@@ -67,12 +67,14 @@ def _one_rank_body(rank, world_size, tmp):
     head = [dtypes.pop("lm_head.weight"), dtypes.pop("lm_head.bias")]
     assert head == [torch.float32] * 2 and set(dtypes.values()) == {torch.bfloat16}, dtypes
     assert _offloaded(reward_model)
-    # and it is resharded after its pass: FSDP2 leaves the root unit (the final norm, here)
-    # gathered after a forward, which would hold a full copy on the GPU through the update
+    # and it is resharded after its pass: with reshard_after_forward=false FSDP2 keeps every unit
+    # gathered after a forward, a full copy on the GPU through generation and the update
+    keep = config.Config(dtype="bf16", reshard_after_forward=False)
+    reward_model = model_parallel.load_reward_model(reward_dir, mesh, keep)
     policy = model_parallel.load_policy(path, mesh, bf16)
     batch = train_ppo.make_batch([[1, 2, 3], [4, 5]], [[6, 7], [8]], pad_id=257)
     batch.scores = torch.zeros(2)
-    train_ppo.score(policy, model_parallel.snapshot_weights(policy), None, reward_model, batch, bf16, mesh)
+    train_ppo.score(policy, model_parallel.snapshot_weights(policy), None, reward_model, batch, keep, mesh)
     gathered = [n for n, p in reward_model.named_parameters() if not isinstance(p, DTensor)]
     assert not gathered, f"the reward model was left gathered: {gathered}"
     assert not _offloaded(policy)

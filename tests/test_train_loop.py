@@ -377,8 +377,10 @@ def test_readme_recipe_for_your_own_task_runs_as_written(tmp_path):
     recipe = section[start:section.index("```\n", start)]
     script = tmp_path / "my_task.py"
     script.write_text(recipe)
+    # (the HF engine: the recipe is the task, vLLM's start would only add a minute)
     proc = subprocess.run(torchrun_cmd(2, "--config", "configs/test_tiny.toml", "--steps=2",
-                                       f"--out_dir={tmp_path / 'out'}", script=str(script)),
+                                       "--rollout_engine=hf", f"--out_dir={tmp_path / 'out'}",
+                                       script=str(script)),
                           cwd=ROOT, capture_output=True, text=True, timeout=900, env=cpu_env(PYTHONPATH=ROOT))
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(tmp_path / "out" / "rollouts" / "step_1.jsonl") as f:
@@ -404,6 +406,7 @@ def test_readme_recipe_for_a_new_loss_term_runs_as_written(tmp_path):
     script = tmp_path / "my_loss.py"
     script.write_text(section[start:section.index("```\n", start)])
     proc = subprocess.run(torchrun_cmd(2, "--config", "configs/test_tiny.toml", "--steps=2",
+                                       "--rollout_engine=hf", "--sft_steps=0",
                                        "--advantage_estimator=grpo", "--kl_coef=0",
                                        f"--out_dir={tmp_path / 'out'}", script=str(script)),
                           cwd=ROOT, capture_output=True, text=True, timeout=900, env=cpu_env(PYTHONPATH=ROOT))
