@@ -82,99 +82,106 @@ def test_console_at_most_10_lines_besides_progress(generated):
 
 MESHES = [(1, 1, 1), (2, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 2), (1, 2, 2)]  # (dp, cp, tp)
 
+# The GPU recipe on the generating run's rollouts: bf16 (FSDP2 mixed precision) against an fp32
+# replay, and the varlen attention path against fp32 exactly. Both replays train at lr 1e-5
+# (test_tiny's 1e-4 is 10x that for a fast toy): AdamW's first updates are ~lr * sign(grad), so
+# bf16 rounding that flips the sign of a near-zero gradient moves that weight a full step, and at
+# 1e-4 the value loss drifts more with each step. Measured (value loss, policy and critic grad
+# norms; relative to fp32, worst of 3 steps): at lr 1e-4, dp2 5.7%, 1.2%, 3.3%; tp2 1.6%, 0.5%,
+# 1.0%; cp2+packed 4.5%, 0.4%, 2.7%; at lr 1e-5, see the printed figures (pytest -s).
+VALUE_LOSS_TOL, GRAD_NORM_TOL = 0.05, 0.20
+BF16_MESHES = [(2, 1, 1, False), (1, 1, 2, False), (1, 2, 1, True)]  # (dp, cp, tp, packing)
+LR_1E5 = ["--lr=1e-5", "--critic_lr=1e-5"]
 
-def _replays_body(rank, world_size, out, tp, cp, target):
-    """The replay, padded and then packed, in one spawn of dp*cp*tp ranks: the command line's
-    config (test_tiny.toml and the flags below), through train_ppo.main, twice. Starting ranks
-    (importing torch and transformers) is most of a launch: one start for both layouts."""
-    train_ppo.dist.destroy_process_group = lambda *args: None  # keep the group for the second run
-    for packing in ("false", "true"):
-        tiny = os.path.join(ROOT, "configs", "test_tiny.toml")
-        cfg = config.parse_args(["--config", tiny, "--steps=3", "--sft_steps=0", f"--tp_size={tp}",
-                                 f"--cp_size={cp}", f"--packing={packing}", f"--model={out}/sft",
-                                 f"--replay_rollouts={out}/rollouts",
-                                 f"--out_dir={os.path.join(target, packing)}"])
+
+def mesh_flags(dp, cp, tp, packing):
+    return [f"--tp_size={tp}", f"--cp_size={cp}", f"--packing={str(packing).lower()}"]
+
+
+# Every replay, by the world size it runs at: (name, the command line's flags beyond the shared
+# ones). The replays of one world size run in one spawn of its ranks, one after the other: starting
+# ranks (importing torch and transformers) is most of a launch on 2 cores.
+REPLAYS = {1: [], 2: [], 4: [], 8: []}
+for _dp, _cp, _tp in MESHES + [(2, 2, 2)]:
+    for _packing in (False, True):
+        _name = f"dp{_dp}cp{_cp}tp{_tp}-{_packing}"
+        REPLAYS[_dp * _cp * _tp].append((_name, mesh_flags(_dp, _cp, _tp, _packing)))
+REPLAYS[2] += [("kept-gathered", ["--reshard_after_forward=false"]), ("fp32-lr1e-5", LR_1E5)]
+REPLAYS[2] += [(f"bf16-dp{d}cp{c}tp{t}", ["--dtype=bf16", *LR_1E5, *mesh_flags(d, c, t, p)])
+               for d, c, t, p in BF16_MESHES]
+REPLAYS[4] += [("varlen", ["--attention=varlen", *mesh_flags(1, 2, 2, True)])]
+
+
+def _replays_body(rank, world_size, out, target):
+    """This world size's replays through train_ppo.main, each a config parsed from the command
+    line the CLI would get (test_tiny.toml, 3 steps on the generating run's rollouts)."""
+    train_ppo.dist.destroy_process_group = lambda *args: None  # keep the group for the next run
+    for name, flags in REPLAYS[world_size]:
+        argv = ["--config", os.path.join(ROOT, "configs", "test_tiny.toml"), "--steps=3", "--sft_steps=0",
+                f"--model={out}/sft", f"--replay_rollouts={out}/rollouts",
+                f"--out_dir={os.path.join(target, name)}", *flags]
+        cfg = config.parse_args(argv)
         config.validate(cfg, world_size)
         train_ppo.main(cfg)
 
 
+@pytest.fixture(scope="module")
+def replayed(generated, tmp_path_factory):
+    """replayed(world_size, name): that replay's metrics (its world size's spawn runs once)."""
+    out, dirs = generated[0], {}
+
+    def metrics(world_size, name):
+        if world_size not in dirs:
+            dirs[world_size] = str(tmp_path_factory.mktemp(f"replays{world_size}"))
+            run_ranks(_replays_body, world_size, out, dirs[world_size])
+        return read_metrics(os.path.join(dirs[world_size], name))
+    return metrics
+
+
+def assert_same_numbers(original, replay, keys, label):
+    for a, b in paired(original, replay, 3):
+        assert a["reward_mean"] == b["reward_mean"]  # the very same rollouts
+        for k in keys:
+            assert close(a[k], b[k]), (label, a["step"], k, a[k], b[k])
+
+
 @pytest.mark.parametrize("dp, cp, tp", MESHES, ids=[f"dp{d}cp{c}tp{t}" for d, c, t in MESHES])
-def test_replay_is_mesh_invariant(generated, dp, cp, tp, tmp_path):
+def test_replay_is_mesh_invariant(generated, replayed, dp, cp, tp):
     """Train on the generating run's rollouts on another mesh, padded and packed: same numbers,
     up to fp32 reduction order (1e-4 relative, 1e-6 absolute near zero)."""
-    out, _ = generated
-    run_ranks(_replays_body, dp * cp * tp, out, tp, cp, str(tmp_path))
-    original = read_metrics(out)
-    for packing in ("false", "true"):
-        for a, b in paired(original, read_metrics(tmp_path / packing), 3):
-            assert a["reward_mean"] == b["reward_mean"]  # the very same rollouts
-            for k in COMPARED:
-                assert close(a[k], b[k]), (packing, a["step"], k, a[k], b[k])
+    for packing in (False, True):
+        name = f"dp{dp}cp{cp}tp{tp}-{packing}"
+        assert_same_numbers(read_metrics(generated[0]), replayed(dp * cp * tp, name), COMPARED, name)
 
 
-def test_replay_on_8_ranks_with_every_axis_split(generated, tmp_path):
+def test_replay_on_8_ranks_with_every_axis_split(generated, replayed):
     """Issue 28: the mesh an 8-GPU user with tp=2 and cp=2 runs, (dp, cp, tp) = (2, 2, 2), every
     axis above 1 at once (8 gloo ranks on the CPU), padded and packed: the generating run's
     numbers, as every smaller mesh gives them."""
-    out, _ = generated
-    run_ranks(_replays_body, 8, out, 2, 2, str(tmp_path))
-    original = read_metrics(out)
-    for packing in ("false", "true"):
-        for a, b in paired(original, read_metrics(tmp_path / packing), 3):
-            assert a["reward_mean"] == b["reward_mean"]
-            for k in COMPARED + ("critic_grad_norm",):
-                assert close(a[k], b[k]), (packing, a["step"], k, a[k], b[k])
+    for packing in (False, True):
+        name = f"dp2cp2tp2-{packing}"
+        keys = COMPARED + ("critic_grad_norm",)
+        assert_same_numbers(read_metrics(generated[0]), replayed(8, name), keys, name)
 
 
-def test_layers_kept_gathered_change_no_number(generated, tmp_path):
+def test_layers_kept_gathered_change_no_number(generated, replayed):
     """reshard_after_forward=false (each layer gathered once per no-grad pass and kept from forward
     to backward) at dp2: the generating run's numbers. The reference weight swap must still
     reshard the gathered policy, or the reference would score with the live weights (kl = 0)."""
-    out, _ = generated
-    run_cli(2, "--config", "configs/test_tiny.toml", "--steps=3", "--sft_steps=0",
-            "--reshard_after_forward=false",
-            f"--model={out}/sft", f"--replay_rollouts={out}/rollouts", f"--out_dir={tmp_path}")
-    for a, b in paired(read_metrics(out), read_metrics(tmp_path), 3):
-        for k in COMPARED + ("critic_grad_norm",):
-            assert close(a[k], b[k]), (a["step"], k, a[k], b[k])
-
-
-# The GPU recipe through the CLI, on the generating run's rollouts: bf16 (FSDP2 mixed
-# precision) against an fp32 replay, and the varlen attention path against fp32 exactly.
-# Both replays train at lr 1e-5 (test_tiny's 1e-4 is 10x that for a fast toy): AdamW's first
-# updates are ~lr * sign(grad), so bf16 rounding that flips the sign of a near-zero gradient
-# moves that weight a full step, and at 1e-4 the value loss drifts more with each step.
-# Measured (value loss, policy and critic grad norms; relative to fp32, worst of 3 steps): at
-# lr 1e-4, dp2 5.7%, 1.2%, 3.3%; tp2 1.6%, 0.5%, 1.0%; cp2+packed 4.5%, 0.4%, 2.7%; at lr 1e-5,
-# see the printed figures (pytest -s).
-VALUE_LOSS_TOL, GRAD_NORM_TOL = 0.05, 0.20
-BF16_MESHES = [(2, 1, 1, False), (1, 1, 2, False), (1, 2, 1, True)]  # (dp, cp, tp, packing)
-LR_1E5 = ("--lr=1e-5", "--critic_lr=1e-5")
+    keys = COMPARED + ("critic_grad_norm",)
+    assert_same_numbers(read_metrics(generated[0]), replayed(2, "kept-gathered"), keys, "kept gathered")
 
 
 def relative(a, b):
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-@pytest.fixture(scope="module")
-def fp32_replay(generated, tmp_path_factory):
-    """The fp32 run the bf16 runs compare with: the generating run's rollouts at lr 1e-5."""
-    out, target = generated[0], str(tmp_path_factory.mktemp("fp32_replay"))
-    run_cli(2, "--config", "configs/test_tiny.toml", "--steps=3", "--sft_steps=0", *LR_1E5,
-            f"--model={out}/sft", f"--replay_rollouts={out}/rollouts", f"--out_dir={target}")
-    return read_metrics(target)
-
-
 @pytest.mark.parametrize("dp, cp, tp, packing", BF16_MESHES,
                          ids=[f"dp{d}cp{c}tp{t}{'-packed' * p}" for d, c, t, p in BF16_MESHES])
-def test_bf16_replay_stays_close_to_fp32(generated, fp32_replay, dp, cp, tp, packing, tmp_path):
+def test_bf16_replay_stays_close_to_fp32(replayed, dp, cp, tp, packing):
     """dtype=bf16 on the same rollouts: value loss and both grad norms within the tolerances
-    above of the fp32 run, every step (bf16 rounding, nothing else, differs)."""
-    out, _ = generated
-    run_cli(dp * cp * tp, "--config", "configs/test_tiny.toml", "--steps=3", "--sft_steps=0", "--dtype=bf16",
-            *LR_1E5, f"--tp_size={tp}", f"--cp_size={cp}", f"--packing={str(packing).lower()}",
-            f"--model={out}/sft", f"--replay_rollouts={out}/rollouts", f"--out_dir={tmp_path}")
-    for a, b in paired(fp32_replay, read_metrics(tmp_path), 3):
+    above of the fp32 run (dp2), every step (bf16 rounding, nothing else, differs)."""
+    for a, b in paired(replayed(2, "fp32-lr1e-5"), replayed(2, f"bf16-dp{dp}cp{cp}tp{tp}"), 3):
         assert b["value_loss"] != a["value_loss"], "no bf16 rounding seen: is dtype=bf16 in effect?"
         print(f"bf16 dp{dp}cp{cp}tp{tp} step {a['step']}: " + ", ".join(
             f"{k} {relative(b[k], a[k]):.2%}" for k in ("value_loss", "grad_norm", "critic_grad_norm")))
@@ -184,13 +191,8 @@ def test_bf16_replay_stays_close_to_fp32(generated, fp32_replay, dp, cp, tp, pac
             assert relative(b[k], a[k]) <= GRAD_NORM_TOL, (a["step"], k, a[k], b[k])
 
 
-def test_varlen_replay_equals_masked(generated, tmp_path):
+def test_varlen_replay_equals_masked(generated, replayed):
     """attention=varlen at the richest mesh (cp 2 x tp 2, packed): the fp32 numbers of the
     generating run (masked attention) to 1e-4, as every masked mesh gives them."""
-    out, _ = generated
-    run_cli(4, "--config", "configs/test_tiny.toml", "--steps=3", "--sft_steps=0", "--attention=varlen",
-            "--tp_size=2", "--cp_size=2", "--packing=true",
-            f"--model={out}/sft", f"--replay_rollouts={out}/rollouts", f"--out_dir={tmp_path}")
-    for a, b in paired(read_metrics(out), read_metrics(tmp_path), 3):
-        for k in COMPARED + ("critic_grad_norm",):
-            assert close(a[k], b[k]), (a["step"], k, a[k], b[k])
+    keys = COMPARED + ("critic_grad_norm",)
+    assert_same_numbers(read_metrics(generated[0]), replayed(4, "varlen"), keys, "varlen")
