@@ -87,9 +87,11 @@ def step_figures(out, nproc, peak_tflops):
 
 
 def run_trainer(config_file, nproc, steps, out, extra, env, timeout=None):
-    """torchrun train_ppo.py into `out` (kept); returns its exit code (None: stopped at timeout)."""
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--standalone", f"--nproc_per_node={nproc}", "train_ppo.py", *config_file,
+    """torchrun train_ppo.py into `out` (kept); returns its exit code (None: stopped at timeout).
+    One process runs without torchrun (train_ppo.py sets up a world of one itself)."""
+    torchrun = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
+                f"--nproc_per_node={nproc}"]
+    cmd = [*(torchrun if nproc > 1 else [sys.executable]), "train_ppo.py", *config_file,
            f"--steps={steps}", f"--out_dir={out}", "--save_every=0", "--export_hf=false", *extra]
     try:
         return subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout).returncode

@@ -86,7 +86,7 @@ def _meshes_body(rank, world_size, model, root):
                                     tp_size=tp, cp_size=cp, packing=cp > 1,
                                     steps=2, prompts_per_step=4, samples_per_prompt=2, max_new_tokens=4,
                                     micro_batch_size=2, ppo_epochs=2, lr=1e-4, critic_lr=1e-4,
-                                    sft_steps=20, sft_batch_size=8,
+                                    sft_steps=10, sft_batch_size=8,
                                     save_every=2, eval_every=2, plot_every=0, rollout_engine="hf")
                 config.validate(cfg, world_size)
                 task = rollout.ToyTask(cfg.seed)
