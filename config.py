@@ -189,6 +189,13 @@ class Config:
     clip_ratio_high: float = 0.0
     # dual clip: for A < 0 cap the loss at -A * c (c > 1; 0 = off)
     clip_ratio_c: float = 3.0
+    # the policy's objective (docs/losses.md): ppo clips each token's ratio pi/pi_old; gspo clips
+    # each sequence's (Zheng et al., 2025: the geometric mean of its tokens' ratios), in a range of
+    # its own, as narrow as the paper's: a sequence's ratio stays much nearer 1 than a token's.
+    # GSPO averages over sequences: pair it with loss_agg_mode=seq-mean-token-mean.
+    policy_loss_mode: str = "ppo"
+    gspo_clip_ratio: float = 3e-4  # GSPO's sequence ratio is kept in [1 - this, 1 + the next one]
+    gspo_clip_ratio_high: float = 4e-4  # the paper's 3e-4 below and 4e-4 above
     # clip of the value update around the old values (0 = no clipping)
     value_clip: float = 0.5
     entropy_coef: float = 0.0  # entropy bonus weight in the policy loss
@@ -221,6 +228,7 @@ CHOICES = {
     "attention": ("auto", "masked", "varlen"),
     "advantage_estimator": ("gae", "grpo", "rloo"),
     "loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "policy_loss_mode": ("ppo", "gspo"),
     "old_logprobs": ("trainer", "engine"),
     "data_parallel": ("fsdp", "ddp"),
     "export_dtype": ("auto", "bf16", "fp32"),
@@ -235,7 +243,7 @@ NON_NEGATIVE = ("steps", "kl_coef", "tis_cap", "clip_ratio_c", "eval_every", "fo
                 "value_clip", "lr", "entropy_coef", "max_grad_norm", "critic_lr", "sft_lr",
                 "weight_decay", "sft_steps", "warmup_steps", "save_every", "plot_every",
                 "logprob_chunk_size", "keep_checkpoints", "max_skipped_steps", "clip_ratio_high",
-                "loss_agg_norm", "critic_warmup_steps")
+                "loss_agg_norm", "critic_warmup_steps", "gspo_clip_ratio", "gspo_clip_ratio_high")
 
 
 # attention=masked builds a (B, T/cp, T) mask for a microbatch of B rows, and SDPA a score tensor

@@ -697,9 +697,7 @@ def load_reward_model(path, mesh, cfg):
     on the training mesh as the policy is (TP plan, FSDP2, CP, packing) and frozen: no optimizer, no
     gradient; it scores in the no-grad phase (forward_critic with shift=False). Stored in bf16 under
     the bf16 recipe and kept in host memory between its passes (_build's `frozen`)."""
-    model = load_critic(path, mesh, cfg, frozen=True)
-    model.requires_grad_(False)
-    return model
+    return load_critic(path, mesh, cfg, frozen=True).requires_grad_(False)  # (returns the module)
 
 
 # -----------------------------------------------------------------------------

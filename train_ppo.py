@@ -68,8 +68,8 @@ import sys
 import time
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import NamedTuple, Optional
 
 import config
 
@@ -95,8 +95,8 @@ import rollout  # noqa: E402
 # number of each, dividing by counts of the *global* minibatch (its response tokens, its
 # sequences), so neither dp, cp, packing nor the microbatch size changes them.
 
-def masked_sum(x, mask):
-    return (x * mask).sum()
+def masked_sum(x, mask, dim=None):
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
 
 
 def ratio_from_log(log_ratio):
@@ -180,7 +180,7 @@ def masked_whiten(x, mask, group=None, eps=1e-8):
 
 
 def policy_loss(logprobs, old_logprobs, advantages, clip_ratio, clip_ratio_high=None, clip_ratio_c=0.0,
-                tis_weight=None):
+                tis_weight=None, sequence_mask=None):
     """Clipped surrogate (Schulman et al., 2017, eq. 7), per token, as a loss to minimize:
         ratio = pi / pi_old,  loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1-eps_lo, 1+eps_hi))
     eps_lo = clip_ratio, eps_hi = clip_ratio_high (None: eps_lo). An upper bound above the lower
@@ -189,9 +189,22 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_ratio, clip_ratio_high=
     if clip_ratio_c = c > 1: where A_t < 0 the loss is also capped at -A_t * c, so a token whose
     ratio has exploded cannot dominate the update. `tis_weight` (B, S), optional: truncated
     importance weights for the engine/trainer mismatch. Returns (the per-token loss, which tokens
-    were clipped either way), both (B, S): aggregate_loss makes the loss one number."""
+    were clipped either way), both (B, S): aggregate_loss makes the loss one number.
+
+    GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"), with `sequence_mask` (B, S),
+    the response mask: every token of a sequence gets the sequence's ratio, clipped as one,
+        s_b = exp((1/L_b) sum_t m log(pi/pi_old)),
+    written as the paper's GSPO-token (eq. 13): on token t, the value log s_b, with the gradient
+    of log pi_t alone (log s_b - log pi_t detached + log pi_t). With seq-mean-token-mean the
+    gradient is GSPO's: A_b s_b (1/L_b) sum_t grad log pi_t per unclipped sequence. A row is one
+    whole sequence wherever this runs (cp gathers rows; packed rows are unpacked before any loss),
+    so the mean holds under every mesh."""
     clip_ratio_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
-    ratio = ratio_from_log(logprobs - old_logprobs)  # (B, S)
+    log_ratio = logprobs - old_logprobs  # (B, S)
+    if sequence_mask is not None:
+        per_seq = masked_sum(log_ratio, sequence_mask, -1) / sequence_mask.sum(-1).clamp(min=1)  # (B,)
+        log_ratio = per_seq.detach()[:, None] + logprobs - logprobs.detach()  # (B, S)
+    ratio = ratio_from_log(log_ratio)  # (B, S)
     unclipped = -advantages * ratio  # (B, S)
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio_high)  # (B, S)
     per_token = torch.maximum(unclipped, clipped)  # (B, S) the pessimistic bound
@@ -270,11 +283,20 @@ def dp_sum(tensor, mesh):
     return tensor
 
 
+class Part(NamedTuple):
+    """A trained model with its AdamW and LR schedule: what a checkpoint holds of it."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+
+
 @dataclass
 class Batch:
     """This rank's sequences as right-padded (b, S) tensors, in the alignment of the module
-    docstring. The no-grad passes and the advantage step (steps 4-6) fill in the fields after
-    `unscored`."""
+    docstring. Each phase returns the fields it computes, and main() makes the next Batch with
+    them (dataclasses.replace): training_batch the rows and their scores, score() the fields of
+    step 4, compute_advantages() those of steps 5-6. A field is None only where the run has no
+    such thing (values and returns without a critic, task_scores without a reward model)."""
     ids: torch.Tensor  # (b, S) prompt + response token ids, pad_id after the end
     mask: torch.Tensor  # (b, S) 1 on response tokens
     engine_lp: torch.Tensor  # (b, S) the engine's logprob of each response token
@@ -321,9 +343,8 @@ def training_batch(every, cfg, mesh, pad_id, device):
     samples = [every[j] for j in index]
     batch = make_batch([s["prompt_ids"] for s in samples], [s["response_ids"] for s in samples], pad_id,
                        [s["engine_logprobs"] for s in samples], device)
-    batch.index = index
-    batch.scores = torch.tensor([s.get("task_score", s["reward"]) for s in samples], device=device)  # (b,)
-    return batch
+    scores = torch.tensor([s.get("task_score", s["reward"]) for s in samples], device=device)  # (b,)
+    return replace(batch, index=index, scores=scores)
 
 
 class StepStats:
@@ -346,9 +367,6 @@ class StepStats:
         self.norms = Counter()
         self.steps = Counter()
         self.skipped_updates = 0  # optimizer steps skipped for a NaN/inf loss or norm
-
-    def add(self, **shares):
-        self.shares.update(shares)
 
     def add_update(self, terms, norm_name, norm, skipped):
         """One optimizer step of a model: its loss terms ({name: this rank's share}), its grad norm
@@ -467,7 +485,7 @@ def sft_warmup(model_dir, task, cfg, mesh):
             lp, _ = model_parallel.forward_policy(policy, batch.ids[idx], lens, mesh, cfg)
             return {"sft_loss": -masked_sum(lp, batch.mask[idx]) / num_tokens}, {}
 
-        minibatch_update(policy, optimizer, nll, list(range(len(prompts))), batch, cfg, mesh)
+        minibatch_update(Part(policy, optimizer, None), nll, list(range(len(prompts))), batch, cfg, mesh)
         if it % 10 == 0 or it == cfg.sft_steps - 1:
             print0(f"sft {it + 1}/{cfg.sft_steps}")
     # + the tokenizer and generation_config (the stop ids) of model_dir
@@ -494,7 +512,7 @@ def build_models(model_dir, cfg, mesh):
         # fused: one kernel over every parameter (torch's default on CPU is a per-tensor loop,
         # 20x slower here); the same math, in a different order of float operations
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=True)
-        parts[name] = (model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup))
+        parts[name] = Part(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup))
     reward_model = model_parallel.load_reward_model(cfg.reward_model, mesh, cfg) if cfg.reward_model else None
     return parts, reference, reward_model
 
@@ -522,33 +540,33 @@ def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
 
 @torch.no_grad()
 def score(policy, reference, critic, reward_model, batch, cfg, mesh):
-    """Collective over the mesh. Step 4: the old policy's logprobs and entropy (or the engine's
-    logprobs), the reference's logprobs (the initial weights swapped into the same module), the
-    critic's values, and a reward model's scores: its output at each sequence's last token (an
-    unshifted read, unlike the critic's), which replace the task's as the reward; the task's
-    scores are kept as task_scores, to be logged beside it: the reward model's opinion and the
-    truth side by side, where reward hacking shows."""
+    """Collective over the mesh. Step 4, the passes without grad, returned as Batch fields (for
+    dataclasses.replace): the old policy's logprobs and entropy (or the engine's logprobs), the
+    reference's logprobs (the initial weights swapped into the same module), the critic's values,
+    and a reward model's scores: its output at each sequence's last token (an unshifted read,
+    unlike the critic's), which replace the task's as the reward; the task's are kept as
+    task_scores, to be logged beside it: the reward model's opinion and the truth side by side,
+    where reward hacking shows."""
     # old_logprobs=engine: the engine's logprobs stand for pi_old, one policy forward fewer
-    batch.old_lp = batch.engine_lp
-    batch.entropy = None
+    fields = dict(old_lp=batch.engine_lp, entropy=None)
+    # the policy module's pass over the batch: with its own weights, then with the reference's
+    policy_pass = functools.partial(forward_batch, model_parallel.forward_policy, policy, batch, cfg, mesh,
+                                    temperature=cfg.temperature, unscored=batch.unscored)
     if cfg.old_logprobs == "trainer":  # pi_old as the trainer computes it
-        batch.old_lp, batch.entropy = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
-                                                    temperature=cfg.temperature, with_entropy=cfg.log_entropy,
-                                                    unscored=batch.unscored)
+        fields["old_lp"], fields["entropy"] = policy_pass(with_entropy=cfg.log_entropy)
     with model_parallel.swapped_weights(policy, reference):
-        batch.ref_lp, _ = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
-                                        temperature=cfg.temperature, unscored=batch.unscored)
+        fields["ref_lp"], _ = policy_pass()
     if critic is not None:
         (values,) = forward_batch(model_parallel.forward_critic, critic, batch, cfg, mesh)
-        batch.values = values * batch.mask  # (b, S)
+        fields["values"] = values * batch.mask  # (b, S)
     if reward_model is not None:
         (outputs,) = forward_batch(model_parallel.forward_critic, reward_model, batch, cfg, mesh, shift=False)
         # not gathered through the update and generation (reshard_after_forward=false keeps every
         # unit gathered after a pass)
         model_parallel.reshard(reward_model)
         last = torch.tensor(batch.lens, device=outputs.device) - 1  # (b,) each row's last token
-        batch.task_scores = batch.scores
-        batch.scores = outputs[torch.arange(len(batch.lens)), last]  # (b,)
+        fields.update(task_scores=batch.scores, scores=outputs[torch.arange(len(batch.lens)), last])  # (b,)
+    return fields
 
 
 @torch.no_grad()
@@ -578,10 +596,15 @@ def dump_rollouts(every, all_scores, cfg, step):
 
 @torch.no_grad()
 def compute_advantages(batch, all_scores, cfg, mesh):
-    """Collective over dp (the whitening). Steps 5-6. gae: per-token reward = -kl_coef * KL at
-    every response token, + the score on the last one; GAE; whitened over the global batch.
-    grpo, rloo: the score against its prompt group's (grpo_advantages, rloo_advantages) on every
-    response token (their KL is a loss term instead, in policy_loss_terms)."""
+    """Collective over dp (the whitening). Steps 5-6, returned as Batch fields. gae: per-token
+    reward = -kl_coef * KL at every response token, + the score on the last one; GAE; whitened
+    over the global batch. grpo, rloo: the score against its prompt group's (grpo_advantages,
+    rloo_advantages) on every response token (their KL is a loss term instead, in
+    policy_loss_terms)."""
+    # Truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings
+    # you off-policy RL training", 2025): the engine sampled from pi_engine, not from the
+    # trainer's pi_old; weight each token by min(pi_old / pi_engine, cap).
+    tis = torch.clamp(ratio_from_log(batch.old_lp - batch.engine_lp), max=cfg.tis_cap) * batch.mask  # (b, S)
     if cfg.advantage_estimator != "gae":
         # from the whole batch's scores: a prompt's group may be split across dp ranks
         if cfg.advantage_estimator == "grpo":
@@ -589,26 +612,22 @@ def compute_advantages(batch, all_scores, cfg, mesh):
         else:
             every_adv = rloo_advantages(all_scores, cfg.samples_per_prompt)  # (N,)
         mine = every_adv[batch.index]  # (b,)
-        batch.advantages = mine.to(batch.mask.device)[:, None] * batch.mask  # (b, S)
-    else:
-        kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
-        rewards = -cfg.kl_coef * kl * batch.mask  # (b, S)
-        last = torch.tensor(batch.lens) - 1  # (b,) each row's last response token
-        rewards[torch.arange(len(batch.lens)), last] += batch.scores
-        batch.advantages, batch.returns = compute_gae(rewards, batch.values, batch.mask, cfg.gamma, cfg.lam)
-        if cfg.whiten_advantages:
-            batch.advantages = masked_whiten(batch.advantages, batch.mask, group=mesh["dp"].get_group())
-    # Truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings
-    # you off-policy RL training", 2025): the engine sampled from pi_engine, not from the
-    # trainer's pi_old; weight each token by min(pi_old / pi_engine, cap).
-    batch.tis = torch.clamp(ratio_from_log(batch.old_lp - batch.engine_lp), max=cfg.tis_cap) * batch.mask
+        return dict(advantages=mine.to(batch.mask.device)[:, None] * batch.mask, tis=tis)  # (b, S)
+    kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
+    rewards = -cfg.kl_coef * kl * batch.mask  # (b, S)
+    last = torch.tensor(batch.lens) - 1  # (b,) each row's last response token
+    rewards[torch.arange(len(batch.lens)), last] += batch.scores
+    advantages, returns = compute_gae(rewards, batch.values, batch.mask, cfg.gamma, cfg.lam)
+    if cfg.whiten_advantages:
+        advantages = masked_whiten(advantages, batch.mask, group=mesh["dp"].get_group())
+    return dict(advantages=advantages, returns=returns, tis=tis)
 
 
 # -----------------------------------------------------------------------------
 # Steps 7-8: the update, one optimizer step per minibatch and model.
 
-def minibatch_update(model, optimizer, loss_fn, rows, batch, cfg, mesh, stats=None, norm_name="grad_norm"):
-    """Collective over the mesh. One optimizer step of `model` on the batch rows `rows`.
+def minibatch_update(part, loss_fn, rows, batch, cfg, mesh, stats=None, norm_name="grad_norm"):
+    """Collective over the mesh. One optimizer step of a Part's model on the batch rows `rows`.
 
     `loss_fn(idx, lens)` gives, for the rows of one microbatch (idx: their indices, a tensor on
     the batch's device; lens: their lengths), (terms, counts): the loss as named terms {name:
@@ -626,34 +645,34 @@ def minibatch_update(model, optimizer, loss_fn, rows, batch, cfg, mesh, stats=No
     count_sums = Counter()
     micros = model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh)
     for i, (micro, weight) in enumerate(micros):
-        model_parallel.sync_gradients(model, sync=i == len(micros) - 1)
+        model_parallel.sync_gradients(part.model, sync=i == len(micros) - 1)
         idx = [rows[j] for j in micro]  # (a dummy: weight 0)
         terms, counts = loss_fn(model_parallel.to_device(idx, device), [batch.lens[j] for j in idx])
         (weight * sum(terms.values())).backward()
         term_sums.update({name: weight * term.detach() for name, term in terms.items()})
         count_sums.update({name: weight * count for name, count in counts.items()})
-    norm = model_parallel.clip_grad_norm(list(model.parameters()), cfg.max_grad_norm)
+    norm = model_parallel.clip_grad_norm(list(part.model.parameters()), cfg.max_grad_norm)
     # the loss is the sum of its terms: finite where each term's sum is
     finite = torch.stack([norm.to(device), *term_sums.values()]).isfinite().all().float()
     dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=mesh["dp"].get_group())
     stepped = bool(finite.item())  # the optimizer step's host read: step or skip, on every rank
     if stepped:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+        part.optimizer.step()
+    part.optimizer.zero_grad(set_to_none=True)
     if stats is not None:
-        stats.add(**count_sums)
+        stats.shares.update(count_sums)
         stats.add_update(term_sums, norm_name, norm, skipped=not stepped)
 
 
 def update(parts, batch, cfg, mesh, stats, device, train_policy=True):
     """Collective over the mesh. Steps 7-8: ppo_epochs passes over the step's fixed minibatches,
-    one optimizer step per minibatch and model, then the LR schedules. train_policy=False (the
-    critic's warm-up steps) updates the critic alone. Returns this rank's memory use (about its
-    peak)."""
+    one optimizer step per minibatch and model (minibatch_update, with the loss of each
+    microbatch below), then the LR schedules. train_policy=False (the critic's warm-up steps)
+    updates the critic alone. Returns this rank's memory use (about its peak)."""
     if cfg.offload_optimizer:  # AdamW's state back from host memory
-        for _, optimizer, _ in parts.values():
-            model_parallel.move_optimizer_state(optimizer, device)
-    policy, policy_optimizer, _ = parts["policy"]
+        for part in parts.values():
+            model_parallel.move_optimizer_state(part.optimizer, device)
+    policy, critic = parts["policy"], parts.get("critic")
     global_minibatch = cfg.global_batch_size // cfg.num_minibatches  # sequences
     per_minibatch = global_minibatch // mesh["dp"].size()  # rows per rank
     for epoch in range(cfg.ppo_epochs):
@@ -665,23 +684,37 @@ def update(parts, batch, cfg, mesh, stats, device, train_policy=True):
             aggregate = functools.partial(aggregate_loss, mode=cfg.loss_agg_mode, num_tokens=num_tokens,
                                           num_seqs=global_minibatch,
                                           norm=cfg.loss_agg_norm or cfg.max_new_tokens)
+
+            def policy_loss_of(idx, lens):  # the policy's loss: the sum of policy_loss_terms
+                lp, entropy = model_parallel.forward_policy(policy.model, batch.ids[idx], lens, mesh, cfg,
+                                                            temperature=cfg.temperature,
+                                                            with_entropy=cfg.entropy_coef > 0,
+                                                            unscored=batch.unscored)
+                # the module's name, looked up now: a fork's replacement of it is what trains
+                terms, clipped = policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg)
+                return terms, {"clipped_tokens": clipped}
+
+            def critic_loss_of(idx, lens):  # the critic's: the clipped value loss, one term
+                values = model_parallel.forward_critic(critic.model, batch.ids[idx], lens, mesh, cfg)
+                per_token = value_loss(values, batch.values[idx], batch.returns[idx], cfg.value_clip)
+                return {"value_loss": aggregate(per_token, batch.mask[idx])}, {}
+
             if train_policy:
-                update_policy(policy, policy_optimizer, batch, rows, aggregate, cfg, mesh, stats)
-            if "critic" in parts:
-                critic, critic_optimizer, _ = parts["critic"]
-                update_critic(critic, critic_optimizer, batch, rows, aggregate, cfg, mesh, stats)
-    for name, (_, _, schedule) in parts.items():
+                minibatch_update(policy, policy_loss_of, rows, batch, cfg, mesh, stats)
+            if critic is not None:
+                minibatch_update(critic, critic_loss_of, rows, batch, cfg, mesh, stats, "critic_grad_norm")
+    for name, part in parts.items():
         if name != "policy" or train_policy:  # (a policy not trained keeps its LR warm-up)
-            schedule.step()
+            part.schedule.step()
     used = memory_used_gb()
     if cfg.offload_optimizer:  # and out again: the engine gets the room
-        for _, optimizer, _ in parts.values():
-            model_parallel.move_optimizer_state(optimizer, "host")
+        for part in parts.values():
+            model_parallel.move_optimizer_state(part.optimizer, "host")
     return used
 
 
 def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
-    """The policy's loss on the batch rows `idx`, as named terms: update_policy minimizes their
+    """The policy's loss on the batch rows `idx`, as named terms: update() minimizes their
     sum, and step_metrics logs each under its name (a mean over the step's optimizer steps).
 
       policy_loss     the clipped surrogate (policy_loss), with truncated importance weights
@@ -696,7 +729,7 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
     loss_agg_mode says, with the global minibatch's counts (aggregate_loss): the shares of dp
     ranks and microbatches add up. Returns (terms, tokens the surrogate clipped: clip_frac).
 
-    A fork adds a term by wrapping this function; update_policy looks it up at each call, so the
+    A fork adds a term by wrapping this function; update() looks it up at each call, so the
     term is trained and logged:
 
         base = train_ppo.policy_loss_terms
@@ -713,8 +746,11 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
     tensor: StepStats.all_reduce)."""
     mask = batch.mask[idx]  # (rows, S)
     tis = batch.tis[idx] if cfg.tis_cap else None  # (rows, S)
-    surrogate, clipped = policy_loss(lp, batch.old_lp[idx], batch.advantages[idx], cfg.clip_ratio,
-                                     cfg.clip_ratio_high or None, cfg.clip_ratio_c, tis)  # (rows, S) each
+    clip = (cfg.clip_ratio, cfg.clip_ratio_high or None)
+    if cfg.policy_loss_mode == "gspo":  # the sequence's ratio, its own clip range (policy_loss)
+        clip = (cfg.gspo_clip_ratio, cfg.gspo_clip_ratio_high)
+    surrogate, clipped = policy_loss(lp, batch.old_lp[idx], batch.advantages[idx], *clip, cfg.clip_ratio_c,
+                                     tis, mask if cfg.policy_loss_mode == "gspo" else None)  # (rows, S) each
     terms = {"policy_loss": aggregate(surrogate, mask)}
     if cfg.entropy_coef > 0:
         # minus: maximizing the entropy is minimizing this term
@@ -729,32 +765,6 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
     return terms, masked_sum(clipped.float(), mask).detach()
 
 
-def update_policy(policy, optimizer, batch, rows, aggregate, cfg, mesh, stats):
-    """Collective over the mesh. One minibatch of the policy's loss, the sum of
-    policy_loss_terms."""
-    def loss_fn(idx, lens):
-        lp, entropy = model_parallel.forward_policy(policy, batch.ids[idx], lens, mesh, cfg,
-                                                    temperature=cfg.temperature,
-                                                    with_entropy=cfg.entropy_coef > 0,
-                                                    unscored=batch.unscored)
-        # the module's name, looked up now: a fork's replacement of it is what trains
-        terms, clipped = policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg)
-        return terms, {"clipped_tokens": clipped}
-
-    minibatch_update(policy, optimizer, loss_fn, rows, batch, cfg, mesh, stats)
-
-
-def update_critic(critic, optimizer, batch, rows, aggregate, cfg, mesh, stats):
-    """Collective over the mesh. One minibatch of the clipped value loss, one term:
-    "value_loss"."""
-    def loss_fn(idx, lens):
-        values = model_parallel.forward_critic(critic, batch.ids[idx], lens, mesh, cfg)
-        per_token = value_loss(values, batch.values[idx], batch.returns[idx], cfg.value_clip)  # (rows, S)
-        return {"value_loss": aggregate(per_token, batch.mask[idx])}, {}
-
-    minibatch_update(critic, optimizer, loss_fn, rows, batch, cfg, mesh, stats, "critic_grad_norm")
-
-
 # -----------------------------------------------------------------------------
 # Step 10: metrics, plot, checkpoints.
 
@@ -765,16 +775,16 @@ def batch_stats(batch, cfg, stats):
     kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
     mismatch = (batch.old_lp - batch.engine_lp).abs()  # (b, S)
     if batch.entropy is not None:  # none with old_logprobs=engine or log_entropy=false
-        stats.add(entropy=masked_sum(batch.entropy, mask))
-    stats.add(tokens=mask.sum(), kl=masked_sum(kl, mask), mismatch=masked_sum(mismatch, mask),
+        stats.shares.update(entropy=masked_sum(batch.entropy, mask))
+    stats.shares.update(tokens=mask.sum(), kl=masked_sum(kl, mask), mismatch=masked_sum(mismatch, mask),
               mult_prob_error=masked_sum(torch.exp(mismatch), mask), sequences=len(batch.lens),
               all_tokens=sum(batch.lens), reward=scores.sum(), reward_sq=(scores ** 2).sum())
     if batch.task_scores is not None:  # the rule, beside a reward model's score
-        stats.add(task_score=batch.task_scores.sum())
+        stats.shares.update(task_score=batch.task_scores.sum())
     if batch.returns is not None:
         # for the explained variance 1 - Var(R - V) / Var(R), over response tokens
         err = (batch.returns - batch.values) * mask  # (b, S)
-        stats.add(ret=batch.returns.sum(), ret_sq=(batch.returns ** 2).sum(),
+        stats.shares.update(ret=batch.returns.sum(), ret_sq=(batch.returns ** 2).sum(),
                   err=err.sum(), err_sq=(err ** 2).sum())
 
 
@@ -934,7 +944,7 @@ def start_metrics_log(cfg, start_step):
 # shards need. get_state_dict/set_state_dict name everything by the plain module FQN, so a
 # checkpoint saved at dp=2 loads at tp=2 (or dp=1, cp=2, ...). Beside it, every rank saves its
 # small trainer state (progress, LR schedulers, RNG states) with torch.save.
-# `parts` is {name: (model, optimizer, LR scheduler)}, the same names when saving and loading.
+# `parts` is {name: Part}, the same names when saving and loading.
 
 def _is_complete(path):
     """A checkpoint dir is complete once renamed from .tmp: DCP's .metadata (written last, by
@@ -976,11 +986,11 @@ def _sharded_state(parts, optimizers):
     step at lr 0, AdamW's moments allocated on the GPU while vLLM is awake), and the policy's
     first real update would then be bias-corrected as AdamW's second."""
     state = {}
-    for name, (model, optimizer, _) in parts.items():
-        model_parallel.reshard(model)  # the registered parameters must be the sharded ones
-        state[name] = get_model_state_dict(model)
+    for name, part in parts.items():
+        model_parallel.reshard(part.model)  # the registered parameters must be the sharded ones
+        state[name] = get_model_state_dict(part.model)
         if name in optimizers:
-            state[name + "_optimizer"] = get_optimizer_state_dict(model, optimizer)
+            state[name + "_optimizer"] = get_optimizer_state_dict(part.model, part.optimizer)
     return state
 
 
@@ -995,12 +1005,11 @@ def save_checkpoint(root, parts, keep, progress):
         shutil.rmtree(path + ".tmp", ignore_errors=True)  # left by a run killed while saving
         os.makedirs(path + ".tmp")
     dist.barrier()
-    stepped = [name for name, (_, optimizer, _) in parts.items() if optimizer.state]
+    stepped = [name for name, part in parts.items() if part.optimizer.state]
     dcp.save(_sharded_state(parts, stepped), checkpoint_id=path + ".tmp")  # collective; files fsynced
     trainer_state = dict(progress=progress, rng=rollout.rng_states(),
-                         schedulers={n: p[2].state_dict() for n, p in parts.items()})
+                         schedulers={name: part.schedule.state_dict() for name, part in parts.items()})
     torch.save(trainer_state, os.path.join(path + ".tmp", f"trainer_state_rank{rank}.pt"))
-    time.sleep(float(os.environ.get("PPO_TEST_PAUSE_BEFORE_RENAME_S", "0")))  # tests kill the run here
     dist.barrier()  # every rank's files are written
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)
@@ -1026,20 +1035,20 @@ def load_checkpoint(path, parts, offload_optimizer=False):
     stepped = [name for name in parts if any(key.startswith(name + "_optimizer.") for key in saved)]
     state = _sharded_state(parts, stepped)
     dcp.load(state, checkpoint_id=path)  # collective: each rank reads the pieces its shards cover
-    for name, (model, optimizer, _) in parts.items():
-        set_model_state_dict(model, state[name])
+    for name, part in parts.items():
+        set_model_state_dict(part.model, state[name])
         if name in stepped:
-            set_optimizer_state_dict(model, optimizer, state[name + "_optimizer"])
+            set_optimizer_state_dict(part.model, part.optimizer, state[name + "_optimizer"])
         if offload_optimizer and name in stepped:
-            model_parallel.move_optimizer_state(optimizer, "host")
+            model_parallel.move_optimizer_state(part.optimizer, "host")
     state_file = os.path.join(path, f"trainer_state_rank{dist.get_rank()}.pt")
     if not os.path.isfile(state_file):  # a rank the saving run did not have
         state_file = os.path.join(path, "trainer_state_rank0.pt")
     # our own file, so weights_only=False: numpy's RNG state is not a tensor
     trainer_state = torch.load(state_file, weights_only=False)
     rollout.set_rng_states(trainer_state["rng"])
-    for name, (_, _, scheduler) in parts.items():
-        scheduler.load_state_dict(trainer_state["schedulers"][name])
+    for name, part in parts.items():
+        part.schedule.load_state_dict(trainer_state["schedulers"][name])
     return trainer_state["progress"]
 
 
@@ -1070,8 +1079,8 @@ def main(cfg, task=None):
     if cfg.sft_steps:
         model_dir = sft_warmup(model_dir, task, cfg, mesh)
     parts, reference, reward_model = build_models(model_dir, cfg, mesh)
-    policy = parts["policy"][0]
-    critic = parts["critic"][0] if "critic" in parts else None
+    policy = parts["policy"].model
+    critic = parts["critic"].model if "critic" in parts else None
     # the prompt stream: the SFT warm-up drew its first sft_steps * sft_batch_size prompts, PPO goes
     # on from there (a checkpoint saves the position)
     progress = {"step": 0, "prompts_drawn": cfg.sft_steps * cfg.sft_batch_size}
@@ -1104,10 +1113,10 @@ def main(cfg, task=None):
                 every, metrics["rollout_samples"] = rollout.rollouts(engine, task, cfg, step, start)
                 batch = training_batch(every, cfg, mesh, task.pad_id, device)
             with timed(times, "time_logprobs_s"):  # 4-6. no-grad passes, rewards, advantages
-                score(policy, reference, critic, reward_model, batch, cfg, mesh)
+                batch = replace(batch, **score(policy, reference, critic, reward_model, batch, cfg, mesh))
                 all_scores = global_scores(batch, cfg, mesh)  # (N,)
                 dump_rollouts(every, all_scores, cfg, step)
-                compute_advantages(batch, all_scores, cfg, mesh)
+                batch = replace(batch, **compute_advantages(batch, all_scores, cfg, mesh))
             with timed(times, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches
                 train_policy = step >= cfg.critic_warmup_steps
                 metrics["mem_used_gb"] = update(parts, batch, cfg, mesh, stats, device, train_policy)

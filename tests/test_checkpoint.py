@@ -67,12 +67,12 @@ def resumed(straight, tmp_path_factory):
     run_cli(2, *ARGS, f"--model={model}", "--steps=2", "--save_every=2", f"--out_dir={out}")
     after_stop = read_metrics(out)
 
-    # resume on the same mesh; the save of step 4 pauses between writing and renaming (the test
-    # hook in train_ppo.save_checkpoint), and we SIGKILL torchrun and both ranks right there
-    cmd = torchrun_cmd(2, *ARGS, f"--model={model}", "--steps=4", "--save_every=2", "--resume=auto",
-                       f"--out_dir={out}")
+    # resume on the same mesh; the save of step 4 pauses between writing and renaming (the CLI
+    # through tests/_paused_save.py), and we SIGKILL torchrun and both ranks right there
+    cmd = torchrun_cmd(2, "300", *ARGS, f"--model={model}", "--steps=4", "--save_every=2", "--resume=auto",
+                       f"--out_dir={out}", script="tests/_paused_save.py")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=cpu_env(PPO_TEST_PAUSE_BEFORE_RENAME_S="300"))
+                            env=cpu_env())
     tmp_dir = os.path.join(out, "ckpt", "step_4.tmp")
     written = os.path.join(tmp_dir, "trainer_state_rank0.pt")  # the last file a rank writes
     deadline = time.time() + 400
@@ -204,7 +204,7 @@ def test_export_loads_in_transformers_and_vllm_with_the_trainers_logprobs(straig
         mesh = model_parallel.make_mesh(1, 1, 1, "cpu")
         policy = model_parallel.load_policy(os.path.join(out, "sft"), mesh, config.Config())
         opt = torch.optim.AdamW(policy.parameters())
-        parts = {"policy": (policy, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0))}
+        parts = {"policy": train_ppo.Part(policy, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0))}
         assert train_ppo.load_checkpoint(os.path.join(out, "ckpt", "step_4"), parts)["step"] == 4
         with torch.no_grad():
             trainer, _ = model_parallel.forward_policy(policy, ids, lens, mesh, config.Config())  # (b, S)

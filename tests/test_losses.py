@@ -6,6 +6,8 @@ The mesh check runs the trainer's own update (train_ppo.update: the global count
 microbatches, the dp-summed gradients) on one fixed batch at (dp, cp, tp) = (1,1,1), (2,1,1),
 (1,2,1) and (1,1,2), padded and packed, with lr = 0 so that every mode sees the same weights; the
 losses and grad norms of every mode must equal the single process's to 1e-5."""
+import dataclasses
+import functools
 import json
 import os
 
@@ -92,6 +94,62 @@ def test_clip_higher_by_hand():
     assert clipped.tolist() == [[True, True, False, True]]
 
 
+def test_gspo_by_hand():
+    """GSPO's sequence ratio (policy_loss with the sequence mask), aggregated with
+    seq-mean-token-mean, against the paper's objective written at the sequence level and
+    differentiated by autograd, and against numbers worked out by hand. Three responses (A = +1,
+    +1, -1), token log-ratios log(pi/pi_old) with means 0.1, 0.5 and 0 (padding's are ignored):
+      1: s = e^0.1 = 1.105, inside [0.8, 1.2]: loss -s on each token; d/d logp_t = -s/3 / 3 rows
+      2: s = e^0.5 = 1.649, clipped at 1.2: loss -1.2, no gradient
+      3: s = 1, A < 0: loss +1 on each token; d/d logp_t = +1/4 / 3 rows"""
+    old = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-1.0, -1.0, 0.0, 0.0], [-3.0, -1.0, -2.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    log_ratio = torch.tensor([[0.1, -0.1, 0.3, 5.0], [0.4, 0.6, 9.0, 9.0], [-0.02, 0.0, 0.04, -0.02]])
+    adv = torch.tensor([[1.0], [1.0], [-1.0]]) * torch.ones(3, 4)
+    logp = (old + log_ratio).requires_grad_()
+    per_token, clipped = policy_loss(logp, old, adv, 0.2, 0.2, sequence_mask=mask)
+    e = torch.exp(torch.tensor(0.1)).item()
+    torch.testing.assert_close(per_token * mask, torch.tensor([[-e, -e, -e, 0.0], [-1.2, -1.2, 0.0, 0.0],
+                                                               [1.0, 1.0, 1.0, 1.0]]))
+    assert (clipped * mask.bool()).tolist() == [[False] * 4, [True, True, False, False], [False] * 4]
+    loss = aggregate_loss(per_token, mask, "seq-mean-token-mean")
+    loss.backward()
+    by_hand = torch.tensor([[-e / 9] * 3 + [0.0], [0.0] * 4, [1 / 12] * 4])
+    torch.testing.assert_close(logp.grad, by_hand)
+    # the paper's objective, sequence by sequence: mean_b max(-A_b s_b, -A_b clip(s_b, 0.8, 1.2))
+    theirs = (old + log_ratio).requires_grad_()
+    s = torch.exp(((theirs - old) * mask).sum(-1) / mask.sum(-1))  # (3,)
+    a = adv[:, 0]
+    objective = torch.maximum(-a * s, -a * s.clamp(0.8, 1.2)).mean()
+    objective.backward()
+    torch.testing.assert_close(loss, objective)
+    torch.testing.assert_close(logp.grad, theirs.grad)
+    # the token-level ratio on the same numbers differs (so the switch is seen)
+    ppo, _ = policy_loss(logp.detach(), old, adv, 0.2, 0.2)
+    assert not torch.allclose(aggregate_loss(ppo, mask, "seq-mean-token-mean"), objective)
+
+
+def test_gspo_is_the_policy_loss_mode_the_update_runs():
+    """policy_loss_terms with policy_loss_mode=gspo gives GSPO's loss in its own clip range."""
+    cfg = config.Config(policy_loss_mode="gspo", gspo_clip_ratio=0.2, gspo_clip_ratio_high=0.2,
+                        loss_agg_mode="seq-mean-token-mean", tis_cap=0.0)
+    batch = train_ppo.make_batch([[1]] * 2, [[2, 3, 4], [5, 6]], pad_id=0)
+    old = torch.tensor([[0.0, -1.0, -2.0, -0.5], [0.0, -1.0, -1.0, 0.0]])
+    lp = old + torch.tensor([[0.0, 0.1, -0.1, 0.3], [0.0, 0.4, 0.6, 0.0]])
+    batch = dataclasses.replace(batch, old_lp=old, advantages=batch.mask.clone(), ref_lp=old)
+    idx = torch.arange(2)
+    aggregate = functools.partial(aggregate_loss, mode=cfg.loss_agg_mode)
+    terms, _ = train_ppo.policy_loss_terms(lp, None, batch, idx, aggregate, cfg)
+    e = torch.exp(torch.tensor(0.1)).item()
+    assert terms["policy_loss"].item() == pytest.approx((-e - 1.2) / 2)
+    cfg.gspo_clip_ratio, cfg.gspo_clip_ratio_high = 3e-4, 4e-4  # the defaults: both clipped above
+    terms, _ = train_ppo.policy_loss_terms(lp, None, batch, idx, aggregate, cfg)
+    assert terms["policy_loss"].item() == pytest.approx(-(1 + 4e-4))
+    cfg.policy_loss_mode = "ppo"  # the token-level ratio: another number
+    terms, _ = train_ppo.policy_loss_terms(lp, None, batch, idx, aggregate, cfg)
+    assert terms["policy_loss"].item() != pytest.approx(-(1 + 4e-4))
+
+
 # ---- every mode on every mesh
 
 MESHES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]  # (dp, cp, tp)
@@ -135,8 +193,12 @@ def _mesh_body(rank, world_size, model_dir, dp, cp, tp, out):
     batch.unscored = min(whole.unscored, batch.unscored)
     results = {}
     for packing in (False, True):
-        for mode in MODES:
-            cfg.packing, cfg.loss_agg_mode = packing, mode
+        for mode in MODES + ("gspo",):
+            # gspo: the sequence's ratio (its sequence means under packing, cp and dp), clipped
+            # where these made-up ratios leave some sequences inside the range
+            cfg.packing, cfg.policy_loss_mode = packing, "gspo" if mode == "gspo" else "ppo"
+            cfg.loss_agg_mode = "seq-mean-token-mean" if mode == "gspo" else mode
+            cfg.gspo_clip_ratio = cfg.gspo_clip_ratio_high = 0.2
             stats = train_ppo.StepStats(torch.device("cpu"))
             train_ppo.update(parts, batch, cfg, mesh, stats, torch.device("cpu"))
             stats.all_reduce(mesh)
@@ -144,7 +206,7 @@ def _mesh_body(rank, world_size, model_dir, dp, cp, tp, out):
             results[f"{mode} {'packed' if packing else 'padded'}"] = {
                 name: numbers[name] / stats.steps[name] for name in NAMES}
     if world_size == 1:  # issue 34: the config's switches reach the update (checked below)
-        cfg.packing, cfg.loss_agg_mode = False, "seq-mean-token-sum-norm"
+        cfg.packing, cfg.loss_agg_mode, cfg.policy_loss_mode = False, "seq-mean-token-sum-norm", "ppo"
         switches = {}
         runs = (("norm 0", dict(loss_agg_norm=0)), ("norm 3", dict(loss_agg_norm=3)),
                 ("symmetric", dict(loss_agg_norm=0)), ("clip-higher", dict(clip_ratio_high=0.28)))
@@ -192,8 +254,11 @@ def test_every_mode_is_mesh_invariant(single_process, two_rank_meshes, dp, cp, t
     with open(os.path.join(two_rank_meshes, f"{dp}{cp}{tp}.json")) as f:
         results = json.load(f)
     reference = {case: r for case, r in reference.items() if case != "switches"}
-    # the modes differ from each other, so the check can tell them apart
-    assert len({round(r["policy_loss"], 6) for r in reference.values()}) >= 4
+    # the modes differ from each other, so the check can tell them apart (GSPO from the same
+    # aggregation with the token's ratio too)
+    assert len({round(r["policy_loss"], 6) for r in reference.values()}) >= 5
+    gspo, token = reference["gspo padded"], reference["seq-mean-token-mean padded"]
+    assert abs(gspo["policy_loss"] - token["policy_loss"]) > 1e-4
     for case, expected in reference.items():
         for name in NAMES:
             got, want = results[case][name], expected[name]
@@ -229,9 +294,9 @@ def test_the_estimator_switches_reach_compute_advantages():
     for (estimator, norm_by_std), want in by_hand.items():
         cfg = config.Config(prompts_per_step=2, samples_per_prompt=4, advantage_estimator=estimator,
                             grpo_norm_by_std=norm_by_std)
-        train_ppo.compute_advantages(batch, scores, cfg, mesh=None)
+        advantages = train_ppo.compute_advantages(batch, scores, cfg, mesh=None)["advantages"]
         expected = torch.tensor([[0.0, 0.0] + [a] * 3 for a in want])
-        torch.testing.assert_close(batch.advantages, expected, atol=1e-6, rtol=0)
+        torch.testing.assert_close(advantages, expected, atol=1e-6, rtol=0)
 
 
 # ---- the update's split over dp ranks (issue 28)

@@ -6,6 +6,7 @@ the generation shares of generated_by by hand; and small defects a GPU review fo
 that a CPU can test (log-ratio clamp, GSM8K reward needs EOS, gpu_step's FLOP count), plus the
 README's recipe. The engine-call order of a GPU run is in tests/test_gpu_paths.py."""
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -43,7 +44,7 @@ def _grpo_body(rank, world_size):
     batch.scores = torch.tensor([scores[j] for j in mine])
     every_score = train_ppo.global_scores(batch, cfg, mesh)  # the other rank's rows' scores too
     assert every_score.tolist() == scores
-    train_ppo.compute_advantages(batch, every_score, cfg, mesh)
+    batch = dataclasses.replace(batch, **train_ppo.compute_advantages(batch, every_score, cfg, mesh))
     for row, j in enumerate(mine):  # the same advantage on every response token, 0 elsewhere
         expected = torch.tensor([0.0, 0.0] + [by_hand[j]] * 3)
         torch.testing.assert_close(batch.advantages[row], expected, atol=1e-6, rtol=0)
@@ -149,7 +150,7 @@ def test_step_metrics_console_plot_and_summary_follow_the_loss_terms(tmp_path, m
                         export_hf=False)
     stats = train_ppo.StepStats("cpu")
     # 4 sequences of 10 prompt + 5 response tokens, rewards 1, 1, 1, 0
-    stats.add(tokens=20, sequences=4, all_tokens=60, reward=3, reward_sq=3, kl=0.2, mismatch=0.0,
+    stats.shares.update(tokens=20, sequences=4, all_tokens=60, reward=3, reward_sq=3, kl=0.2, mismatch=0.0,
               mult_prob_error=20, clipped_tokens=8)
     updates = [(0.1, -0.004, 0.01, 1.0, False), (-0.3, -0.002, 0.02, 2.0, False),
                (0.2, -0.002, 0.03, 3.0, True), (0.4, -0.004, 0.06, 6.0, False)]
