@@ -14,12 +14,14 @@ import importlib.util
 import inspect
 import io
 import json
+import logging
 import os
 import sys
 import textwrap
 import tokenize
 import tomllib
 import typing
+import warnings
 from dataclasses import dataclass
 
 
@@ -507,3 +509,26 @@ def save(cfg: Config, path: str) -> None:
     """Write the resolved config as JSON (rank 0 only)."""
     with open(path, "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=1)
+
+
+# -----------------------------------------------------------------------------
+# Console: the one place where third-party output is silenced. Each message below was read and
+# found harmless; errors are never hidden (vLLM still logs at ERROR).
+#  - vLLM WARNINGs: "RotaryEmbedding: Failed to load weights" at every refit (the rotary cache is
+#    not a checkpoint tensor: vLLM puts its own copy back), "Chat template warmup failed" (we skip
+#    vLLM's tokenizer on purpose), "CPU backend doesn't allow to use torch.set_num_threads" (we
+#    restore the thread count ourselves), "Triton is installed, but doesn't include CPU backend".
+#  - a FutureWarning from vLLM's own use of torch.distributed.reduce_op.
+#  - transformers' load reports and progress bars.
+
+def quiet_third_party_output() -> None:
+    """Called once, at the start of a run (train_ppo.start_run), before any model is loaded."""
+    # the variable is read when vLLM configures its logging, which it does only once an engine is
+    # built; the logger's level covers a vLLM already imported
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=r"`torch.distributed.reduce_op` is deprecated",
+                            category=FutureWarning)
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()

@@ -330,19 +330,3 @@ def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlen
     if with_entropy:
         return align(logprob), align(entropy)  # (B, S), (B, S)
     return align(logprob)  # (B, S)
-
-
-# ----------------------------------------------------------------------------
-# packed rows back to one sequence per row
-
-def unpack_packed(packed, cu_seqlens, seq_len):
-    """(1, T) packed row -> (n, seq_len): sequence k at row k, left-aligned, zero-padded.
-    Pure indexing, so it is differentiable and works for ids, logprobs and masks alike."""
-    starts = cu_seqlens[:-1].long().to(packed.device)  # (n,)
-    lengths = cu_seqlens[1:].long().to(packed.device) - starts  # (n,)
-    # checked on the device (no host read): on a GPU a device-side assert
-    torch._assert_async(lengths.max() <= seq_len, f"a packed sequence is longer than seq_len={seq_len}")
-    offsets = torch.arange(seq_len, device=packed.device)  # (S,)
-    valid = offsets[None, :] < lengths[:, None]  # (n, S)
-    index = (starts[:, None] + offsets[None, :]).clamp(max=packed.shape[1] - 1)  # (n, S)
-    return packed[0][index].masked_fill(~valid, 0)  # (n, S)

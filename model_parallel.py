@@ -49,7 +49,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 from config import masked_attention_error
-from logprobs import cp_gather, shift_right, token_logprobs, unpack_packed, zigzag_positions
+from logprobs import cp_gather, shift_right, token_logprobs, zigzag_positions
 
 # GPU only: flash-attn's varlen kernel skips the masked-out blocks of a packed row
 try:
@@ -91,12 +91,9 @@ def init_distributed(timeout_s=1800):
 def make_mesh(world_size, tp_size, cp_size, device_type):
     """Collective (every rank): the ("dp", "cp", "tp") mesh, tp innermost (neighbouring ranks share
     the fastest link), plus `mesh.dp_cp`, the dp x cp ranks flattened into one dim for FSDP to shard
-    over: cp ranks hold other tokens of the same rows, so their gradients are summed like dp's."""
+    over: cp ranks hold other tokens of the same rows, so their gradients are summed like dp's.
+    tp_size * cp_size must divide the world (config.validate refuses other sizes with one line)."""
     dp_size = world_size // (tp_size * cp_size)
-    if dp_size * cp_size * tp_size != world_size:
-        raise ValueError(f"dp*cp*tp must equal the world size {world_size}: tp_size={tp_size} * "
-                         f"cp_size={cp_size} does not divide it "
-                         f"(dp would be {world_size / (tp_size * cp_size):g})")
     mesh = init_device_mesh(device_type, (dp_size, cp_size, tp_size), mesh_dim_names=("dp", "cp", "tp"))
     # kept on the mesh object (torch deprecates slicing a flattened dim back out of the root mesh);
     # _flatten is private in torch 2.13, the way torchtitan builds its FSDP mesh
@@ -852,6 +849,19 @@ def _layout(input_ids, seq_lens, mesh, cfg):
                   cu_seqlens=cu_seqlens, varlen=cfg.attention == "varlen", cp_group=_group(mesh, "cp"),
                   q_rows=q_rows, kv_rows=kv_rows, q_docs=docs[:, q_rows], kv_docs=docs[:, kv_rows],
                   **_varlen_index(doc_lens, ids.shape[0], ids.shape[1], cp_size, cp_rank, kv_rows))
+
+
+def unpack_packed(packed, cu_seqlens, seq_len):
+    """(1, T) packed row -> (n, seq_len): sequence k at row k, left-aligned, zero-padded.
+    Pure indexing, so it is differentiable and works for ids, logprobs and masks alike."""
+    starts = cu_seqlens[:-1].long().to(packed.device)  # (n,)
+    lengths = cu_seqlens[1:].long().to(packed.device) - starts  # (n,)
+    # checked on the device (no host read): on a GPU a device-side assert
+    torch._assert_async(lengths.max() <= seq_len, f"a packed sequence is longer than seq_len={seq_len}")
+    offsets = torch.arange(seq_len, device=packed.device)  # (S,)
+    valid = offsets[None, :] < lengths[:, None]  # (n, S)
+    index = (starts[:, None] + offsets[None, :]).clamp(max=packed.shape[1] - 1)  # (n, S)
+    return packed[0][index].masked_fill(~valid, 0)  # (n, S)
 
 
 def _unlayout(per_token, layout, like):

@@ -7,12 +7,10 @@ each sampled token, and a score per sequence.
 """
 import hashlib
 import json
-import logging
 import math
 import os
 import random
 import re
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Optional, Protocol
@@ -800,28 +798,6 @@ def refit(engine: Engine, named_full_tensors, bucket_mb: float) -> dict:
         torch.cuda.empty_cache()
     engine.wake_up(["kv_cache"])
     return {"refit_bytes": total, "refit_largest_bucket_bytes": largest}
-
-
-# -----------------------------------------------------------------------------
-# Console: the one place where third-party output is silenced. Each message below was read and
-# found harmless; errors are never hidden (vLLM still logs at ERROR).
-#  - vLLM WARNINGs: "RotaryEmbedding: Failed to load weights" at every refit (the rotary cache is
-#    not a checkpoint tensor: vLLM puts its own copy back), "Chat template warmup failed" (we skip
-#    vLLM's tokenizer on purpose), "CPU backend doesn't allow to use torch.set_num_threads" (we
-#    restore the thread count ourselves), "Triton is installed, but doesn't include CPU backend".
-#  - a FutureWarning from vLLM's own use of torch.distributed.reduce_op.
-#  - transformers' load reports and progress bars.
-
-def quiet_third_party_output() -> None:
-    # the variable is read when vLLM configures its logging, which it does only once an engine is
-    # built; the logger's level covers a vLLM already imported
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    logging.getLogger("vllm").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=r"`torch.distributed.reduce_op` is deprecated",
-                            category=FutureWarning)
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
 
 
 # -----------------------------------------------------------------------------

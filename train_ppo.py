@@ -283,6 +283,15 @@ def dp_sum(tensor, mesh):
     return tensor
 
 
+class Models(NamedTuple):
+    """Every model of the run: the trained ones as {name: Part} (the policy, and the critic with
+    gae), the reference (the policy's initial shards, snapshot_weights) and the reward model (or
+    None)."""
+    parts: dict
+    reference: dict
+    reward_model: Optional[torch.nn.Module]
+
+
 class Part(NamedTuple):
     """A trained model with its AdamW and LR schedule: what a checkpoint holds of it."""
     model: torch.nn.Module
@@ -423,16 +432,16 @@ def start_run(cfg):
     """Collective (every rank). Join the process group, resolve the "auto" options, build the
     (dp, cp, tp) mesh; rank 0 makes out_dir and saves the resolved config there. Returns
     (device, mesh)."""
-    rollout.quiet_third_party_output()
     rank, world_size, device = model_parallel.init_distributed(cfg.collective_timeout_s)
-    kernel = model_parallel.resolve_auto(cfg, device.type)  # dtype, attention: what runs here
     mesh = model_parallel.make_mesh(world_size, cfg.tp_size, cfg.cp_size, device.type)
+    kernel = model_parallel.resolve_auto(cfg, device.type)  # dtype, attention: what runs here
+    config.quiet_third_party_output()  # before any model is loaded
     if rank == 0:
         os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
         config.save(cfg, os.path.join(cfg.out_dir, "config.json"))
     print0(f"mesh dp={mesh['dp'].size()} cp={cfg.cp_size} tp={cfg.tp_size} on {world_size} x {device.type}, "
            f"{cfg.dtype}, {'packed' if cfg.packing else 'padded'} rows, attention: {kernel}, "
-           f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine")
+           f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine, {cfg.global_batch_size} samples a step")
     return device, mesh
 
 
@@ -440,9 +449,10 @@ def prepare_inputs(cfg, task):
     """Model dir (a tiny preset is written as a real HF checkpoint), the checkpoint to resume
     from, and the task. Bad input is refused here, before any heavy work: one line, exit 2."""
     model_dir = cfg.model
-    if model_dir in model_parallel.TINY_PRESETS:
-        model_dir = model_parallel.materialize_tiny_model(cfg.model, cfg.out_dir, cfg.seed)
     try:
+        resume_dir = rank0_decides(find_checkpoint(cfg.resume, cfg.out_dir))
+        if model_dir in model_parallel.TINY_PRESETS:
+            model_dir = model_parallel.materialize_tiny_model(cfg.model, cfg.out_dir, cfg.seed)
         for path in (model_dir, cfg.critic_model, cfg.reward_model):
             if path:  # no critic_model: the critic starts from the policy's checkpoint
                 model_parallel.check_hf_dir(path, cfg.tp_size)
@@ -450,7 +460,6 @@ def prepare_inputs(cfg, task):
             raise model_parallel.CheckpointError(
                 f"reward_model={cfg.reward_model!r} has no one-label score head: give a "
                 f"*ForSequenceClassification checkpoint with num_labels=1 (scripts/train_reward_model.py)")
-        resume_dir = rank0_decides(find_checkpoint(cfg.resume, cfg.out_dir))
         if task is None:
             task = rollout.make_task(cfg, model_dir, AutoConfig.from_pretrained(model_dir).vocab_size)
     except (rollout.TaskError, model_parallel.CheckpointError) as e:
@@ -514,7 +523,7 @@ def build_models(model_dir, cfg, mesh):
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=True)
         parts[name] = Part(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup))
     reward_model = model_parallel.load_reward_model(cfg.reward_model, mesh, cfg) if cfg.reward_model else None
-    return parts, reference, reward_model
+    return Models(parts, reference, reward_model)
 
 
 # -----------------------------------------------------------------------------
@@ -955,14 +964,9 @@ def _is_complete(path):
 
 def _complete_steps(root):
     """The N of every complete root/step_N, in increasing order."""
-    if not os.path.isdir(root):
-        return []
-    steps = []
-    for name in os.listdir(root):
-        match = re.fullmatch(r"step_(\d+)", name)
-        if match and _is_complete(os.path.join(root, name)):
-            steps.append(int(match[1]))
-    return sorted(steps)
+    names = os.listdir(root) if os.path.isdir(root) else []
+    matches = [re.fullmatch(r"step_(\d+)", name) for name in names]
+    return sorted(int(m[1]) for m in matches if m and _is_complete(os.path.join(root, m[0])))
 
 
 def find_checkpoint(resume, out_dir):
@@ -1072,65 +1076,74 @@ def finish_run(cfg, policy, model_dir, engine, mesh, t_start, stopped):
     model_parallel.release_mesh(mesh)
 
 
+def ppo_step(step, progress, models, engine, task, cfg, mesh, device):
+    """Collective (every rank). One PPO step, phases 1-10 of the module docstring in order, each
+    handing what it computed to the next; `progress` holds the prompt stream's position. Returns the
+    step's metrics and the names of the loss terms the update reported, in its order."""
+    parts, reference, reward_model = models
+    policy = parts["policy"].model
+    critic = parts["critic"].model if "critic" in parts else None
+    evaluate = engine is not None and bool(task.val) and cfg.eval_every > 0
+    metrics = {"step": step}
+    times = {}
+    stats = StepStats(device)
+    with timed(times, "time_step_s"):
+        if evaluate and step % cfg.eval_every == 0:  # before the step's update
+            metrics["val_accuracy"] = rollout.validation_accuracy(engine, task, cfg, device)
+        with timed(times, "time_rollout_s"):  # 1-3. prompts, rollout, reward
+            start = progress["prompts_drawn"]  # the prompt stream's position
+            every, metrics["rollout_samples"] = rollout.rollouts(engine, task, cfg, step, start)
+            batch = training_batch(every, cfg, mesh, task.pad_id, device)
+        with timed(times, "time_logprobs_s"):  # 4-6. no-grad passes, rewards, advantages
+            batch = replace(batch, **score(policy, reference, critic, reward_model, batch, cfg, mesh))
+            all_scores = global_scores(batch, cfg, mesh)  # (N,)
+            dump_rollouts(every, all_scores, cfg, step)
+            batch = replace(batch, **compute_advantages(batch, all_scores, cfg, mesh))
+        with timed(times, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches
+            train_policy = step >= cfg.critic_warmup_steps
+            metrics["mem_used_gb"] = update(parts, batch, cfg, mesh, stats, device, train_policy)
+        with timed(times, "time_refit_s"):  # 9. push the policy into the engine (a collective)
+            # also after skipped updates: on GPU the engine dropped its weights
+            if engine is not None:
+                full_params = model_parallel.iter_full_params(policy, engine.dtype)
+                metrics.update(rollout.refit(engine, full_params, cfg.refit_bucket_mb))
+        if evaluate and step + 1 == cfg.steps:  # the policy that is exported: after the last update
+            metrics["final_val_accuracy"] = rollout.validation_accuracy(engine, task, cfg, device)
+        batch_stats(batch, cfg, stats)  # 10. metrics: one all-reduce, then named means
+        stats.all_reduce(mesh)
+    metrics.update(step_metrics(stats, times, cfg))
+    return metrics, list(stats.losses)
+
+
 def main(cfg, task=None):
     """Train with PPO. `task`: any rollout.Task (default: the config's toy_add or gsm8k)."""
     device, mesh = start_run(cfg)
     model_dir, resume_dir, task = prepare_inputs(cfg, task)
     if cfg.sft_steps:
         model_dir = sft_warmup(model_dir, task, cfg, mesh)
-    parts, reference, reward_model = build_models(model_dir, cfg, mesh)
-    policy = parts["policy"].model
-    critic = parts["critic"].model if "critic" in parts else None
+    models = build_models(model_dir, cfg, mesh)
     # the prompt stream: the SFT warm-up drew its first sft_steps * sft_batch_size prompts, PPO goes
     # on from there (a checkpoint saves the position)
     progress = {"step": 0, "prompts_drawn": cfg.sft_steps * cfg.sft_batch_size}
     if resume_dir:
-        progress = load_checkpoint(resume_dir, parts, cfg.offload_optimizer)
+        progress = load_checkpoint(resume_dir, models.parts, cfg.offload_optimizer)
     start_step = progress["step"]
     print0(f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir else "fresh start")
     stop_ids = rollout.stop_token_ids(model_dir, task.eos_id)  # the engine's `finished` is ours
     generates = cfg.steps > start_step and not cfg.replay_rollouts
     engine = rollout.make_engine(cfg, model_dir, device, stop_ids) if generates else None
+    policy = models.parts["policy"].model
     if engine is not None and start_step:  # the engine loaded model_dir: give it the resumed policy
         rollout.refit(engine, model_parallel.iter_full_params(policy, engine.dtype), cfg.refit_bucket_mb)
     start_metrics_log(cfg, start_step)
     stop_requested = install_stop_handler(device)
     t_start = time.time()
     tensorboard = tensorboard_writer(cfg)  # None unless tensorboard=true (rank 0)
-    evaluate = engine is not None and bool(task.val) and cfg.eval_every > 0
     bad_steps = 0  # steps in a row with a skipped update
     stopped = False
-
     for step in range(start_step, cfg.steps):
-        metrics = {"step": step}
-        times = {}
-        stats = StepStats(device)
-        with timed(times, "time_step_s"):
-            if evaluate and step % cfg.eval_every == 0:  # before the step's update
-                metrics["val_accuracy"] = rollout.validation_accuracy(engine, task, cfg, device)
-            with timed(times, "time_rollout_s"):  # 1-3. prompts, rollout, reward
-                start = progress["prompts_drawn"]  # the prompt stream's position
-                every, metrics["rollout_samples"] = rollout.rollouts(engine, task, cfg, step, start)
-                batch = training_batch(every, cfg, mesh, task.pad_id, device)
-            with timed(times, "time_logprobs_s"):  # 4-6. no-grad passes, rewards, advantages
-                batch = replace(batch, **score(policy, reference, critic, reward_model, batch, cfg, mesh))
-                all_scores = global_scores(batch, cfg, mesh)  # (N,)
-                dump_rollouts(every, all_scores, cfg, step)
-                batch = replace(batch, **compute_advantages(batch, all_scores, cfg, mesh))
-            with timed(times, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches
-                train_policy = step >= cfg.critic_warmup_steps
-                metrics["mem_used_gb"] = update(parts, batch, cfg, mesh, stats, device, train_policy)
-            with timed(times, "time_refit_s"):  # 9. push the policy into the engine (a collective)
-                # also after skipped updates: on GPU the engine dropped its weights
-                if engine is not None:
-                    full_params = model_parallel.iter_full_params(policy, engine.dtype)
-                    metrics.update(rollout.refit(engine, full_params, cfg.refit_bucket_mb))
-            if evaluate and step + 1 == cfg.steps:  # the policy that is exported: after the last update
-                metrics["final_val_accuracy"] = rollout.validation_accuracy(engine, task, cfg, device)
-            batch_stats(batch, cfg, stats)  # 10. metrics: one all-reduce, then named means
-            stats.all_reduce(mesh)
-        metrics.update(step_metrics(stats, times, cfg))
-        log_step(step, metrics, list(stats.losses), cfg, t_start, start_step, tensorboard)
+        metrics, loss_names = ppo_step(step, progress, models, engine, task, cfg, mesh, device)
+        log_step(step, metrics, loss_names, cfg, t_start, start_step, tensorboard)
         bad_steps = bad_steps + 1 if metrics["skipped_updates"] else 0
         if cfg.max_skipped_steps and bad_steps >= cfg.max_skipped_steps:
             print0(f"stopping: {bad_steps} steps in a row skipped updates (NaN/inf loss or grad norm): "
@@ -1142,7 +1155,7 @@ def main(cfg, task=None):
         # that resume=auto goes on from there
         periodic = cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps)
         if stopped or periodic:
-            save_checkpoint(os.path.join(cfg.out_dir, "ckpt"), parts, cfg.keep_checkpoints, progress)
+            save_checkpoint(os.path.join(cfg.out_dir, "ckpt"), models.parts, cfg.keep_checkpoints, progress)
         if stopped:
             print0(f"stopped by a signal after step {step + 1}: checkpoint saved; --resume=auto goes on")
             break

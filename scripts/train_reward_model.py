@@ -94,7 +94,7 @@ def train(args) -> None:
     from transformers import AutoConfig, AutoModelForSequenceClassification
     import config as config_module
     import rollout
-    rollout.quiet_third_party_output()  # transformers' progress bars
+    config_module.quiet_third_party_output()  # transformers' progress bars
     cfg = config_module.parse_args(["--config", args.config] if args.config else [])
     task = rollout.make_task(cfg, args.init, AutoConfig.from_pretrained(args.init).vocab_size)
     with open(args.pairs) as f:

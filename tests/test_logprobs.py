@@ -13,10 +13,10 @@ from conftest import at_positions, plain_logprobs
 from logprobs import (
     cp_gather,
     token_logprobs,
-    unpack_packed,
     zigzag_positions,
     zigzag_split,
 )
+from model_parallel import unpack_packed  # (the layout's: packed rows back to one sequence a row)
 
 TOL = dict(atol=1e-5, rtol=0)  # fp32 everywhere in the distributed cases
 

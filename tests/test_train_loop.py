@@ -151,7 +151,7 @@ def test_step_metrics_console_plot_and_summary_follow_the_loss_terms(tmp_path, m
     stats = train_ppo.StepStats("cpu")
     # 4 sequences of 10 prompt + 5 response tokens, rewards 1, 1, 1, 0
     stats.shares.update(tokens=20, sequences=4, all_tokens=60, reward=3, reward_sq=3, kl=0.2, mismatch=0.0,
-              mult_prob_error=20, clipped_tokens=8)
+                        mult_prob_error=20, clipped_tokens=8)
     updates = [(0.1, -0.004, 0.01, 1.0, False), (-0.3, -0.002, 0.02, 2.0, False),
                (0.2, -0.002, 0.03, 3.0, True), (0.4, -0.004, 0.06, 6.0, False)]
     for pg, bonus, penalty, norm, skipped in updates:
