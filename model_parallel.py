@@ -1103,14 +1103,13 @@ def _safetensors_header(tensors, dtype):
     return struct.pack("<Q", len(blob)) + blob
 
 
-def save_hf(model, path, dtype=torch.float32, copy_from=None, extra_files=None, shard_gb=5.0):
+def save_hf(model, path, dtype=torch.float32, copy_from=None, shard_gb=5.0):
     """Collective (every rank): write an HF checkpoint dir loadable by from_pretrained and vLLM:
     config.json and the weights in `dtype`, in safetensors files of at most shard_gb (several: the
     hub's model-0000k-of-0000n.safetensors + model.safetensors.index.json). Streamed: rank 0 writes
     each file's header first, then appends every parameter as it is gathered, so no rank holds more
     than one full tensor beyond its shards. copy_from: a model dir whose TOKENIZER_FILES are copied
-    in; extra_files: {file name: text}. Written to a temp dir and renamed: `path` is never
-    half-written."""
+    in. Written to a temp dir and renamed: `path` is never half-written."""
     master = dist.get_rank() == 0
     tmp = path.rstrip("/") + ".tmp"
     reshard(model)
@@ -1149,9 +1148,6 @@ def save_hf(model, path, dtype=torch.float32, copy_from=None, extra_files=None, 
         # vLLM and from_pretrained(dtype="auto") load it as written
         config.dtype = dtype
         config.save_pretrained(tmp)
-        for file_name, text in (extra_files or {}).items():
-            with open(os.path.join(tmp, file_name), "w") as f:
-                f.write(text)
         if copy_from:
             for file_name in TOKENIZER_FILES:
                 if os.path.isfile(os.path.join(copy_from, file_name)):

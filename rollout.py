@@ -208,7 +208,10 @@ class Task(Protocol):
         """Response text for the reward and the dumps."""
 
     def reward(self, text: str, answer: str, finished: bool) -> float:
-        """The score of one response; finished: it ended by a stop token."""
+        """The score of one response; finished: it ended by a stop token. Validation counts a
+        greedy response as correct when its reward is at least the task's `solved_at`, an
+        optional attribute (default 1.0, a rule's full reward): a graded task sets its own bar,
+        e.g. solved_at = 10.0 for marks out of 10, or 0.9 for a partial credit that counts."""
 
 
 class TaskError(ValueError):
@@ -344,7 +347,8 @@ def validation_accuracy(engine, task: Task, cfg, device: torch.device) -> float:
     if mine:
         prompt_ids = [task.encode(q) for q, _ in mine]
         outs = engine.generate(prompt_ids, [0] * len(mine), cfg.max_new_tokens, 0.0)  # greedy
-        correct = sum(task.reward(task.decode(r), a, finished(r, engine.stop_ids)) == 1.0
+        solved = getattr(task, "solved_at", 1.0)  # the reward that counts as correct (Task)
+        correct = sum(task.reward(task.decode(r), a, finished(r, engine.stop_ids)) >= solved
                       for (r, _), (_, a) in zip(outs, mine))
     total = torch.tensor([float(correct)], device=device)
     # every member of a vLLM group counted the same prompts: divide by the group size

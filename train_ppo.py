@@ -12,7 +12,7 @@
 
 The algorithm is PPO with a learned critic and GAE, as used for RLHF by InstructGPT
 (Ouyang et al., 2022) and documented in "The N+ implementation details of RLHF with PPO"
-(Huang et al., 2024). One step, in the order of main() below:
+(Huang et al., 2024). One step, in the order of ppo_step() below:
   1. draw the next prompts (shuffled epochs, the same on every rank); the ranks generate the
      step's samples in equal shares (rollout.generated_by)
   2. rollout: the engine samples responses and returns its own logprob of each token; every
@@ -548,26 +548,29 @@ def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
 
 
 @torch.no_grad()
-def score(policy, reference, critic, reward_model, batch, cfg, mesh):
-    """Collective over the mesh. Step 4, the passes without grad, returned as Batch fields (for
-    dataclasses.replace): the old policy's logprobs and entropy (or the engine's logprobs), the
-    reference's logprobs (the initial weights swapped into the same module), the critic's values,
-    and a reward model's scores: its output at each sequence's last token (an unshifted read,
-    unlike the critic's), which replace the task's as the reward; the task's are kept as
-    task_scores, to be logged beside it: the reward model's opinion and the truth side by side,
-    where reward hacking shows."""
+def score(models, batch, cfg, mesh):
+    """Collective over the mesh. Step 4, the passes without grad of the run's Models, returned as
+    Batch fields (for dataclasses.replace): the old policy's logprobs and entropy (or the
+    engine's logprobs), the reference's logprobs (the initial weights swapped into the same
+    module), the critic's values, and a reward model's scores: its output at each sequence's last
+    token (an unshifted read, unlike the critic's), which replace the task's as the reward; the
+    task's are kept as task_scores, to be logged beside it: the reward model's opinion and the
+    truth side by side, where reward hacking shows."""
     # old_logprobs=engine: the engine's logprobs stand for pi_old, one policy forward fewer
     fields = dict(old_lp=batch.engine_lp, entropy=None)
+    policy = models.parts["policy"].model
     # the policy module's pass over the batch: with its own weights, then with the reference's
     policy_pass = functools.partial(forward_batch, model_parallel.forward_policy, policy, batch, cfg, mesh,
                                     temperature=cfg.temperature, unscored=batch.unscored)
     if cfg.old_logprobs == "trainer":  # pi_old as the trainer computes it
         fields["old_lp"], fields["entropy"] = policy_pass(with_entropy=cfg.log_entropy)
-    with model_parallel.swapped_weights(policy, reference):
+    with model_parallel.swapped_weights(policy, models.reference):
         fields["ref_lp"], _ = policy_pass()
-    if critic is not None:
+    if "critic" in models.parts:
+        critic = models.parts["critic"].model
         (values,) = forward_batch(model_parallel.forward_critic, critic, batch, cfg, mesh)
         fields["values"] = values * batch.mask  # (b, S)
+    reward_model = models.reward_model
     if reward_model is not None:
         (outputs,) = forward_batch(model_parallel.forward_critic, reward_model, batch, cfg, mesh, shift=False)
         # not gathered through the update and generation (reshard_after_forward=false keeps every
@@ -673,14 +676,14 @@ def minibatch_update(part, loss_fn, rows, batch, cfg, mesh, stats=None, norm_nam
         stats.add_update(term_sums, norm_name, norm, skipped=not stepped)
 
 
-def update(parts, batch, cfg, mesh, stats, device, train_policy=True):
+def update(parts, batch, cfg, mesh, stats, train_policy=True):
     """Collective over the mesh. Steps 7-8: ppo_epochs passes over the step's fixed minibatches,
     one optimizer step per minibatch and model (minibatch_update, with the loss of each
     microbatch below), then the LR schedules. train_policy=False (the critic's warm-up steps)
     updates the critic alone. Returns this rank's memory use (about its peak)."""
-    if cfg.offload_optimizer:  # AdamW's state back from host memory
+    if cfg.offload_optimizer:  # AdamW's state back from host memory, to the batch's device
         for part in parts.values():
-            model_parallel.move_optimizer_state(part.optimizer, device)
+            model_parallel.move_optimizer_state(part.optimizer, batch.ids.device)
     policy, critic = parts["policy"], parts.get("critic")
     global_minibatch = cfg.global_batch_size // cfg.num_minibatches  # sequences
     per_minibatch = global_minibatch // mesh["dp"].size()  # rows per rank
@@ -1080,9 +1083,7 @@ def ppo_step(step, progress, models, engine, task, cfg, mesh, device):
     """Collective (every rank). One PPO step, phases 1-10 of the module docstring in order, each
     handing what it computed to the next; `progress` holds the prompt stream's position. Returns the
     step's metrics and the names of the loss terms the update reported, in its order."""
-    parts, reference, reward_model = models
-    policy = parts["policy"].model
-    critic = parts["critic"].model if "critic" in parts else None
+    policy = models.parts["policy"].model
     evaluate = engine is not None and bool(task.val) and cfg.eval_every > 0
     metrics = {"step": step}
     times = {}
@@ -1095,13 +1096,13 @@ def ppo_step(step, progress, models, engine, task, cfg, mesh, device):
             every, metrics["rollout_samples"] = rollout.rollouts(engine, task, cfg, step, start)
             batch = training_batch(every, cfg, mesh, task.pad_id, device)
         with timed(times, "time_logprobs_s"):  # 4-6. no-grad passes, rewards, advantages
-            batch = replace(batch, **score(policy, reference, critic, reward_model, batch, cfg, mesh))
+            batch = replace(batch, **score(models, batch, cfg, mesh))
             all_scores = global_scores(batch, cfg, mesh)  # (N,)
             dump_rollouts(every, all_scores, cfg, step)
             batch = replace(batch, **compute_advantages(batch, all_scores, cfg, mesh))
         with timed(times, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches
             train_policy = step >= cfg.critic_warmup_steps
-            metrics["mem_used_gb"] = update(parts, batch, cfg, mesh, stats, device, train_policy)
+            metrics["mem_used_gb"] = update(models.parts, batch, cfg, mesh, stats, train_policy)
         with timed(times, "time_refit_s"):  # 9. push the policy into the engine (a collective)
             # also after skipped updates: on GPU the engine dropped its weights
             if engine is not None:
@@ -1117,6 +1118,7 @@ def ppo_step(step, progress, models, engine, task, cfg, mesh, device):
 
 def main(cfg, task=None):
     """Train with PPO. `task`: any rollout.Task (default: the config's toy_add or gsm8k)."""
+    cfg.task = cfg.task if task is None else type(task).__name__  # config.json names a fork's task
     device, mesh = start_run(cfg)
     model_dir, resume_dir, task = prepare_inputs(cfg, task)
     if cfg.sft_steps:

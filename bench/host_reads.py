@@ -54,7 +54,7 @@ def count_update_reads(packing, micro, tmp):
     batch.tis = batch.mask.clone()
     stats = train_ppo.StepStats("cpu")
     with HostReads() as reads:
-        train_ppo.update(parts, batch, cfg, mesh, stats, torch.device("cpu"))
+        train_ppo.update(parts, batch, cfg, mesh, stats)
     got = len(model_parallel.microbatches(lens, cfg, mesh))
     assert got == micro, (packing, micro, got)
     return reads.count

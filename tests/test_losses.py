@@ -200,7 +200,7 @@ def _mesh_body(rank, world_size, model_dir, dp, cp, tp, out):
             cfg.loss_agg_mode = "seq-mean-token-mean" if mode == "gspo" else mode
             cfg.gspo_clip_ratio = cfg.gspo_clip_ratio_high = 0.2
             stats = train_ppo.StepStats(torch.device("cpu"))
-            train_ppo.update(parts, batch, cfg, mesh, stats, torch.device("cpu"))
+            train_ppo.update(parts, batch, cfg, mesh, stats)
             stats.all_reduce(mesh)
             numbers = {**stats.losses, **stats.norms}
             results[f"{mode} {'packed' if packing else 'padded'}"] = {
@@ -214,7 +214,7 @@ def _mesh_body(rank, world_size, model_dir, dp, cp, tp, out):
             for key, value in overrides.items():
                 setattr(cfg, key, value)
             stats = train_ppo.StepStats(torch.device("cpu"))
-            train_ppo.update(parts, batch, cfg, mesh, stats, torch.device("cpu"))
+            train_ppo.update(parts, batch, cfg, mesh, stats)
             stats.all_reduce(mesh)
             switches[label] = dict(policy_loss=stats.losses["policy_loss"],
                                    clipped=stats.shares["clipped_tokens"])

@@ -74,7 +74,9 @@ def _one_rank_body(rank, world_size, tmp):
     policy = model_parallel.load_policy(path, mesh, bf16)
     batch = train_ppo.make_batch([[1, 2, 3], [4, 5]], [[6, 7], [8]], pad_id=257)
     batch.scores = torch.zeros(2)
-    train_ppo.score(policy, model_parallel.snapshot_weights(policy), None, reward_model, batch, keep, mesh)
+    snapshot = model_parallel.snapshot_weights(policy)
+    models = train_ppo.Models({"policy": train_ppo.Part(policy, None, None)}, snapshot, reward_model)
+    train_ppo.score(models, batch, keep, mesh)
     gathered = [n for n, p in reward_model.named_parameters() if not isinstance(p, DTensor)]
     assert not gathered, f"the reward model was left gathered: {gathered}"
     assert not _offloaded(policy)
