@@ -378,7 +378,7 @@ def _validate_values(cfg: Config) -> None:
     if 0 < cfg.clip_ratio_c <= 1:
         raise ConfigError(f"clip_ratio_c={cfg.clip_ratio_c} must be > 1 (verl's default 3.0) "
                           f"or 0 for no dual clip")
-    if cfg.advantage_estimator in ("grpo", "rloo") and cfg.samples_per_prompt < 2:
+    if cfg.advantage_estimator != "gae" and cfg.samples_per_prompt < 2:  # a group estimator
         raise ConfigError(f"advantage_estimator={cfg.advantage_estimator} needs samples_per_prompt "
                           f">= 2 (got {cfg.samples_per_prompt}): its advantage is a response's score "
                           f"against the other responses to its prompt")

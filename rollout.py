@@ -814,11 +814,22 @@ _DUMPS = ThreadPoolExecutor(max_workers=1)
 _pending = []
 
 
-def dump_rollouts(path: str, samples: list) -> None:
-    """Write one JSON line per sample, atomically (temp file, then rename), in the background; the
-    samples must not change afterwards. Waits for the previous dump first."""
+def dump_rollouts(every: dict, scores, cfg, step: int) -> None:
+    """Rank 0: every sample of the step ({global index: sample}) to out_dir/rollouts/step_N.jsonl,
+    one JSON line each, with `reward` the score it was trained on (`scores`, (N,) by global
+    index); with a reward model, the task's rule as `task_score` beside it. Written in the
+    background, atomically (temp file, then rename): the samples must not change afterwards.
+    Waits for the previous dump first."""
+    if dist.get_rank() != 0:
+        return
     wait_for_dumps()
-    _pending.append(_DUMPS.submit(_write_jsonl, path, sorted(samples, key=lambda s: s["index"])))
+    if cfg.reward_model:  # (else `reward` is the task's score already)
+        trained_on = scores.tolist()  # (N,) one host read
+        for j, sample in every.items():
+            sample["task_score"] = sample.get("task_score", sample["reward"])
+            sample["reward"] = trained_on[j]
+    path = os.path.join(cfg.out_dir, "rollouts", f"step_{step}.jsonl")
+    _pending.append(_DUMPS.submit(_write_jsonl, path, sorted(every.values(), key=lambda s: s["index"])))
 
 
 def wait_for_dumps() -> None:

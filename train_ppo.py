@@ -166,6 +166,17 @@ def rloo_advantages(scores, group_size):
     return (groups - others).view(-1)  # (N,)
 
 
+# The critic-free advantage estimators, by their config name: every sample's score (N,) of the
+# global batch, prompt-major -> its advantage (N,), put on each of its response tokens. A new
+# estimator is one entry here and its name in config.CHOICES; without an entry, the name would
+# need a critic (gae, the learned critic with GAE below, is the one that does). The KL to the
+# reference is then a loss term (policy_loss_terms), not a per-token reward.
+GROUP_ADVANTAGES = {
+    "grpo": lambda scores, cfg: grpo_advantages(scores, cfg.samples_per_prompt, cfg.grpo_norm_by_std),
+    "rloo": lambda scores, cfg: rloo_advantages(scores, cfg.samples_per_prompt),
+}
+
+
 def masked_whiten(x, mask, group=None, eps=1e-8):
     """Collective over `group` (dp). (x - mean) / std over the masked tokens of the *global*
     batch (sum, sum of squares and count all-reduced over the group), never per rank.
@@ -592,20 +603,6 @@ def global_scores(batch, cfg, mesh):
     return dp_sum(scores, mesh).float()
 
 
-def dump_rollouts(every, all_scores, cfg, step):
-    """Rank 0: every sample of the step to out_dir/rollouts/step_N.jsonl, with `reward` the score
-    it was trained on; with a reward model, the task's rule as `task_score` beside it. Written in
-    the background (the next phases do not wait for the disk)."""
-    if dist.get_rank() != 0:
-        return
-    if cfg.reward_model:  # (else `reward` is the task's score already)
-        scores = all_scores.tolist()  # (N,) one host read
-        for j, sample in every.items():
-            sample["task_score"] = sample.get("task_score", sample["reward"])
-            sample["reward"] = scores[j]
-    rollout.dump_rollouts(os.path.join(cfg.out_dir, "rollouts", f"step_{step}.jsonl"), list(every.values()))
-
-
 @torch.no_grad()
 def compute_advantages(batch, all_scores, cfg, mesh):
     """Collective over dp (the whitening). Steps 5-6, returned as Batch fields. gae: per-token
@@ -617,12 +614,9 @@ def compute_advantages(batch, all_scores, cfg, mesh):
     # you off-policy RL training", 2025): the engine sampled from pi_engine, not from the
     # trainer's pi_old; weight each token by min(pi_old / pi_engine, cap).
     tis = torch.clamp(ratio_from_log(batch.old_lp - batch.engine_lp), max=cfg.tis_cap) * batch.mask  # (b, S)
-    if cfg.advantage_estimator != "gae":
+    if cfg.advantage_estimator in GROUP_ADVANTAGES:
         # from the whole batch's scores: a prompt's group may be split across dp ranks
-        if cfg.advantage_estimator == "grpo":
-            every_adv = grpo_advantages(all_scores, cfg.samples_per_prompt, cfg.grpo_norm_by_std)  # (N,)
-        else:
-            every_adv = rloo_advantages(all_scores, cfg.samples_per_prompt)  # (N,)
+        every_adv = GROUP_ADVANTAGES[cfg.advantage_estimator](all_scores, cfg)  # (N,)
         mine = every_adv[batch.index]  # (b,)
         return dict(advantages=mine.to(batch.mask.device)[:, None] * batch.mask, tis=tis)  # (b, S)
     kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
@@ -767,7 +761,7 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
     if cfg.entropy_coef > 0:
         # minus: maximizing the entropy is minimizing this term
         terms["entropy_loss"] = -cfg.entropy_coef * aggregate(entropy, mask)
-    if cfg.advantage_estimator != "gae" and cfg.kl_coef > 0:
+    if cfg.advantage_estimator in GROUP_ADVANTAGES and cfg.kl_coef > 0:
         # DeepSeekMath eq. 3-4: beta * KL(pi || pi_ref) in the loss, k3 on the current policy.
         # Like the surrogate, it is a token mean over the global minibatch (DAPO, Yu et al. 2025;
         # Dr. GRPO, Liu et al. 2025), not eq. 3's mean over responses of per-response means,
@@ -802,8 +796,9 @@ def batch_stats(batch, cfg, stats):
 
 def step_metrics(stats, times, cfg):
     """The step's named numbers (every key: docs/metrics.md), from `stats` once all-reduced and
-    the step's wall times. Every loss term and grad norm the update reported is logged under its
-    own name, as a mean over the optimizer steps that reported it."""
+    `times`, a dict with the step's wall times (time_step_s, ...; its other keys pass through).
+    Every loss term and grad norm the update reported is logged under its own name, as a mean
+    over the optimizer steps that reported it."""
     sums = stats.shares
     n_tok = sums["tokens"]
     n_seq = sums["sequences"]
@@ -1083,36 +1078,34 @@ def ppo_step(step, progress, models, engine, task, cfg, mesh, device):
     """Collective (every rank). One PPO step, phases 1-10 of the module docstring in order, each
     handing what it computed to the next; `progress` holds the prompt stream's position. Returns the
     step's metrics and the names of the loss terms the update reported, in its order."""
-    policy = models.parts["policy"].model
     evaluate = engine is not None and bool(task.val) and cfg.eval_every > 0
-    metrics = {"step": step}
-    times = {}
+    metrics = {"step": step}  # and each phase's wall time (timed)
     stats = StepStats(device)
-    with timed(times, "time_step_s"):
+    with timed(metrics, "time_step_s"):
         if evaluate and step % cfg.eval_every == 0:  # before the step's update
             metrics["val_accuracy"] = rollout.validation_accuracy(engine, task, cfg, device)
-        with timed(times, "time_rollout_s"):  # 1-3. prompts, rollout, reward
+        with timed(metrics, "time_rollout_s"):  # 1-3. prompts, rollout, reward
             start = progress["prompts_drawn"]  # the prompt stream's position
             every, metrics["rollout_samples"] = rollout.rollouts(engine, task, cfg, step, start)
             batch = training_batch(every, cfg, mesh, task.pad_id, device)
-        with timed(times, "time_logprobs_s"):  # 4-6. no-grad passes, rewards, advantages
+        with timed(metrics, "time_logprobs_s"):  # 4-6. no-grad passes, rewards, advantages
             batch = replace(batch, **score(models, batch, cfg, mesh))
             all_scores = global_scores(batch, cfg, mesh)  # (N,)
-            dump_rollouts(every, all_scores, cfg, step)
+            rollout.dump_rollouts(every, all_scores, cfg, step)  # rank 0, in the background
             batch = replace(batch, **compute_advantages(batch, all_scores, cfg, mesh))
-        with timed(times, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches
+        with timed(metrics, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches
             train_policy = step >= cfg.critic_warmup_steps
             metrics["mem_used_gb"] = update(models.parts, batch, cfg, mesh, stats, train_policy)
-        with timed(times, "time_refit_s"):  # 9. push the policy into the engine (a collective)
+        with timed(metrics, "time_refit_s"):  # 9. push the policy into the engine (a collective)
             # also after skipped updates: on GPU the engine dropped its weights
             if engine is not None:
-                full_params = model_parallel.iter_full_params(policy, engine.dtype)
+                full_params = model_parallel.iter_full_params(models.parts["policy"].model, engine.dtype)
                 metrics.update(rollout.refit(engine, full_params, cfg.refit_bucket_mb))
         if evaluate and step + 1 == cfg.steps:  # the policy that is exported: after the last update
             metrics["final_val_accuracy"] = rollout.validation_accuracy(engine, task, cfg, device)
         batch_stats(batch, cfg, stats)  # 10. metrics: one all-reduce, then named means
         stats.all_reduce(mesh)
-    metrics.update(step_metrics(stats, times, cfg))
+    metrics.update(step_metrics(stats, metrics, cfg))
     return metrics, list(stats.losses)
 
 

@@ -192,8 +192,7 @@ def write_rollouts(path, steps, nan_steps, prompts_per_step=4, samples_per_promp
             samples.append(dict(index=j, prompt=prompt, answer=answer, response=answer, reward=reward,
                                 prompt_ids=tok.encode(prompt), response_ids=response,
                                 engine_logprobs=[-1.0] * len(response)))
-        rollout.dump_rollouts(os.path.join(path, f"step_{step}.jsonl"), samples)
-    rollout.wait_for_dumps()  # (written in the background)
+        rollout._write_jsonl(os.path.join(path, f"step_{step}.jsonl"), samples)
 
 
 @pytest.mark.slow  # a CLI run under torchrun

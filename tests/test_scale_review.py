@@ -201,7 +201,7 @@ def test_the_rollout_dump_is_written_while_the_step_goes_on(tmp_path, monkeypatc
     cfg = config.Config(out_dir=str(tmp_path), reward_model="rm")
     start = time.time()
     with HostReads() as reads:
-        train_ppo.dump_rollouts(every, torch.arange(8.0) / 10, cfg, step=3)
+        rollout.dump_rollouts(every, torch.arange(8.0) / 10, cfg, step=3)
     assert time.time() - start < 0.5 and reads.count == 1, reads.where
     rollout.wait_for_dumps()
     with open(tmp_path / "rollouts" / "step_3.jsonl") as f:
