@@ -92,7 +92,8 @@ def make_mesh(world_size, tp_size, cp_size, device_type):
     """Collective (every rank): the ("dp", "cp", "tp") mesh, tp innermost (neighbouring ranks share
     the fastest link), plus `mesh.dp_cp`, the dp x cp ranks flattened into one dim for FSDP to shard
     over: cp ranks hold other tokens of the same rows, so their gradients are summed like dp's.
-    tp_size * cp_size must divide the world (config.validate refuses other sizes with one line)."""
+    tp_size * cp_size must divide the world: config.validate refuses other sizes, in one line,
+    before torch is imported (tests/test_config.py)."""
     dp_size = world_size // (tp_size * cp_size)
     mesh = init_device_mesh(device_type, (dp_size, cp_size, tp_size), mesh_dim_names=("dp", "cp", "tp"))
     # kept on the mesh object (torch deprecates slicing a flattened dim back out of the root mesh);

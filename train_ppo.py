@@ -313,7 +313,7 @@ class Part(NamedTuple):
 @dataclass
 class Batch:
     """This rank's sequences as right-padded (b, S) tensors, in the alignment of the module
-    docstring. Each phase returns the fields it computes, and main() makes the next Batch with
+    docstring. Each phase returns the fields it computes, and ppo_step() makes the next Batch with
     them (dataclasses.replace): training_batch the rows and their scores, score() the fields of
     step 4, compute_advantages() those of steps 5-6. A field is None only where the run has no
     such thing (values and returns without a critic, task_scores without a reward model)."""

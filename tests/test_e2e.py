@@ -106,6 +106,9 @@ for _dp, _cp, _tp in MESHES + [(2, 2, 2)]:
     for _packing in (False, True):
         _name = f"dp{_dp}cp{_cp}tp{_tp}-{_packing}"
         REPLAYS[_dp * _cp * _tp].append((_name, mesh_flags(_dp, _cp, _tp, _packing)))
+# the 8 ranks replay the first 2 of the 3 steps (8 processes on 2 cores are the suite's slowest
+# spawn; the second step already trains on weights the first one updated)
+REPLAYS[8] = [(name, [*flags, "--steps=2"]) for name, flags in REPLAYS[8]]
 REPLAYS[2] += [("kept-gathered", ["--reshard_after_forward=false"]), ("fp32-lr1e-5", LR_1E5)]
 REPLAYS[2] += [(f"bf16-dp{d}cp{c}tp{t}", ["--dtype=bf16", *LR_1E5, *mesh_flags(d, c, t, p)])
                for d, c, t, p in BF16_MESHES]
@@ -138,8 +141,8 @@ def replayed(generated, tmp_path_factory):
     return metrics
 
 
-def assert_same_numbers(original, replay, keys, label):
-    for a, b in paired(original, replay, 3):
+def assert_same_numbers(original, replay, keys, label, steps=3):
+    for a, b in paired(original[:steps], replay, steps):
         assert a["reward_mean"] == b["reward_mean"]  # the very same rollouts
         for k in keys:
             assert close(a[k], b[k]), (label, a["step"], k, a[k], b[k])
@@ -161,7 +164,7 @@ def test_replay_on_8_ranks_with_every_axis_split(generated, replayed):
     for packing in (False, True):
         name = f"dp2cp2tp2-{packing}"
         keys = COMPARED + ("critic_grad_norm",)
-        assert_same_numbers(read_metrics(generated[0]), replayed(8, name), keys, name)
+        assert_same_numbers(read_metrics(generated[0]), replayed(8, name), keys, name, steps=2)
 
 
 def test_layers_kept_gathered_change_no_number(generated, replayed):
