@@ -96,7 +96,7 @@ import rollout  # noqa: E402
 # sequences), so neither dp, cp, packing nor the microbatch size changes them.
 
 def masked_sum(x, mask, dim=None):
-    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+    return (x * mask).sum(dim)  # dim=None: over everything
 
 
 def ratio_from_log(log_ratio):
@@ -752,11 +752,11 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
     tensor: StepStats.all_reduce)."""
     mask = batch.mask[idx]  # (rows, S)
     tis = batch.tis[idx] if cfg.tis_cap else None  # (rows, S)
-    clip = (cfg.clip_ratio, cfg.clip_ratio_high or None)
-    if cfg.policy_loss_mode == "gspo":  # the sequence's ratio, its own clip range (policy_loss)
-        clip = (cfg.gspo_clip_ratio, cfg.gspo_clip_ratio_high)
+    clip, sequence_mask = (cfg.clip_ratio, cfg.clip_ratio_high or None), None
+    if cfg.policy_loss_mode == "gspo":  # the sequence's ratio, in its own clip range (policy_loss)
+        clip, sequence_mask = (cfg.gspo_clip_ratio, cfg.gspo_clip_ratio_high), mask
     surrogate, clipped = policy_loss(lp, batch.old_lp[idx], batch.advantages[idx], *clip, cfg.clip_ratio_c,
-                                     tis, mask if cfg.policy_loss_mode == "gspo" else None)  # (rows, S) each
+                                     tis, sequence_mask)  # (rows, S) each
     terms = {"policy_loss": aggregate(surrogate, mask)}
     if cfg.entropy_coef > 0:
         # minus: maximizing the entropy is minimizing this term
@@ -783,15 +783,15 @@ def batch_stats(batch, cfg, stats):
     if batch.entropy is not None:  # none with old_logprobs=engine or log_entropy=false
         stats.shares.update(entropy=masked_sum(batch.entropy, mask))
     stats.shares.update(tokens=mask.sum(), kl=masked_sum(kl, mask), mismatch=masked_sum(mismatch, mask),
-              mult_prob_error=masked_sum(torch.exp(mismatch), mask), sequences=len(batch.lens),
-              all_tokens=sum(batch.lens), reward=scores.sum(), reward_sq=(scores ** 2).sum())
+                        mult_prob_error=masked_sum(torch.exp(mismatch), mask), sequences=len(batch.lens),
+                        all_tokens=sum(batch.lens), reward=scores.sum(), reward_sq=(scores ** 2).sum())
     if batch.task_scores is not None:  # the rule, beside a reward model's score
         stats.shares.update(task_score=batch.task_scores.sum())
     if batch.returns is not None:
         # for the explained variance 1 - Var(R - V) / Var(R), over response tokens
         err = (batch.returns - batch.values) * mask  # (b, S)
         stats.shares.update(ret=batch.returns.sum(), ret_sq=(batch.returns ** 2).sum(),
-                  err=err.sum(), err_sq=(err ** 2).sum())
+                            err=err.sum(), err_sq=(err ** 2).sum())
 
 
 def step_metrics(stats, times, cfg):

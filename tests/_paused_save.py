@@ -5,6 +5,7 @@ a machine that dies mid-save, kept out of train_ppo.py (no test hook in the main
     torchrun ... tests/_paused_save.py SECONDS --config ... (the trainer's own arguments)
 """
 import os
+import re
 import runpy
 import sys
 import time
@@ -15,7 +16,7 @@ replace = os.replace
 
 
 def paused_replace(src, dst, *args, **kwargs):
-    if os.path.isdir(src) and str(src).endswith(".tmp"):  # a checkpoint's step_N.tmp
+    if re.fullmatch(r"step_\d+\.tmp", os.path.basename(str(src))):  # a checkpoint's dir, not a dump's file
         time.sleep(pause)  # every rank's files are written (save_checkpoint's barrier came first)
     return replace(src, dst, *args, **kwargs)
 
