@@ -1,9 +1,9 @@
 """Where the data of a PPO step comes from: tasks, prompts, tokenizer, rewards, the generation
 engine, and refit (pushing the trained weights into the engine).
 
-Read this after train_ppo.py's step 1-3. Nothing here knows about PPO losses: the trainer asks for
-"these prompts, sampled with these seeds" and gets back token ids, the engine's own logprob of
-each sampled token, and a score per sequence.
+Its first section is steps 1-3 of train_ppo.py's step (rollouts), then what they use. Nothing here
+knows about PPO losses: the trainer asks for "these prompts, sampled with these seeds" and gets back
+token ids, the engine's own logprob of each sampled token, and a score per sequence.
 """
 import hashlib
 import json
@@ -20,6 +20,73 @@ import tiktoken
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, StaticCache
+
+
+# -----------------------------------------------------------------------------
+# Steps 1-3 of a PPO step, across the mesh: which rank generates which samples, and how every
+# rank gets them all. Sample j of a step is the (j % K)-th response to prompt j // K (K =
+# samples_per_prompt), seeded by what it is (sample_seed), so a config samples the same responses
+# on any mesh. Generation is split over all ranks in contiguous shares (generated_by); the
+# update's split over dp ranks is decided after generation, when the lengths are known
+# (train_ppo.balanced_split).
+
+def generated_by(cfg, rank, world_size):
+    """Global indices of the samples `rank` generates: the step's samples cut into equal
+    contiguous shares, one a rank (split, not repeated: each sample is drawn once). Which rank
+    trains on a sample is decided after generation, when the lengths are known (balanced_split),
+    so the shares need not follow the mesh; a vLLM group (rollout_tp_size consecutive ranks) draws
+    its members' consecutive shares together. 16 samples over 8 ranks: rank r draws 2r and 2r+1;
+    3 samples over 4 ranks: rank 0 draws none, ranks 1, 2, 3 one each."""
+    n = cfg.prompts_per_step * cfg.samples_per_prompt  # the step's samples
+    return list(range(rank * n // world_size, (rank + 1) * n // world_size))
+
+
+def generate_share(engine, task, cfg, step, start):
+    """Collective over each vLLM group. Draw the step's prompts (from position `start` of the
+    task's stream), sample this rank's share of the responses (generated_by) and score them.
+    The ranks of one vLLM tensor-parallel group (rollout_tp_size consecutive ranks) must pass
+    identical requests: the group generates the shares of all its members, and each keeps its
+    own. Returns (samples, number generated)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    K = cfg.samples_per_prompt  # sample j is the (j % K)-th response to prompt j // K
+    prompts = task.prompts(start, cfg.prompts_per_step)
+    prompt_ids = [task.encode(p) for p, _ in prompts]  # (chat template applied)
+    first = rank - rank % cfg.rollout_tp_size  # the first rank of this rank's vLLM group
+    group = range(first, first + cfg.rollout_tp_size)
+    wanted = [j for member in group for j in generated_by(cfg, member, world_size)]  # in order
+    outs = []  # none wanted: fewer samples than ranks
+    if wanted:
+        seeds = [sample_seed(cfg.seed, step, j // K, j % K) for j in wanted]
+        requests = [prompt_ids[j // K] for j in wanted]
+        outs = engine.generate(requests, seeds, cfg.max_new_tokens, cfg.temperature)
+    by_index = dict(zip(wanted, outs))
+    samples = []
+    for j in generated_by(cfg, rank, world_size):
+        response, lps = by_index[j]
+        prompt, answer = prompts[j // K]
+        text = task.decode(response)
+        ended = finished(response, engine.stop_ids)
+        samples.append(dict(index=j, prompt=prompt, response=text, answer=answer,
+                            prompt_ids=prompt_ids[j // K], response_ids=response, engine_logprobs=lps,
+                            finished=ended, reward=task.reward(text, answer, ended)))
+    return samples, len(wanted)
+
+
+def rollouts(engine, task, cfg, step, start):
+    """Collective (every rank). Every sample of the step, {global index: sample}, on every rank,
+    and how many samples this rank's engine generated. Each sample exists once, drawn by the rank
+    it is generated_by (vLLM's sampling is not bit-identical across GPUs, so the ranks of a dp
+    slice must not mix copies); one all-gather hands every rank the whole batch, whose lengths
+    then decide the update's split over dp ranks. replay_rollouts: a dumped step's samples
+    instead."""
+    if cfg.replay_rollouts:  # every rank reads the whole step
+        return load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl")), 0
+    mine, generated = generate_share(engine, task, cfg, step, start)
+    engine.sleep()  # GPU: vLLM frees its memory for training
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)  # collective: every rank's share on every rank
+    every = {s["index"]: s for share in gathered for s in share}
+    return every, generated
 
 
 # -----------------------------------------------------------------------------
@@ -634,127 +701,13 @@ class VLLMEngine:
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def make_engine(cfg, model_dir: str, device: torch.device, stop_ids: list) -> Engine:
-    """Collective with vLLM (every rank builds its engine together): the config's engine."""
+def make_engine(cfg, model_dir: str, device: torch.device, eos_id) -> Engine:
+    """Collective with vLLM (every rank builds its engine together): the config's engine, stopping
+    at the task's EOS and the checkpoint's own (stop_token_ids: the engine's `finished` is ours)."""
+    stop_ids = stop_token_ids(model_dir, eos_id)
     if cfg.rollout_engine == "vllm":
         return VLLMEngine(model_dir, cfg, stop_ids)
     return HFEngine(model_dir, device, stop_ids, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
-
-
-# -----------------------------------------------------------------------------
-# Steps 1-3 of a PPO step, across the mesh: which rank generates which samples, and how every
-# rank gets them all. Sample j of a step is the (j % K)-th response to prompt j // K (K =
-# samples_per_prompt), seeded by what it is (sample_seed), so a config samples the same responses
-# on any mesh. Generation is split over all ranks in contiguous shares (generated_by); the
-# update's split over dp ranks is decided after generation, when the lengths are known
-# (balanced_split).
-
-def balanced_split(lengths, num_minibatches, dp_size, chunk=1):
-    """The update's split of the step's samples over dp ranks: per rank, its global indices,
-    minibatch-major. Global minibatch m stays the contiguous block m of the samples on every mesh
-    (so the losses are the same on any mesh), and each block is dealt out in equal numbers of
-    sequences with token sums as even as possible (verl's balance_batch has the same aim):
-    contiguous slices would put one rank's share of long responses on one GPU while the others
-    wait at the next gradient reduction.
-
-    Sorted by length, the block is cut into chunks of `chunk` neighbours (half a microbatch when
-    rows are padded, so that a rank's microbatches hold rows of like length, each padded to its
-    own longest row: bench/packing.py measures both). The chunks go longest first to the rank with
-    the fewest tokens that still has room (greedy longest-processing-time, Graham 1969); then the
-    heaviest and the lightest rank swap chunks while a swap narrows their gap. `lengths`: prompt +
-    response tokens of every sample, the same list on every rank, hence the same split. `chunk`
-    must divide a rank's share of a minibatch."""
-    per_minibatch = len(lengths) // num_minibatches
-    per_rank = per_minibatch // dp_size
-    split = [[] for _ in range(dp_size)]
-
-    def tokens(c):
-        return sum(lengths[j] for j in c)
-    for m in range(num_minibatches):
-        block = sorted(range(m * per_minibatch, (m + 1) * per_minibatch), key=lambda j: -lengths[j])
-        chunks = [block[i:i + chunk] for i in range(0, per_minibatch, chunk)]  # longest first
-        parts = [[] for _ in range(dp_size)]
-        load = [0] * dp_size
-        for c in chunks:
-            r = min((r for r in range(dp_size) if len(parts[r]) < per_rank // chunk), key=lambda r: load[r])
-            parts[r].append(c)
-            load[r] += tokens(c)
-        # each swap moves d tokens (0 < d < gap) from the heaviest to the lightest rank: the sum of
-        # squared loads falls every time, so this ends
-        while True:
-            hi = max(range(dp_size), key=lambda r: load[r])
-            lo = min(range(dp_size), key=lambda r: load[r])
-            gap = load[hi] - load[lo]
-            swaps = [(a, b) for a in parts[hi] for b in parts[lo] if 0 < tokens(a) - tokens(b) < gap]
-            if not swaps:
-                break
-            a, b = min(swaps, key=lambda ab: abs(gap - 2 * (tokens(ab[0]) - tokens(ab[1]))))
-            parts[hi][parts[hi].index(a)] = b
-            parts[lo][parts[lo].index(b)] = a
-            load[hi] += tokens(b) - tokens(a)
-            load[lo] += tokens(a) - tokens(b)
-        for r in range(dp_size):
-            split[r] += sorted(j for c in parts[r] for j in c)
-    return split
-
-
-def generated_by(cfg, rank, world_size):
-    """Global indices of the samples `rank` generates: the step's samples cut into equal
-    contiguous shares, one a rank (split, not repeated: each sample is drawn once). Which rank
-    trains on a sample is decided after generation, when the lengths are known (balanced_split),
-    so the shares need not follow the mesh; a vLLM group (rollout_tp_size consecutive ranks) draws
-    its members' consecutive shares together. 16 samples over 8 ranks: rank r draws 2r and 2r+1;
-    3 samples over 4 ranks: rank 0 draws none, ranks 1, 2, 3 one each."""
-    n = cfg.global_batch_size
-    return list(range(rank * n // world_size, (rank + 1) * n // world_size))
-
-
-def generate(engine, task, cfg, step, start):
-    """Collective over each vLLM group. Draw the step's prompts (from position `start` of the
-    task's stream), sample this rank's share of the responses (generated_by) and score them.
-    The ranks of one vLLM tensor-parallel group (rollout_tp_size consecutive ranks) must pass
-    identical requests: the group generates the shares of all its members, and each keeps its
-    own. Returns (samples, number generated)."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    K = cfg.samples_per_prompt  # sample j is the (j % K)-th response to prompt j // K
-    prompts = task.prompts(start, cfg.prompts_per_step)
-    prompt_ids = [task.encode(p) for p, _ in prompts]  # (chat template applied)
-    first = rank - rank % cfg.rollout_tp_size  # the first rank of this rank's vLLM group
-    group = range(first, first + cfg.rollout_tp_size)
-    wanted = [j for member in group for j in generated_by(cfg, member, world_size)]  # in order
-    outs = []  # none wanted: fewer samples than ranks
-    if wanted:
-        seeds = [sample_seed(cfg.seed, step, j // K, j % K) for j in wanted]
-        requests = [prompt_ids[j // K] for j in wanted]
-        outs = engine.generate(requests, seeds, cfg.max_new_tokens, cfg.temperature)
-    by_index = dict(zip(wanted, outs))
-    samples = []
-    for j in generated_by(cfg, rank, world_size):
-        response, lps = by_index[j]
-        prompt, answer = prompts[j // K]
-        text = task.decode(response)
-        ended = finished(response, engine.stop_ids)
-        samples.append(dict(index=j, prompt=prompt, response=text, answer=answer,
-                            prompt_ids=prompt_ids[j // K], response_ids=response, engine_logprobs=lps,
-                            finished=ended, reward=task.reward(text, answer, ended)))
-    return samples, len(wanted)
-
-
-def rollouts(engine, task, cfg, step, start):
-    """Collective (every rank). Every sample of the step, {global index: sample}, on every rank,
-    and how many samples this rank's engine generated. Each sample exists once, drawn by the rank
-    it is generated_by (vLLM's sampling is not bit-identical across GPUs, so the ranks of a dp
-    slice must not mix copies); one all-gather hands every rank the whole batch, whose lengths
-    then decide the update's split over dp ranks. replay_rollouts: a dumped step's samples
-    instead."""
-    if cfg.replay_rollouts:  # every rank reads the whole step
-        return load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl")), 0
-    mine, generated = generate(engine, task, cfg, step, start)
-    engine.sleep()  # GPU: vLLM frees its memory for training
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)  # collective: every rank's share on every rank
-    every = {s["index"]: s for share in gathered for s in share}
-    return every, generated
 
 
 # -----------------------------------------------------------------------------

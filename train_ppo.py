@@ -355,10 +355,14 @@ def training_batch(every, cfg, mesh, pad_id, device):
     the same rows), with the task's scores (a replayed dump of a reward model's run keeps the
     task's as task_score)."""
     lengths = [len(every[j]["prompt_ids"]) + len(every[j]["response_ids"]) for j in range(len(every))]
-    per_rank = cfg.global_batch_size // cfg.num_minibatches // mesh["dp"].size()
-    # padded rows: chunks of half a microbatch (a divisor of the rank's share); packed: single rows
+    per_rank = len(every) // cfg.num_minibatches // mesh["dp"].size()  # rows of a minibatch
+    # Padded rows: a microbatch is padded to its longest row, so rows of like length should share
+    # one; balanced_split deals neighbours in length order together, in chunks of half a
+    # microbatch (whole ones would leave too few pieces to even the token sums out;
+    # bench/packing.py measures it). The gcd makes the chunk divide the rank's share: each rank
+    # gets whole chunks. Packed rows hold any mix of lengths: single rows.
     chunk = 1 if cfg.packing else math.gcd(per_rank, max(1, cfg.micro_batch_size // 2))
-    split = rollout.balanced_split(lengths, cfg.num_minibatches, mesh["dp"].size(), chunk)
+    split = balanced_split(lengths, cfg.num_minibatches, mesh["dp"].size(), chunk)
     index = split[mesh["dp"].get_local_rank()]
     samples = [every[j] for j in index]
     batch = make_batch([s["prompt_ids"] for s in samples], [s["response_ids"] for s in samples], pad_id,
@@ -367,52 +371,53 @@ def training_batch(every, cfg, mesh, pad_id, device):
     return replace(batch, index=index, scores=scores)
 
 
-class StepStats:
-    """Named sums for one step's metrics, in buckets by how each becomes a global number:
+def balanced_split(lengths, num_minibatches, dp_size, chunk=1):
+    """The update's split of the step's samples over dp ranks: per rank, its global indices,
+    minibatch-major (a rank's rows m * per_rank .. (m + 1) * per_rank - 1 are its share of
+    minibatch m: update() slices them so). Global minibatch m stays the contiguous block m of the
+    samples on every mesh (so the losses are the same on any mesh), and each block is dealt out in
+    equal numbers of sequences with token sums as even as possible (verl's balance_batch has the
+    same aim): contiguous slices would put one rank's share of long responses on one GPU while the
+    others wait at the next gradient reduction.
 
-      shares   this rank's share of a global sum (tokens, KL, rewards, clipped tokens, ...)
-      losses   each loss term's share, summed over the step's optimizer steps
-      norms    each model's grad norm (already global), summed over its optimizer steps
-      steps    how many optimizer steps reported each loss term and norm (step_metrics divides)
+    Sorted by length, the block is cut into chunks of `chunk` neighbours (training_batch says which
+    size). The chunks go longest first to the rank with the fewest tokens that still has room
+    (greedy longest-processing-time, Graham 1969); then the heaviest and the lightest rank swap
+    chunks while a swap narrows their gap. `lengths`: prompt + response tokens of every sample,
+    the same list on every rank, hence the same split. `chunk` must divide a rank's share of a
+    minibatch."""
+    per_minibatch = len(lengths) // num_minibatches
+    per_rank = per_minibatch // dp_size
+    split = [[] for _ in range(dp_size)]
 
-    shares and losses are summed over dp once, at the end (all_reduce). Nothing here names a
-    metric in advance: whatever loss terms the update reports are logged, by their names. The
-    sums may be numbers or 0-dim tensors on the device: all_reduce reads them all at once."""
-
-    def __init__(self, device):
-        self.device = device  # of the all-reduce's tensor: the trainer's (NCCL needs it on GPU)
-        # Counter: update() adds to what is there
-        self.shares = Counter()
-        self.losses = Counter()
-        self.norms = Counter()
-        self.steps = Counter()
-        self.skipped_updates = 0  # optimizer steps skipped for a NaN/inf loss or norm
-
-    def add_update(self, terms, norm_name, norm, skipped):
-        """One optimizer step of a model: its loss terms ({name: this rank's share}), its grad norm
-        (named `norm_name`), and whether it was skipped."""
-        self.losses.update(terms)
-        self.norms[norm_name] += norm
-        self.steps.update([*terms, norm_name])  # one more optimizer step for each of these names
-        self.skipped_updates += int(skipped)
-
-    def all_reduce(self, mesh):
-        """Collective over dp. Sum every rank's shares and loss terms into global sums, in place,
-        with one all-reduce for all of them; call it once, after the step's last add. Every rank
-        must have added the same names (the loss terms in the same order): they travel in one
-        tensor."""
-        names = sorted(self.shares)
-        # the loss terms keep the order the update reported them in: the console's and plot's order
-        terms = list(self.losses)
-        norms = list(self.norms)  # already global: not summed
-
-        def column(values):  # numbers and device scalars -> one (n,) float64 tensor on the device
-            return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values])
-        summed = dp_sum(column([self.shares[n] for n in names] + [self.losses[n] for n in terms]), mesh)
-        values = torch.cat([summed, column([self.norms[n] for n in norms])]).tolist()  # the one read
-        self.shares = Counter(dict(zip(names, values)))
-        self.losses = Counter(dict(zip(terms, values[len(names):])))
-        self.norms = Counter(dict(zip(norms, values[len(names) + len(terms):])))
+    def tokens(c):
+        return sum(lengths[j] for j in c)
+    for m in range(num_minibatches):
+        block = sorted(range(m * per_minibatch, (m + 1) * per_minibatch), key=lambda j: -lengths[j])
+        chunks = [block[i:i + chunk] for i in range(0, per_minibatch, chunk)]  # longest first
+        parts = [[] for _ in range(dp_size)]
+        load = [0] * dp_size
+        for c in chunks:
+            r = min((r for r in range(dp_size) if len(parts[r]) < per_rank // chunk), key=lambda r: load[r])
+            parts[r].append(c)
+            load[r] += tokens(c)
+        # each swap moves d tokens (0 < d < gap) from the heaviest to the lightest rank: the sum of
+        # squared loads falls every time, so this ends
+        while True:
+            hi = max(range(dp_size), key=lambda r: load[r])
+            lo = min(range(dp_size), key=lambda r: load[r])
+            gap = load[hi] - load[lo]
+            swaps = [(a, b) for a in parts[hi] for b in parts[lo] if 0 < tokens(a) - tokens(b) < gap]
+            if not swaps:
+                break
+            a, b = min(swaps, key=lambda ab: abs(gap - 2 * (tokens(ab[0]) - tokens(ab[1]))))
+            parts[hi][parts[hi].index(a)] = b
+            parts[lo][parts[lo].index(b)] = a
+            load[hi] += tokens(b) - tokens(a)
+            load[lo] += tokens(a) - tokens(b)
+        for r in range(dp_size):
+            split[r] += sorted(j for c in parts[r] for j in c)
+    return split
 
 
 def memory_used_gb():
@@ -452,7 +457,8 @@ def start_run(cfg):
         config.save(cfg, os.path.join(cfg.out_dir, "config.json"))
     print0(f"mesh dp={mesh['dp'].size()} cp={cfg.cp_size} tp={cfg.tp_size} on {world_size} x {device.type}, "
            f"{cfg.dtype}, {'packed' if cfg.packing else 'padded'} rows, attention: {kernel}, "
-           f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine, {cfg.global_batch_size} samples a step")
+           f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine, "
+           f"{cfg.prompts_per_step}x{cfg.samples_per_prompt} samples a step")
     return device, mesh
 
 
@@ -540,14 +546,25 @@ def build_models(model_dir, cfg, mesh):
 # -----------------------------------------------------------------------------
 # Steps 4-6: no-grad forward passes, per-token rewards, advantages.
 
+def micro_rows(rows, batch, cfg, mesh):
+    """Collective over dp. The microbatches of the batch rows `rows` (model_parallel.microbatches:
+    packed or padded, the same count on every dp rank) as (idx, lens, weight): the rows' indices as
+    a device tensor (copied without a host sync), their lengths, and the weight of their loss, 0
+    for a dummy (a rank with fewer microbatches runs rows[0] again, so that FSDP's or DDP's
+    collectives still match): a dummy's outputs are dropped, its loss counts 0 times."""
+    micros = model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh)
+    idx = [[rows[j] for j in micro] for micro, _ in micros]
+    return [(model_parallel.to_device(i, batch.ids.device), [batch.lens[j] for j in i], weight)
+            for i, (_, weight) in zip(idx, micros)]
+
+
 def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
     """Collective over the mesh. `forward(model, ids, lens, mesh, cfg, **kwargs)` (a tensor or a
-    tuple of (rows, S) tensors) over every microbatch, dummies included (they keep the
-    collectives matched); full (b, S) tensors in row order (packing reorders rows)."""
+    tuple of (rows, S) tensors) over every microbatch, dummies included; full (b, S) tensors in
+    row order (packing reorders rows)."""
     outs = None
-    for rows, weight in model_parallel.microbatches(batch.lens, cfg, mesh):
-        idx = model_parallel.to_device(rows, batch.ids.device)  # (rows,) with no host sync
-        result = forward(model, batch.ids[idx], [batch.lens[i] for i in rows], mesh, cfg, **kwargs)
+    for idx, lens, weight in micro_rows(range(len(batch.lens)), batch, cfg, mesh):
+        result = forward(model, batch.ids[idx], lens, mesh, cfg, **kwargs)
         if not isinstance(result, tuple):
             result = (result,)
         if outs is None:
@@ -593,13 +610,14 @@ def score(models, batch, cfg, mesh):
 
 
 @torch.no_grad()
-def global_scores(batch, cfg, mesh):
-    """Collective over dp. Every sample's reward by global index, (N,): each dp rank has its rows'
-    (their reward model's scores, or the task's); GRPO's and RLOO's groups may span dp ranks. Each
-    sample is one dp rank's: a sum over dp of each rank's scores at its indices, zeros elsewhere,
-    puts every score in its place (exactly: one number and zeros)."""
-    scores = torch.zeros(cfg.global_batch_size, dtype=torch.float64, device=batch.scores.device)  # (N,)
-    scores[model_parallel.to_device(batch.index, scores.device)] = batch.scores.double()
+def global_scores(batch, n, mesh):
+    """Collective over dp. Every sample's reward by global index, (n,) for the step's n samples:
+    each dp rank has its rows' (their reward model's scores, or the task's); GRPO's and RLOO's
+    groups may span dp ranks. Each sample is one dp rank's: a sum over dp of each rank's scores
+    at its indices, zeros elsewhere, puts every score in its place (exactly: one number and
+    zeros)."""
+    scores = torch.zeros(n, dtype=torch.float64, device=batch.scores.device)  # (N,)
+    scores[batch.index] = batch.scores.double()
     return dp_sum(scores, mesh).float()
 
 
@@ -618,7 +636,7 @@ def compute_advantages(batch, all_scores, cfg, mesh):
         # from the whole batch's scores: a prompt's group may be split across dp ranks
         every_adv = GROUP_ADVANTAGES[cfg.advantage_estimator](all_scores, cfg)  # (N,)
         mine = every_adv[batch.index]  # (b,)
-        return dict(advantages=mine.to(batch.mask.device)[:, None] * batch.mask, tis=tis)  # (b, S)
+        return dict(advantages=mine[:, None] * batch.mask, tis=tis)  # (b, S)
     kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
     rewards = -cfg.kl_coef * kl * batch.mask  # (b, S)
     last = torch.tensor(batch.lens) - 1  # (b,) each row's last response token
@@ -632,7 +650,7 @@ def compute_advantages(batch, all_scores, cfg, mesh):
 # -----------------------------------------------------------------------------
 # Steps 7-8: the update, one optimizer step per minibatch and model.
 
-def minibatch_update(part, loss_fn, rows, batch, cfg, mesh, stats=None, norm_name="grad_norm"):
+def minibatch_update(part, loss_fn, rows, batch, cfg, mesh):
     """Collective over the mesh. One optimizer step of a Part's model on the batch rows `rows`.
 
     `loss_fn(idx, lens)` gives, for the rows of one microbatch (idx: their indices, a tensor on
@@ -640,49 +658,50 @@ def minibatch_update(part, loss_fn, rows, batch, cfg, mesh, stats=None, norm_nam
     scalar tensor}, minimized as their sum, and numbers to count {name: scalar tensor}. Forward +
     backward over the microbatches of `rows` (the gradients add up), then clip the global grad
     norm and step, unless the norm or the loss on some dp rank is NaN/inf: then skip, weights and
-    AdamW state untouched, as Megatron-LM does. `stats` gets the terms and counts (weighted: a
-    dummy microbatch's are 0), the norm (as `norm_name`) and the skip.
+    AdamW state untouched, as Megatron-LM does. Returns (terms, counts, norm, stepped): the terms'
+    and counts' sums over the microbatches (weighted: a dummy's are 0), the grad norm before
+    clipping, and whether the step was taken.
 
     The sums stay on the device: no microbatch reads one back (on a GPU each read would wait for
     the queued kernels, and the host could not queue the next microbatch ahead). An optimizer
     step reads two numbers: the microbatch count (microbatches) and the NaN flag."""
-    device = batch.ids.device
     term_sums = Counter()
     count_sums = Counter()
-    micros = model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh)
-    for i, (micro, weight) in enumerate(micros):
+    micros = micro_rows(rows, batch, cfg, mesh)
+    for i, (idx, lens, weight) in enumerate(micros):
         model_parallel.sync_gradients(part.model, sync=i == len(micros) - 1)
-        idx = [rows[j] for j in micro]  # (a dummy: weight 0)
-        terms, counts = loss_fn(model_parallel.to_device(idx, device), [batch.lens[j] for j in idx])
+        terms, counts = loss_fn(idx, lens)
         (weight * sum(terms.values())).backward()
         term_sums.update({name: weight * term.detach() for name, term in terms.items()})
         count_sums.update({name: weight * count for name, count in counts.items()})
     norm = model_parallel.clip_grad_norm(list(part.model.parameters()), cfg.max_grad_norm)
     # the loss is the sum of its terms: finite where each term's sum is
-    finite = torch.stack([norm.to(device), *term_sums.values()]).isfinite().all().float()
+    finite = torch.stack([norm.to(batch.ids.device), *term_sums.values()]).isfinite().all().float()
     dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=mesh["dp"].get_group())
     stepped = bool(finite.item())  # the optimizer step's host read: step or skip, on every rank
     if stepped:
         part.optimizer.step()
     part.optimizer.zero_grad(set_to_none=True)
-    if stats is not None:
-        stats.shares.update(count_sums)
-        stats.add_update(term_sums, norm_name, norm, skipped=not stepped)
+    return term_sums, count_sums, norm, stepped
 
 
-def update(parts, batch, cfg, mesh, stats, train_policy=True):
+def update(parts, batch, cfg, mesh, train_policy=True):
     """Collective over the mesh. Steps 7-8: ppo_epochs passes over the step's fixed minibatches,
     one optimizer step per minibatch and model (minibatch_update, with the loss of each
     microbatch below), then the LR schedules. train_policy=False (the critic's warm-up steps)
-    updates the critic alone. Returns this rank's memory use (about its peak)."""
+    updates the critic alone. Returns the sums that step_metrics turns into the step's metrics,
+    (losses, counts, norms), each {name: sum over the step's optimizer steps}: every loss term
+    and count as this rank's share, in the order reported, and each model's grad norm (global
+    already) with `skipped_updates`, the optimizer steps skipped for a NaN/inf loss or norm."""
     if cfg.offload_optimizer:  # AdamW's state back from host memory, to the batch's device
         for part in parts.values():
             model_parallel.move_optimizer_state(part.optimizer, batch.ids.device)
     policy, critic = parts["policy"], parts.get("critic")
-    global_minibatch = cfg.global_batch_size // cfg.num_minibatches  # sequences
-    per_minibatch = global_minibatch // mesh["dp"].size()  # rows per rank
+    per_minibatch = len(batch.lens) // cfg.num_minibatches  # rows of each minibatch on this rank
+    global_minibatch = per_minibatch * mesh["dp"].size()  # sequences
+    losses, counts, norms = Counter(), Counter(), Counter()
     for epoch in range(cfg.ppo_epochs):
-        for first in range(0, cfg.num_minibatches * per_minibatch, per_minibatch):
+        for first in range(0, len(batch.lens), per_minibatch):
             rows = list(range(first, first + per_minibatch))
             # the loss's normalizers: counts over the whole global minibatch, before any
             # microbatch runs, so that no mesh changes the loss (docs/losses.md)
@@ -705,18 +724,21 @@ def update(parts, batch, cfg, mesh, stats, train_policy=True):
                 per_token = value_loss(values, batch.values[idx], batch.returns[idx], cfg.value_clip)
                 return {"value_loss": aggregate(per_token, batch.mask[idx])}, {}
 
-            if train_policy:
-                minibatch_update(policy, policy_loss_of, rows, batch, cfg, mesh, stats)
+            trained = [(policy, policy_loss_of, "grad_norm")] if train_policy else []
             if critic is not None:
-                minibatch_update(critic, critic_loss_of, rows, batch, cfg, mesh, stats, "critic_grad_norm")
+                trained.append((critic, critic_loss_of, "critic_grad_norm"))
+            for part, loss_of, norm_name in trained:
+                terms, part_counts, norm, stepped = minibatch_update(part, loss_of, rows, batch, cfg, mesh)
+                losses.update(terms)
+                counts.update(part_counts)
+                norms.update({norm_name: norm, "skipped_updates": int(not stepped)})
     for name, part in parts.items():
         if name != "policy" or train_policy:  # (a policy not trained keeps its LR warm-up)
             part.schedule.step()
-    used = memory_used_gb()
     if cfg.offload_optimizer:  # and out again: the engine gets the room
         for part in parts.values():
             model_parallel.move_optimizer_state(part.optimizer, "host")
-    return used
+    return losses, counts, norms
 
 
 def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
@@ -774,65 +796,67 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
 # -----------------------------------------------------------------------------
 # Step 10: metrics, plot, checkpoints.
 
-def batch_stats(batch, cfg, stats):
-    """This rank's shares of the per-token and per-sequence sums that the metrics need."""
-    scores = batch.scores  # (b,)
-    mask = batch.mask
+@torch.no_grad()
+def step_metrics(batch, update_sums, cfg, mesh):
+    """Collective over dp. The step's named numbers (every key: docs/metrics.md) from this rank's
+    rows and the sums of its update (update's (losses, counts, norms)). Every rank's shares of the
+    global sums below are all-reduced together, in one tensor, and read back once; then each
+    metric is divided out next to the sums it needs. Every loss term and grad norm the update
+    reported is logged under its own name, as a mean over the step's optimizer steps. (Every rank
+    reports the same names in the same order: their sums travel in one tensor.)"""
+    losses, counts, norms = update_sums
+    mask, scores = batch.mask, batch.scores  # (b, S), (b,)
     kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
     mismatch = (batch.old_lp - batch.engine_lp).abs()  # (b, S)
+    shares = dict(tokens=mask.sum(), sequences=len(batch.lens), all_tokens=sum(batch.lens),
+                  reward=scores.sum(), reward_sq=(scores ** 2).sum(), kl=masked_sum(kl, mask),
+                  mismatch=masked_sum(mismatch, mask), mult_prob_error=masked_sum(torch.exp(mismatch), mask))
     if batch.entropy is not None:  # none with old_logprobs=engine or log_entropy=false
-        stats.shares.update(entropy=masked_sum(batch.entropy, mask))
-    stats.shares.update(tokens=mask.sum(), kl=masked_sum(kl, mask), mismatch=masked_sum(mismatch, mask),
-                        mult_prob_error=masked_sum(torch.exp(mismatch), mask), sequences=len(batch.lens),
-                        all_tokens=sum(batch.lens), reward=scores.sum(), reward_sq=(scores ** 2).sum())
+        shares["entropy"] = masked_sum(batch.entropy, mask)
     if batch.task_scores is not None:  # the rule, beside a reward model's score
-        stats.shares.update(task_score=batch.task_scores.sum())
-    if batch.returns is not None:
-        # for the explained variance 1 - Var(R - V) / Var(R), over response tokens
+        shares["task_score"] = batch.task_scores.sum()
+    if batch.returns is not None:  # for the explained variance 1 - Var(R - V) / Var(R)
         err = (batch.returns - batch.values) * mask  # (b, S)
-        stats.shares.update(ret=batch.returns.sum(), ret_sq=(batch.returns ** 2).sum(),
-                            err=err.sum(), err_sq=(err ** 2).sum())
+        shares.update(ret=batch.returns.sum(), ret_sq=(batch.returns ** 2).sum(), err=err.sum(),
+                      err_sq=(err ** 2).sum())
+    shares.update(counts)
+    shares.update(losses)
 
-
-def step_metrics(stats, times, cfg):
-    """The step's named numbers (every key: docs/metrics.md), from `stats` once all-reduced and
-    `times`, a dict with the step's wall times (time_step_s, ...; its other keys pass through).
-    Every loss term and grad norm the update reported is logged under its own name, as a mean
-    over the optimizer steps that reported it."""
-    sums = stats.shares
-    n_tok = sums["tokens"]
-    n_seq = sums["sequences"]
-    reward_mean = sums["reward"] / n_seq
-    reward_var = max(sums["reward_sq"] / n_seq - reward_mean ** 2, 0.0)
-    m = dict(reward_mean=reward_mean, reward_std=math.sqrt(reward_var), kl=sums["kl"] / n_tok,
-             response_len_mean=n_tok / n_seq, logprob_mismatch=sums["mismatch"] / n_tok,
-             token_mult_prob_error=sums["mult_prob_error"] / n_tok,
+    def column(numbers):  # numbers and device scalars -> one (n,) float64 tensor on the device
+        return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=mask.device) for v in numbers])
+    # the shares summed over dp; the norms are global already: one host read for everything
+    values = torch.cat([dp_sum(column(shares.values()), mesh), column(norms.values())]).tolist()
+    s = dict(zip([*shares, *norms], values))
+    n_tok, n_seq = s["tokens"], s["sequences"]
+    reward_mean = s["reward"] / n_seq
+    reward_var = max(s["reward_sq"] / n_seq - reward_mean ** 2, 0.0)
+    m = dict(reward_mean=reward_mean, reward_std=math.sqrt(reward_var),
+             kl=s["kl"] / n_tok, response_len_mean=n_tok / n_seq, logprob_mismatch=s["mismatch"] / n_tok,
+             token_mult_prob_error=s["mult_prob_error"] / n_tok,
              # each epoch's update sees all n_tok tokens again
-             clip_frac=sums["clipped_tokens"] / (n_tok * cfg.ppo_epochs),
-             skipped_updates=stats.skipped_updates)
-    if "entropy" in sums:
-        m["entropy"] = sums["entropy"] / n_tok
-    if "task_score" in sums:  # the task's rule, beside a reward model's score (reward_mean)
-        m["task_score"] = sums["task_score"] / n_seq
-    for bucket in (stats.losses, stats.norms):
-        for name, total in bucket.items():
-            m[name] = total / stats.steps[name]
-    if "ret" in sums:
-        var_ret = sums["ret_sq"] / n_tok - (sums["ret"] / n_tok) ** 2
-        var_err = sums["err_sq"] / n_tok - (sums["err"] / n_tok) ** 2
+             clip_frac=s.get("clipped_tokens", 0.0) / (n_tok * cfg.ppo_epochs),
+             skipped_updates=int(s.get("skipped_updates", 0)))
+    if "entropy" in s:
+        m["entropy"] = s["entropy"] / n_tok
+    if "task_score" in s:  # the task's rule, beside a reward model's score (reward_mean)
+        m["task_score"] = s["task_score"] / n_seq
+    if "ret" in s:
+        var_ret = s["ret_sq"] / n_tok - (s["ret"] / n_tok) ** 2
+        var_err = s["err_sq"] / n_tok - (s["err"] / n_tok) ** 2
         m["value_explained_var"] = 1 - var_err / max(var_ret, 1e-12)
-    m.update(times)
-    m["tokens"] = int(sums["all_tokens"])  # prompt + response tokens of the global batch
-    m["tokens_per_s"] = sums["all_tokens"] / times["time_step_s"]
+    updates = cfg.ppo_epochs * cfg.num_minibatches  # optimizer steps of each trained model
+    m.update({name: s[name] / updates for name in [*losses, *norms] if name != "skipped_updates"})
+    m["tokens"] = int(s["all_tokens"])  # prompt + response tokens of the global batch
     return m
 
 
-def log_step(step, metrics, loss_names, cfg, t_start, start_step, tensorboard):
-    """Rank 0: append the row to metrics.jsonl (and TensorBoard's scalars), print one line,
+def log_step(metrics, loss_names, cfg, t_start, start_step, tensorboard):
+    """Rank 0: append the step's row to metrics.jsonl (and TensorBoard's scalars), print one line,
     redraw the plot. `loss_names`: the loss terms the update reported, in its order; the console
     line and the plot show those and no others."""
     if dist.get_rank() != 0:
         return
+    step = metrics["step"]
     path = os.path.join(cfg.out_dir, "metrics.jsonl")
     with open(path, "a") as f:
         f.write(json.dumps(metrics) + "\n")
@@ -1056,15 +1080,11 @@ def load_checkpoint(path, parts, offload_optimizer=False):
 
 # -----------------------------------------------------------------------------
 
-def finish_run(cfg, policy, model_dir, engine, mesh, t_start, stopped):
-    """Collective (every rank). The end of a run: the HF export (not after a stop signal: the run
-    is not done), the summary line, then the engine, the process group and the mesh let go."""
+def finish_run(cfg, engine, mesh, t_start, stopped):
+    """Collective (every rank). The end of a run: the summary line, then the engine, the process
+    group and the mesh let go."""
     rollout.wait_for_dumps()  # the last step's rollouts on disk
     dist.barrier()
-    if cfg.export_hf and not stopped:
-        dtype = torch.bfloat16 if cfg.export_dtype == "bf16" else torch.float32
-        # + the tokenizer files and generation_config of the dir we loaded
-        model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"), dtype, copy_from=model_dir)
     if dist.get_rank() == 0:
         print(summary(cfg, time.time() - t_start, stopped), flush=True)
     if engine is not None:
@@ -1074,13 +1094,14 @@ def finish_run(cfg, policy, model_dir, engine, mesh, t_start, stopped):
     model_parallel.release_mesh(mesh)
 
 
-def ppo_step(step, progress, models, engine, task, cfg, mesh, device):
+def ppo_step(progress, models, engine, task, cfg, mesh, device):
     """Collective (every rank). One PPO step, phases 1-10 of the module docstring in order, each
-    handing what it computed to the next; `progress` holds the prompt stream's position. Returns the
-    step's metrics and the names of the loss terms the update reported, in its order."""
+    handing what it computed to the next; `progress` holds the steps done and the prompt stream's
+    position. Returns the step's metrics and the names of the loss terms the update reported, in
+    its order."""
+    step = progress["step"]
     evaluate = engine is not None and bool(task.val) and cfg.eval_every > 0
     metrics = {"step": step}  # and each phase's wall time (timed)
-    stats = StepStats(device)
     with timed(metrics, "time_step_s"):
         if evaluate and step % cfg.eval_every == 0:  # before the step's update
             metrics["val_accuracy"] = rollout.validation_accuracy(engine, task, cfg, device)
@@ -1090,12 +1111,13 @@ def ppo_step(step, progress, models, engine, task, cfg, mesh, device):
             batch = training_batch(every, cfg, mesh, task.pad_id, device)
         with timed(metrics, "time_logprobs_s"):  # 4-6. no-grad passes, rewards, advantages
             batch = replace(batch, **score(models, batch, cfg, mesh))
-            all_scores = global_scores(batch, cfg, mesh)  # (N,)
+            all_scores = global_scores(batch, len(every), mesh)  # (N,)
             rollout.dump_rollouts(every, all_scores, cfg, step)  # rank 0, in the background
             batch = replace(batch, **compute_advantages(batch, all_scores, cfg, mesh))
         with timed(metrics, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches
-            train_policy = step >= cfg.critic_warmup_steps
-            metrics["mem_used_gb"] = update(models.parts, batch, cfg, mesh, stats, train_policy)
+            update_sums = update(models.parts, batch, cfg, mesh, train_policy=step >= cfg.critic_warmup_steps)
+            # (on a GPU the memory in use: the caching allocator still holds the update's peak)
+            metrics["mem_used_gb"] = memory_used_gb()
         with timed(metrics, "time_refit_s"):  # 9. push the policy into the engine (a collective)
             # also after skipped updates: on GPU the engine dropped its weights
             if engine is not None:
@@ -1103,10 +1125,9 @@ def ppo_step(step, progress, models, engine, task, cfg, mesh, device):
                 metrics.update(rollout.refit(engine, full_params, cfg.refit_bucket_mb))
         if evaluate and step + 1 == cfg.steps:  # the policy that is exported: after the last update
             metrics["final_val_accuracy"] = rollout.validation_accuracy(engine, task, cfg, device)
-        batch_stats(batch, cfg, stats)  # 10. metrics: one all-reduce, then named means
-        stats.all_reduce(mesh)
-    metrics.update(step_metrics(stats, metrics, cfg))
-    return metrics, list(stats.losses)
+        named = step_metrics(batch, update_sums, cfg, mesh)  # 10. one all-reduce, then named means
+    metrics.update(named, tokens_per_s=named["tokens"] / metrics["time_step_s"])
+    return metrics, list(update_sums[0])
 
 
 def main(cfg, task=None):
@@ -1124,9 +1145,8 @@ def main(cfg, task=None):
         progress = load_checkpoint(resume_dir, models.parts, cfg.offload_optimizer)
     start_step = progress["step"]
     print0(f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir else "fresh start")
-    stop_ids = rollout.stop_token_ids(model_dir, task.eos_id)  # the engine's `finished` is ours
     generates = cfg.steps > start_step and not cfg.replay_rollouts
-    engine = rollout.make_engine(cfg, model_dir, device, stop_ids) if generates else None
+    engine = rollout.make_engine(cfg, model_dir, device, task.eos_id) if generates else None
     policy = models.parts["policy"].model
     if engine is not None and start_step:  # the engine loaded model_dir: give it the resumed policy
         rollout.refit(engine, model_parallel.iter_full_params(policy, engine.dtype), cfg.refit_bucket_mb)
@@ -1137,8 +1157,8 @@ def main(cfg, task=None):
     bad_steps = 0  # steps in a row with a skipped update
     stopped = False
     for step in range(start_step, cfg.steps):
-        metrics, loss_names = ppo_step(step, progress, models, engine, task, cfg, mesh, device)
-        log_step(step, metrics, loss_names, cfg, t_start, start_step, tensorboard)
+        metrics, loss_names = ppo_step(progress, models, engine, task, cfg, mesh, device)
+        log_step(metrics, loss_names, cfg, t_start, start_step, tensorboard)
         bad_steps = bad_steps + 1 if metrics["skipped_updates"] else 0
         if cfg.max_skipped_steps and bad_steps >= cfg.max_skipped_steps:
             print0(f"stopping: {bad_steps} steps in a row skipped updates (NaN/inf loss or grad norm): "
@@ -1154,8 +1174,11 @@ def main(cfg, task=None):
         if stopped:
             print0(f"stopped by a signal after step {step + 1}: checkpoint saved; --resume=auto goes on")
             break
-    finish_run(cfg, policy, model_dir, engine, mesh, t_start, stopped)
-
+    if cfg.export_hf and not stopped:  # (not after a stop signal: the run is not done)
+        dtype = torch.bfloat16 if cfg.export_dtype == "bf16" else torch.float32
+        # + the tokenizer files and generation_config of the dir we loaded
+        model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"), dtype, copy_from=model_dir)
+    finish_run(cfg, engine, mesh, t_start, stopped)
 
 if __name__ == "__main__":
     main(CFG)

@@ -52,9 +52,8 @@ def count_update_reads(packing, micro, tmp):
     batch.values = batch.returns = torch.zeros(batch.mask.shape)
     batch.advantages = torch.randn(batch.mask.shape, generator=gen) * batch.mask
     batch.tis = batch.mask.clone()
-    stats = train_ppo.StepStats("cpu")
     with HostReads() as reads:
-        train_ppo.update(parts, batch, cfg, mesh, stats)
+        train_ppo.update(parts, batch, cfg, mesh)
     got = len(model_parallel.microbatches(lens, cfg, mesh))
     assert got == micro, (packing, micro, got)
     return reads.count

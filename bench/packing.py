@@ -13,7 +13,7 @@ tokens, and a few ramble to the limit). 8 dp ranks, micro_batch_size 8, packed r
   before: each rank's rows were its contiguous slice of each minibatch, cut into microbatches in
   order, and every microbatch was padded to the longest row of the rank's whole batch (the (b, S)
   tensor _layout received was never trimmed): rows x that longest, rounded up to a multiple of 2.
-  after: the rows of rollout.balanced_split, each minibatch's cut by model_parallel.microbatches
+  after: the rows of train_ppo.balanced_split, each minibatch's cut by model_parallel.microbatches
   (longest first) and laid out by model_parallel._layout, which pads each to its own longest row:
   counted from the rows the trainer really builds.
 - packed ratio: the same rows packed by model_parallel.microbatches into rows of at most 8192
@@ -21,7 +21,7 @@ tokens, and a few ramble to the limit). 8 dp ranks, micro_batch_size 8, packed r
 - dp imbalance = max over ranks / mean over ranks of the tokens of one global minibatch (each
   minibatch ends in a gradient reduction that waits for the slowest rank), averaged over the
   minibatches of 5 seeded steps. before: contiguous slices (each rank the r-th part of each
-  minibatch); after: rollout.balanced_split, in chunks of half a microbatch as the trainer deals
+  minibatch); after: train_ppo.balanced_split, in chunks of half a microbatch as the trainer deals
   padded rows (and, last, in single rows as it deals packed ones).
 
 Last line: RESULT padded_ratio_before=... padded_ratio_after=... packed_ratio=...
@@ -38,7 +38,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402  (after the path fix above)
 import model_parallel as mp  # noqa: E402
-import rollout  # noqa: E402
+import train_ppo  # noqa: E402
 
 DP, MICRO_BATCH_SIZE, PACKED_ROW, MAX_NEW_TOKENS = 8, 8, 8192, 512
 
@@ -76,8 +76,8 @@ def step_figures(lengths, num_minibatches, mesh):
     before = [[m * per_minibatch + r * per_rank + i for m in range(num_minibatches) for i in range(per_rank)]
               for r in range(DP)]
     # the trainer's chunks (train_ppo.training_batch): half a microbatch padded, single rows packed
-    after = rollout.balanced_split(lengths, num_minibatches, DP, chunk=MICRO_BATCH_SIZE // 2)
-    after_packed = rollout.balanced_split(lengths, num_minibatches, DP, chunk=1)
+    after = train_ppo.balanced_split(lengths, num_minibatches, DP, chunk=MICRO_BATCH_SIZE // 2)
+    after_packed = train_ppo.balanced_split(lengths, num_minibatches, DP, chunk=1)
     real = sum(lengths)
     # before: every microbatch of a rank as wide as the rank's longest row (rounded up to 2)
     padded_before = sum(len(rows) * (max(lengths[j] for j in rows) + 1) // 2 * 2 for rows in before)

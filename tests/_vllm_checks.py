@@ -54,7 +54,7 @@ measured = {"rank": rank}
 t0 = time.perf_counter()
 tok = rollout.toy_tokenizer()
 stop_ids = [tok.encode_single_token(rollout.EOS)]
-engine = rollout.make_engine(cfg, path, device, stop_ids)  # a collective: both ranks build it together
+engine = rollout.make_engine(cfg, path, device, stop_ids[0])  # a collective: both ranks build it together
 measured["init_s"] = time.perf_counter() - t0
 
 # Ranks of one vLLM TP group pass identical requests; different groups pass different ones.

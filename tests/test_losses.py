@@ -16,7 +16,6 @@ import torch
 
 import config
 import model_parallel
-import rollout
 import train_ppo
 from _dist import run_ranks
 from train_ppo import aggregate_loss, grpo_advantages, policy_loss, rloo_advantages
@@ -177,6 +176,13 @@ def _batch(cfg, device):
     return batch
 
 
+def _dp_summed(shares, mesh):
+    """{name: this rank's share} -> {name: the sum over dp}, as floats."""
+    column = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in shares.values()])
+    torch.distributed.all_reduce(column, group=mesh["dp"].get_group())
+    return dict(zip(shares, column.tolist()))
+
+
 def _mesh_body(rank, world_size, model_dir, dp, cp, tp, out):
     cfg = config.Config(prompts_per_step=4, samples_per_prompt=2, num_minibatches=2, micro_batch_size=1,
                         max_tokens_per_microbatch=32, tp_size=tp, cp_size=cp, lr=0.0, critic_lr=0.0,
@@ -185,7 +191,7 @@ def _mesh_body(rank, world_size, model_dir, dp, cp, tp, out):
     mesh = model_parallel.make_mesh(world_size, tp, cp, "cpu")
     parts, _, _ = train_ppo.build_models(model_dir, cfg, mesh)
     whole = _batch(cfg, "cpu")
-    rows = rollout.balanced_split(whole.lens, cfg.num_minibatches, dp)[mesh["dp"].get_local_rank()]
+    rows = train_ppo.balanced_split(whole.lens, cfg.num_minibatches, dp)[mesh["dp"].get_local_rank()]
     batch = train_ppo.make_batch([[0]] * len(rows), [[0]] * len(rows), 257)  # the fields are replaced
     batch.ids, batch.mask, batch.lens = whole.ids[rows], whole.mask[rows], [whole.lens[i] for i in rows]
     for field in ("old_lp", "ref_lp", "advantages", "values", "returns", "tis", "engine_lp"):
@@ -199,12 +205,11 @@ def _mesh_body(rank, world_size, model_dir, dp, cp, tp, out):
             cfg.packing, cfg.policy_loss_mode = packing, "gspo" if mode == "gspo" else "ppo"
             cfg.loss_agg_mode = "seq-mean-token-mean" if mode == "gspo" else mode
             cfg.gspo_clip_ratio = cfg.gspo_clip_ratio_high = 0.2
-            stats = train_ppo.StepStats(torch.device("cpu"))
-            train_ppo.update(parts, batch, cfg, mesh, stats)
-            stats.all_reduce(mesh)
-            numbers = {**stats.losses, **stats.norms}
+            losses, _, norms = train_ppo.update(parts, batch, cfg, mesh)
+            numbers = {**_dp_summed(losses, mesh), **norms}  # the norms are global already
+            steps = cfg.ppo_epochs * cfg.num_minibatches
             results[f"{mode} {'packed' if packing else 'padded'}"] = {
-                name: numbers[name] / stats.steps[name] for name in NAMES}
+                name: float(numbers[name]) / steps for name in NAMES}
     if world_size == 1:  # issue 34: the config's switches reach the update (checked below)
         cfg.packing, cfg.loss_agg_mode, cfg.policy_loss_mode = False, "seq-mean-token-sum-norm", "ppo"
         switches = {}
@@ -213,11 +218,9 @@ def _mesh_body(rank, world_size, model_dir, dp, cp, tp, out):
         for label, overrides in runs:
             for key, value in overrides.items():
                 setattr(cfg, key, value)
-            stats = train_ppo.StepStats(torch.device("cpu"))
-            train_ppo.update(parts, batch, cfg, mesh, stats)
-            stats.all_reduce(mesh)
-            switches[label] = dict(policy_loss=stats.losses["policy_loss"],
-                                   clipped=stats.shares["clipped_tokens"])
+            losses, counts, _ = train_ppo.update(parts, batch, cfg, mesh)
+            summed = _dp_summed({**losses, **counts}, mesh)
+            switches[label] = dict(policy_loss=summed["policy_loss"], clipped=summed["clipped_tokens"])
         results["switches"] = switches
     if rank == 0:
         with open(out, "w") as f:
@@ -305,7 +308,7 @@ def test_balanced_split_by_hand():
     """Longest first, each to the lighter rank with room: 10 -> r0, 9 -> r1, 8 -> r1, 7 -> r0,
     4 -> r0, 3 -> r1, 2 -> r1 (full), 1 -> r0: 22 tokens each, where contiguous slices give 34
     and 10."""
-    assert rollout.balanced_split([10, 9, 8, 7, 1, 2, 3, 4], 1, 2) == [[0, 3, 4, 7], [1, 2, 5, 6]]
+    assert train_ppo.balanced_split([10, 9, 8, 7, 1, 2, 3, 4], 1, 2) == [[0, 3, 4, 7], [1, 2, 5, 6]]
 
 
 class _DpDim:
@@ -344,7 +347,7 @@ def test_balanced_split_keeps_minibatches_and_evens_tokens():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
     from packing import gsm8k_lengths
     lengths = gsm8k_lengths(random.Random(0), 512)
-    split = rollout.balanced_split(lengths, 4, 8, chunk=4)
+    split = train_ppo.balanced_split(lengths, 4, 8, chunk=4)
     for m in range(4):
         shares = [rows[m * 16:(m + 1) * 16] for rows in split]
         assert sorted(j for share in shares for j in share) == list(range(m * 128, (m + 1) * 128))

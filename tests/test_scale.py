@@ -176,7 +176,7 @@ def _stop_set_body(rank, world_size, model, out_dir):
     hit = next(p for p in range(25) if task.prompts(p, 1)[0][1] == "7")  # a prompt whose answer is 7
     miss = next(p for p in range(25) if task.prompts(p, 1)[0][1] != "7")
     for position, reward in ((hit, 1.0), (miss, 0.0)):
-        (sample,), _ = rollout.generate(ScriptedEngine(), task, one, 0, position)
+        (sample,), _ = rollout.generate_share(ScriptedEngine(), task, one, 0, position)
         assert sample["finished"] and sample["response"] == "7" and sample["reward"] == reward, sample
 
 

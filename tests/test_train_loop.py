@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -148,22 +149,23 @@ def test_step_metrics_console_plot_and_summary_follow_the_loss_terms(tmp_path, m
     cfg = config.Config(out_dir=str(tmp_path), advantage_estimator="grpo", kl_coef=0.0,
                         entropy_coef=0.01, ppo_epochs=2, num_minibatches=2, steps=2, plot_every=1,
                         export_hf=False)
-    stats = train_ppo.StepStats("cpu")
-    # 4 sequences of 10 prompt + 5 response tokens, rewards 1, 1, 1, 0
-    stats.shares.update(tokens=20, sequences=4, all_tokens=60, reward=3, reward_sq=3, kl=0.2, mismatch=0.0,
-                        mult_prob_error=20, clipped_tokens=8)
-    updates = [(0.1, -0.004, 0.01, 1.0, False), (-0.3, -0.002, 0.02, 2.0, False),
-               (0.2, -0.002, 0.03, 3.0, True), (0.4, -0.004, 0.06, 6.0, False)]
-    for pg, bonus, penalty, norm, skipped in updates:
-        terms = {"policy_loss": pg, "entropy_loss": bonus, "ratio_penalty": penalty}
-        stats.add_update(terms, "grad_norm", norm, skipped)
-    stats.all_reduce(mesh=None)
-    metrics = {"step": 0, **train_ppo.step_metrics(stats, {"time_step_s": 2.0}, cfg)}
+    # 4 sequences of 10 prompt + 5 response tokens, rewards 1, 1, 1, 0; KL 0.01 a token (k1), the
+    # engine's logprobs those of pi_old
+    batch = train_ppo.make_batch([[1] * 10] * 4, [[2] * 5] * 4, pad_id=257)
+    batch = dataclasses.replace(batch, scores=torch.tensor([1.0, 1.0, 1.0, 0.0]), old_lp=batch.engine_lp,
+                                ref_lp=batch.engine_lp - 0.01 * batch.mask)
+    # the update's sums over its 4 optimizer steps (the third skipped): policy_loss 0.1, -0.3, 0.2,
+    # 0.4; entropy_loss -0.004, -0.002, -0.002, -0.004; ratio_penalty 0.01, 0.02, 0.03, 0.06; grad
+    # norms 1, 2, 3, 6; 8 clipped tokens
+    losses = Counter(policy_loss=0.4, entropy_loss=-0.012, ratio_penalty=0.12)
+    norms = Counter(grad_norm=12.0, skipped_updates=1)
+    named = train_ppo.step_metrics(batch, (losses, Counter(clipped_tokens=8), norms), cfg, mesh=None)
+    metrics = {"step": 0, **named, "time_step_s": 2.0}
     # means over the 4 optimizer steps, skipped one included; clip_frac over 2 epochs of 20 tokens
     by_hand = dict(step=0, reward_mean=0.75, reward_std=math.sqrt(0.75 - 0.75 ** 2), kl=0.01,
                    response_len_mean=5.0, logprob_mismatch=0.0, token_mult_prob_error=1.0, clip_frac=0.2,
                    skipped_updates=1, policy_loss=0.1, entropy_loss=-0.003, ratio_penalty=0.03,
-                   grad_norm=3.0, time_step_s=2.0, tokens=60, tokens_per_s=30.0)
+                   grad_norm=3.0, time_step_s=2.0, tokens=60)
     assert metrics == pytest.approx(by_hand)  # the same keys, and these values
 
     titles = []
@@ -175,7 +177,7 @@ def test_step_metrics_console_plot_and_summary_follow_the_loss_terms(tmp_path, m
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", recording_savefig)
     for step in (0, 1):
-        train_ppo.log_step(step, dict(metrics, step=step), list(stats.losses), cfg, time.time(), 0, None)
+        train_ppo.log_step(dict(metrics, step=step), list(losses), cfg, time.time(), 0, None)
     first, second = capsys.readouterr().out.splitlines()
     fields = first.split(" | ")
     assert fields[:7] == ["step 1/2", "reward 0.750", "kl 0.0100", "policy_loss +0.1000",
