@@ -43,7 +43,7 @@ def _grpo_body(rank, world_size):
     batch.old_lp = batch.ref_lp = batch.engine_lp
     batch.index = mine
     batch.scores = torch.tensor([scores[j] for j in mine])
-    every_score = train_ppo.global_scores(batch, cfg, mesh)  # the other rank's rows' scores too
+    every_score = train_ppo.global_scores(batch, len(scores), mesh)  # the other rank's rows' scores too
     assert every_score.tolist() == scores
     batch = dataclasses.replace(batch, **train_ppo.compute_advantages(batch, every_score, cfg, mesh))
     for row, j in enumerate(mine):  # the same advantage on every response token, 0 elsewhere
