@@ -502,6 +502,7 @@ def load(argv: list, world_size: int) -> Config:
         if os.environ.get("RANK", "0") == "0":
             print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+    quiet_third_party_output()  # the config is good: the run loads models next
     return cfg
 
 
@@ -522,7 +523,7 @@ def save(cfg: Config, path: str) -> None:
 #  - transformers' load reports and progress bars.
 
 def quiet_third_party_output() -> None:
-    """Called once, at the start of a run (train_ppo.start_run), before any model is loaded."""
+    """Called once, at the start of a run (load), before any model is loaded."""
     # the variable is read when vLLM configures its logging, which it does only once an engine is
     # built; the logger's level covers a vLLM already imported
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")

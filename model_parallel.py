@@ -102,6 +102,15 @@ def make_mesh(world_size, tp_size, cp_size, device_type):
     return mesh
 
 
+def setup(cfg):
+    """Collective (every rank): the process group (init_distributed), the (dp, cp, tp) mesh
+    (make_mesh), and cfg's "auto" options resolved for this device (resolve_auto). Returns (device,
+    mesh, the attention kernel's name)."""
+    _, world_size, device = init_distributed(cfg.collective_timeout_s)
+    mesh = make_mesh(world_size, cfg.tp_size, cfg.cp_size, device.type)
+    return device, mesh, resolve_auto(cfg, device.type)
+
+
 def release_mesh(mesh):
     """Last call of a run, after dist.destroy_process_group(), which leaves the groups held by the
     mesh (itself held by DTensor's cache): their threads would outlive Python's shutdown and could
@@ -484,6 +493,23 @@ def check_hf_dir(path, tp_size):
             safe_open(os.path.join(path, f), framework="pt")
         except SafetensorError as e:
             raise CheckpointError(f"{path}/{f} is corrupt ({e}): download or save it again") from None
+
+
+def checked_model_dir(cfg):
+    """The policy's HF checkpoint dir (a tiny preset is written as one first), once every dir the
+    run loads has passed check_hf_dir and a reward model has a one-label score head; else
+    CheckpointError."""
+    model_dir = cfg.model
+    if model_dir in TINY_PRESETS:
+        model_dir = materialize_tiny_model(cfg.model, cfg.out_dir, cfg.seed)
+    for path in (model_dir, cfg.critic_model, cfg.reward_model):
+        if path:  # no critic_model: the critic starts from the policy's checkpoint
+            check_hf_dir(path, cfg.tp_size)
+    if cfg.reward_model and score_head(cfg.reward_model) is None:
+        raise CheckpointError(f"reward_model={cfg.reward_model!r} has no one-label score head: give a "
+                              f"*ForSequenceClassification checkpoint with num_labels=1 "
+                              f"(scripts/train_reward_model.py)")
+    return model_dir
 
 
 class ValueHead(nn.Linear):

@@ -785,6 +785,17 @@ def dump_rollouts(every: dict, scores, cfg, step: int) -> None:
     _pending.append(_DUMPS.submit(_write_jsonl, path, sorted(every.values(), key=lambda s: s["index"])))
 
 
+def close(engine) -> None:
+    """Collective (every rank): the end of a run's data side. The last dumps reach the disk, then
+    the engine goes (vLLM's shutdown destroys the default process group itself: without an engine,
+    it is destroyed here)."""
+    wait_for_dumps()
+    if engine is not None:
+        engine.shutdown()
+    elif dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def wait_for_dumps() -> None:
     """Until every dump is on disk (the end of a run); raises a failed write's error."""
     while _pending:

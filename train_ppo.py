@@ -16,18 +16,19 @@ The algorithm is PPO with a learned critic and GAE, as used for RLHF by Instruct
   1. draw the next prompts (shuffled epochs, the same on every rank); the ranks generate the
      step's samples in equal shares (rollout.generated_by)
   2. rollout: the engine samples responses and returns its own logprob of each token; every
-     rank gets every sample, and takes its rows for the update (rollout.balanced_split: each
+     rank gets every sample, and takes its rows for the update (balanced_split: each
      minibatch dealt to dp ranks with even token sums)
   3. reward: the task's rule-based score per sequence (or, step 4, a reward model's), placed on
      its last response token
   4. forward passes without grad: old policy logprobs (or the engine's), reference logprobs,
-     values, the reward model's scores; the step's samples dumped with the reward trained on
+     values, the reward model's scores
   5. per-token reward = score - kl_coef * KL(policy || reference)
   6. GAE -> advantages and returns; advantages whitened over the whole global batch
   7. ppo_epochs x minibatches x microbatches of clipped policy and value losses (the critic's
      alone in its first critic_warmup_steps steps)
   8. global grad-norm clip, AdamW step (policy and critic each have their own)
-  9. refit: the new policy weights are streamed into the rollout engine
+  9. the step's samples dumped with the reward trained on (in the background); refit: the new
+     policy weights are streamed into the rollout engine
  10. metrics, plot; a checkpoint every save_every steps (resume=auto continues)
 advantage_estimator="grpo" or "rloo" swaps steps 4-6 for scores against the prompt's group and
 drops the critic (docs/losses.md).
@@ -445,16 +446,14 @@ def timed(times, name):
 # Set-up: distributed, inputs checked, models loaded (after an optional SFT warm-up).
 
 def start_run(cfg):
-    """Collective (every rank). Join the process group, resolve the "auto" options, build the
-    (dp, cp, tp) mesh; rank 0 makes out_dir and saves the resolved config there. Returns
-    (device, mesh)."""
-    rank, world_size, device = model_parallel.init_distributed(cfg.collective_timeout_s)
-    mesh = model_parallel.make_mesh(world_size, cfg.tp_size, cfg.cp_size, device.type)
-    kernel = model_parallel.resolve_auto(cfg, device.type)  # dtype, attention: what runs here
-    config.quiet_third_party_output()  # before any model is loaded
-    if rank == 0:
+    """Collective (every rank). Join the process group, build the (dp, cp, tp) mesh, resolve the
+    "auto" options (model_parallel.setup); rank 0 makes out_dir and saves the resolved config
+    there. Returns (device, mesh)."""
+    device, mesh, kernel = model_parallel.setup(cfg)
+    if dist.get_rank() == 0:
         os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
         config.save(cfg, os.path.join(cfg.out_dir, "config.json"))
+    world_size = dist.get_world_size()
     print0(f"mesh dp={mesh['dp'].size()} cp={cfg.cp_size} tp={cfg.tp_size} on {world_size} x {device.type}, "
            f"{cfg.dtype}, {'packed' if cfg.packing else 'padded'} rows, attention: {kernel}, "
            f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine, "
@@ -463,20 +462,12 @@ def start_run(cfg):
 
 
 def prepare_inputs(cfg, task):
-    """Model dir (a tiny preset is written as a real HF checkpoint), the checkpoint to resume
-    from, and the task. Bad input is refused here, before any heavy work: one line, exit 2."""
-    model_dir = cfg.model
+    """Model dir (model_parallel.checked_model_dir: a tiny preset is written as a real HF
+    checkpoint), the checkpoint to resume from, and the task. Bad input is refused here, before
+    any heavy work: one line, exit 2."""
     try:
         resume_dir = rank0_decides(find_checkpoint(cfg.resume, cfg.out_dir))
-        if model_dir in model_parallel.TINY_PRESETS:
-            model_dir = model_parallel.materialize_tiny_model(cfg.model, cfg.out_dir, cfg.seed)
-        for path in (model_dir, cfg.critic_model, cfg.reward_model):
-            if path:  # no critic_model: the critic starts from the policy's checkpoint
-                model_parallel.check_hf_dir(path, cfg.tp_size)
-        if cfg.reward_model and model_parallel.score_head(cfg.reward_model) is None:
-            raise model_parallel.CheckpointError(
-                f"reward_model={cfg.reward_model!r} has no one-label score head: give a "
-                f"*ForSequenceClassification checkpoint with num_labels=1 (scripts/train_reward_model.py)")
+        model_dir = model_parallel.checked_model_dir(cfg)
         if task is None:
             task = rollout.make_task(cfg, model_dir, AutoConfig.from_pretrained(model_dir).vocab_size)
     except (rollout.TaskError, model_parallel.CheckpointError) as e:
@@ -669,8 +660,8 @@ def minibatch_update(part, loss_fn, rows, batch, cfg, mesh):
     count_sums = Counter()
     micros = micro_rows(rows, batch, cfg, mesh)
     for i, (idx, lens, weight) in enumerate(micros):
-        model_parallel.sync_gradients(part.model, sync=i == len(micros) - 1)
         terms, counts = loss_fn(idx, lens)
+        model_parallel.sync_gradients(part.model, sync=i == len(micros) - 1)  # (DDP: in the last backward)
         (weight * sum(terms.values())).backward()
         term_sums.update({name: weight * term.detach() for name, term in terms.items()})
         count_sums.update({name: weight * count for name, count in counts.items()})
@@ -1081,16 +1072,12 @@ def load_checkpoint(path, parts, offload_optimizer=False):
 # -----------------------------------------------------------------------------
 
 def finish_run(cfg, engine, mesh, t_start, stopped):
-    """Collective (every rank). The end of a run: the summary line, then the engine, the process
-    group and the mesh let go."""
-    rollout.wait_for_dumps()  # the last step's rollouts on disk
+    """Collective (every rank). The end of a run: the summary line, then the data side (the last
+    rollout dumps on disk, the engine and the process group let go: rollout.close) and the mesh."""
     dist.barrier()
     if dist.get_rank() == 0:
         print(summary(cfg, time.time() - t_start, stopped), flush=True)
-    if engine is not None:
-        engine.shutdown()  # vLLM destroys the process group itself, so this comes last
-    elif dist.is_initialized():
-        dist.destroy_process_group()
+    rollout.close(engine)
     model_parallel.release_mesh(mesh)
 
 
@@ -1112,12 +1099,12 @@ def ppo_step(progress, models, engine, task, cfg, mesh, device):
         with timed(metrics, "time_logprobs_s"):  # 4-6. no-grad passes, rewards, advantages
             batch = replace(batch, **score(models, batch, cfg, mesh))
             all_scores = global_scores(batch, len(every), mesh)  # (N,)
-            rollout.dump_rollouts(every, all_scores, cfg, step)  # rank 0, in the background
             batch = replace(batch, **compute_advantages(batch, all_scores, cfg, mesh))
         with timed(metrics, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches
             update_sums = update(models.parts, batch, cfg, mesh, train_policy=step >= cfg.critic_warmup_steps)
             # (on a GPU the memory in use: the caching allocator still holds the update's peak)
             metrics["mem_used_gb"] = memory_used_gb()
+        rollout.dump_rollouts(every, all_scores, cfg, step)  # rank 0, in the background
         with timed(metrics, "time_refit_s"):  # 9. push the policy into the engine (a collective)
             # also after skipped updates: on GPU the engine dropped its weights
             if engine is not None:
