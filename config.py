@@ -264,6 +264,32 @@ def masked_attention_error(row_tokens: int, cp_size: int, rows: int = 1):
     return None
 
 
+def resolve_auto(cfg: Config, device_type: str, gpu_kernel=None) -> str:
+    """Replace "auto" in cfg.dtype, cfg.export_dtype and cfg.attention by what runs on this device
+    ("cuda" or "cpu"), whose flash varlen kernel is `gpu_kernel` (its name, or None: the trainer
+    asks model_parallel.gpu_kernel_name); return the attention kernel's name (the run's first line
+    prints it). The GPU recipe is bf16 with a flash varlen kernel (flash-attn's, else torch's);
+    elsewhere exact fp32 with masked SDPA.
+
+    A packed row never gets a dense mask on a GPU (nor on CPU past MASK_LIMIT): its (T/cp, T)
+    scores per head cost O(T^2) memory (3.2 GB a layer at 8192 tokens and 1.5B) and ~15x the FLOPs,
+    mostly across documents, for nothing. Without a flash kernel (fp32) the reference kernel
+    attends document by document instead."""
+    if cfg.dtype == "auto":
+        cfg.dtype = "bf16" if device_type == "cuda" and cfg.data_parallel == "fsdp" else "fp32"
+    cfg.export_dtype = cfg.dtype if cfg.export_dtype == "auto" else cfg.export_dtype
+    kernel = gpu_kernel if device_type == "cuda" and cfg.dtype == "bf16" else None  # (flash: bf16 only)
+    if cfg.attention == "auto":
+        longest = cfg.max_tokens_per_microbatch if cfg.packing else cfg.max_model_len  # a row at most
+        rows = 1 if cfg.packing else cfg.micro_batch_size
+        packed_gpu = cfg.packing and device_type == "cuda"
+        dense_ok = not packed_gpu and not masked_attention_error(longest, cfg.cp_size, rows)
+        cfg.attention = "varlen" if kernel or not dense_ok else "masked"
+    if cfg.attention == "masked":
+        return "masked SDPA"
+    return kernel or "reference varlen (one SDPA per document)"
+
+
 def field_docs(cls=Config) -> dict:
     """{field name: its doc}, read from the comments in the class's source, so that `--help` and
     the code can never disagree (cleanrl keeps the docs next to the fields too).

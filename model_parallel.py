@@ -48,7 +48,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
-from config import masked_attention_error
+from config import masked_attention_error, resolve_auto
 from logprobs import cp_gather, shift_right, token_logprobs, zigzag_positions
 
 # GPU only: flash-attn's varlen kernel skips the masked-out blocks of a packed row
@@ -104,11 +104,12 @@ def make_mesh(world_size, tp_size, cp_size, device_type):
 
 def setup(cfg):
     """Collective (every rank): the process group (init_distributed), the (dp, cp, tp) mesh
-    (make_mesh), and cfg's "auto" options resolved for this device (resolve_auto). Returns (device,
-    mesh, the attention kernel's name)."""
+    (make_mesh), and cfg's "auto" options resolved for this device and its kernels
+    (config.resolve_auto). Returns (device, mesh, the attention kernel's name)."""
     _, world_size, device = init_distributed(cfg.collective_timeout_s)
     mesh = make_mesh(world_size, cfg.tp_size, cfg.cp_size, device.type)
-    return device, mesh, resolve_auto(cfg, device.type)
+    gpu_kernel = gpu_kernel_name() if device.type == "cuda" else None
+    return device, mesh, resolve_auto(cfg, device.type, gpu_kernel)
 
 
 def release_mesh(mesh):
@@ -118,31 +119,6 @@ def release_mesh(mesh):
     threads now."""
     # _pg_registry: private in torch 2.13; sliced meshes share the root's
     mesh._pg_registry.clear()
-
-
-def resolve_auto(cfg, device_type):
-    """Replace "auto" in cfg.dtype and cfg.attention by what runs on this device; return the
-    attention kernel's name (the run's first line prints it). The GPU recipe is bf16 with a flash
-    varlen kernel (flash-attn's, else torch's); elsewhere exact fp32 with masked SDPA.
-
-    A packed row never gets a dense mask on a GPU (nor on CPU past config.MASK_LIMIT): its (T/cp, T)
-    scores per head cost O(T^2) memory (3.2 GB a layer at 8192 tokens and 1.5B) and ~15x the FLOPs,
-    mostly across documents, for nothing. Without a flash kernel (fp32) the reference kernel
-    attends document by document instead."""
-    if cfg.dtype == "auto":
-        cfg.dtype = "bf16" if device_type == "cuda" and cfg.data_parallel == "fsdp" else "fp32"
-    cfg.export_dtype = cfg.dtype if cfg.export_dtype == "auto" else cfg.export_dtype
-    kernel = gpu_varlen_kernel() if device_type == "cuda" and cfg.dtype == "bf16" else None
-    if cfg.attention == "auto":
-        longest = cfg.max_tokens_per_microbatch if cfg.packing else cfg.max_model_len  # a row at most
-        rows = 1 if cfg.packing else cfg.micro_batch_size
-        packed_gpu = cfg.packing and device_type == "cuda"
-        dense_ok = not packed_gpu and not masked_attention_error(longest, cfg.cp_size, rows)
-        cfg.attention = "varlen" if kernel or not dense_ok else "masked"
-    if cfg.attention == "masked":
-        return "masked SDPA"
-    names = {None: "reference varlen (one SDPA per document)", torch_varlen_attention: "torch varlen_attn"}
-    return names.get(kernel, "flash-attn varlen")
 
 
 def _group(mesh, dim):
@@ -242,6 +218,12 @@ def gpu_varlen_kernel():
         return None
     torch_has_it = "window_size" in VARLEN_ARGS and torch.backends.cuda.is_flash_attention_available()
     return flash_attn_varlen_func or (torch_varlen_attention if torch_has_it else None)
+
+
+def gpu_kernel_name():
+    """The name of gpu_varlen_kernel()'s kernel, None if there is none (config.resolve_auto)."""
+    kernel = gpu_varlen_kernel()
+    return {None: None, torch_varlen_attention: "torch varlen_attn"}.get(kernel, "flash-attn varlen")
 
 
 @dataclass

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 import model_parallel as mp
 from _dist import run_ranks
 from conftest import hf_reference, toy_batch, varlen_case
+import config
 from config import Config
 
 TEMPERATURE = 0.8
@@ -370,13 +371,15 @@ def test_torch_varlen_wrapper_passes_window_and_gqa_as_each_torch_takes_them(mon
 
 
 def test_attention_auto_never_puts_a_dense_mask_on_a_packed_gpu_row(monkeypatch):
-    """resolve_auto's decision table, per device, kernel and packing (no GPU needed: it only reads
-    which kernels exist): a flash kernel whenever bf16 on CUDA has one (flash-attn's first, then
-    torch's); on CUDA a packed row gets varlen even without one (the reference kernel, per
-    document); masked SDPA only for padded rows, or on CPU for packed rows up to the mask limit."""
+    """config.resolve_auto's decision table, per device, kernel and packing (no GPU needed:
+    model_parallel.gpu_kernel_name only reads which kernels exist): a flash kernel whenever bf16
+    on CUDA has one (flash-attn's first, then torch's); on CUDA a packed row gets varlen even
+    without one (the reference kernel, per document); masked SDPA only for padded rows, or on CPU
+    for packed rows up to the mask limit."""
     def resolved(device_type, **fields):
         cfg = Config(**fields)
-        kernel = mp.resolve_auto(cfg, device_type)
+        gpu_kernel = mp.gpu_kernel_name() if device_type == "cuda" else None  # as model_parallel.setup asks
+        kernel = config.resolve_auto(cfg, device_type, gpu_kernel)
         return cfg.dtype, cfg.attention, kernel
 
     flash, torch_kernel = "flash-attn varlen", "torch varlen_attn"
