@@ -437,8 +437,18 @@ class CheckpointError(ValueError):
     """A model dir or training checkpoint that cannot be used: one line, exit 2."""
 
 
-def _check_supported(config, tp_size):
-    """Refuse (CheckpointError) a family without a plan here, or a tp split that cuts a head."""
+def check_hf_dir(path, tp_size):
+    """Refuse (CheckpointError, one line) a model dir that loading would fail on later: no dir, no
+    or unreadable config.json, a family without a plan here, a tp split that cuts a head, missing
+    or corrupt weights. Reads only config.json and the safetensors headers: fast, on every rank
+    (and again by _build)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(f"model={path!r} is not an HF checkpoint dir (no config.json): give a dir "
+                              f"written by save_pretrained, or a tiny preset (see --help)")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path}/config.json cannot be read: {str(e).splitlines()[0]}") from None
     family = config.model_type
     if family not in FAMILIES:
         raise CheckpointError(f"model_type {family!r} is not supported: {', '.join(FAMILIES)} "
@@ -450,20 +460,6 @@ def _check_supported(config, tp_size):
         if getattr(config, field) % tp_size:
             raise CheckpointError(f"tp_size={tp_size} must divide {field}={getattr(config, field)}: "
                                   f"each tp rank computes whole heads")
-
-
-def check_hf_dir(path, tp_size):
-    """Refuse (CheckpointError, one line) a model dir that loading would fail on later: no dir, no
-    or unreadable config.json, an unsupported family or tp split, missing or corrupt weights. Reads
-    only config.json and the safetensors headers: fast, on every rank."""
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise CheckpointError(f"model={path!r} is not an HF checkpoint dir (no config.json): give a dir "
-                              f"written by save_pretrained, or a tiny preset (see --help)")
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{path}/config.json cannot be read: {str(e).splitlines()[0]}") from None
-    _check_supported(config, tp_size)
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise CheckpointError(f"{path} has no *.safetensors weights (.bin files are not read here: "
@@ -510,9 +506,9 @@ def _build(path, mesh, cfg, critic, frozen=False):
     dtype (bf16 under the bf16 recipe; its value head stays fp32), and under FSDP2 its shards
     live in host memory between its passes (FSDP2's CPU offload gathers them onto the GPU for its
     one pass a step): it would otherwise hold GPU memory through generation and the update."""
-    config = AutoConfig.from_pretrained(path)
     tp_size = mesh["tp"].size()
-    _check_supported(config, tp_size)
+    check_hf_dir(path, tp_size)
+    config = AutoConfig.from_pretrained(path)
     model = _on_meta(config, critic, torch.bfloat16 if frozen and cfg.dtype == "bf16" else torch.float32)
     tied = not critic and config.tie_word_embeddings
     if tp_size > 1:
@@ -552,9 +548,10 @@ def _on_meta(config, critic, dtype):
 
 
 def _tie_embeddings(model):
-    """The LM head shares the embedding's weight, as a tied checkpoint stores it (once)."""
-    if model.lm_head.weight is not model.model.embed_tokens.weight:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    """The LM head shares the embedding's weight, as a tied checkpoint stores it (once). HF's own
+    accessors find both, whatever the family calls them."""
+    if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
 
 
 def _shard_fsdp(model, mesh, cfg, critic, offload):
@@ -576,17 +573,23 @@ def _shard_fsdp(model, mesh, cfg, critic, offload):
     host = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     fsdp = dict(mesh=mesh, offload_policy=host if offload else OffloadPolicy(),
                 reshard_after_forward=cfg.reshard_after_forward)
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    # the units, found by what HF says they are (no family's module names): the embedding and the
+    # head (get_*_embeddings), each decoder layer (its class is in _no_split_modules, the blocks
+    # that accelerate keeps whole), and the final norm, which Llama's families call `norm` (one
+    # that is named otherwise stays in the root unit: one vector)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    norm = getattr(model.base_model, "norm", None)
+    tied = head.weight is embed.weight
     if not tied:
-        fully_shard(model.model.embed_tokens, mp_policy=compute, **fsdp)
-    for layer in model.model.layers:
+        fully_shard(embed, mp_policy=compute, **fsdp)
+    for layer in [m for m in model.modules() if type(m).__name__ in model._no_split_modules]:
         fully_shard(layer, mp_policy=compute, **fsdp)
     if not tied and not critic:
-        fully_shard([model.model.norm, model.lm_head], mp_policy=compute, **fsdp)
+        fully_shard([head] if norm is None else [norm, head], mp_policy=compute, **fsdp)
     if critic:
         # the value head is its own unit with an fp32 param_dtype: FSDP2 casts its bf16 input up
         # to fp32 (without the cast, bf16 hidden states meet fp32 weights and matmul fails)
-        fully_shard(model.lm_head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32), **fsdp)
+        fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32), **fsdp)
     fully_shard(model, mp_policy=compute, **fsdp)
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -701,7 +704,7 @@ def load_critic(path, mesh, cfg, frozen=False):
 def load_reward_model(path, mesh, cfg):
     """Collective (every rank): a reward model, `*ForSequenceClassification` with one label, sharded
     on the training mesh as the policy is (TP plan, FSDP2, CP, packing) and frozen: no optimizer, no
-    gradient; it scores in the no-grad phase (forward_critic with shift=False). Stored in bf16 under
+    gradient; it scores in the no-grad phase (forward_reward_model). Stored in bf16 under
     the bf16 recipe and kept in host memory between its passes (_build's `frozen`)."""
     return load_critic(path, mesh, cfg, frozen=True).requires_grad_(False)  # (returns the module)
 
@@ -888,38 +891,52 @@ def _unlayout(per_token, layout, like):
 
 def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_entropy=False, unscored=0):
     """Collective (every rank): per-token logprobs (b, S) under pi(.)^(1/temperature), and the
-    entropy if asked, aligned as in train_ppo.py's docstring (0 at position 0). Packing, CP and TP
-    stay inside. `unscored`: leading positions that no loss reads in any row (the shortest prompt);
-    without CP, SP or packing the LM head skips them, as it need not predict their tokens (they
-    come back as 0)."""
+    entropy if asked (else None), aligned as in train_ppo.py's docstring (0 at position 0). Four
+    steps: the rows' layout (this rank's tokens), the model (this rank's vocab shard of the logits
+    at its positions), token_logprobs (gathered over tp and cp), and back into the rows. Packing,
+    CP and TP stay inside. `unscored`: leading positions that no loss reads in any row, which the
+    LM head may skip (_skipped_by_lm_head: an optimization; 0 is the plain pass)."""
     layout = _layout(input_ids, seq_lens, mesh, cfg)
-    plain_rows = mesh["cp"].size() == 1 and not (cfg.packing or cfg.sequence_parallel)  # positions = rows
-    # the logits at position unscored-1 predict the first scored token
-    skip = max(unscored - 1, 0) if plain_rows else 0
-    kept = layout.ids.shape[1] - skip
-    logits = model(**layout.model_inputs(), logits_to_keep=kept).logits  # (B, T/cp - skip, V/tp)
+    skip = _skipped_by_lm_head(unscored, mesh, cfg)
+    # (B, T/cp - skip, V/tp): logits_to_keep counts positions from the end
+    logits = model(**layout.model_inputs(), logits_to_keep=layout.ids.shape[1] - skip).logits
     if isinstance(logits, DTensor):  # tp > 1: this rank's vocab shard, never gathered
-        logits = logits.to_local()  # (B, T/cp, V/tp)
+        logits = logits.to_local()  # (B, T/cp - skip, V/tp)
     # the logits are divided by the sampling temperature: pi/pi_old compares the distributions the
     # engine sampled from (as NeMo-RL and verl do)
     shards = dict(tp_group=_group(mesh, "tp"), cp_group=_group(mesh, "cp"), cu_seqlens=layout.cu_seqlens,
                   chunk_size=cfg.logprob_chunk_size, temperature=temperature)
     # the entropy (a metric, or the bonus with its gradient) from the logprobs' own softmax pass
     out = token_logprobs(logits, layout.ids[:, skip:], with_entropy=with_entropy, **shards)  # (B, T - skip)
-    logprobs, entropy = out if with_entropy else (out, None)
+    per_token = out if with_entropy else (out, None)
+    # back in the trainer's (b, S) rows, 0 at the skipped positions
+    return tuple(None if x is None else _unlayout(F.pad(x, (skip, 0)), layout, input_ids) for x in per_token)
 
-    def back(per_token):  # (B, T - skip) -> (b, S), 0 at the skipped positions
-        return None if per_token is None else _unlayout(F.pad(per_token, (skip, 0)), layout, input_ids)
 
-    return back(logprobs), back(entropy)
+def _skipped_by_lm_head(unscored, mesh, cfg):
+    """How many leading positions the LM head skips in forward_policy. `unscored`: the positions
+    that no loss reads in any row (the shortest prompt); the logits at unscored - 1 predict the
+    first scored token, so the head need not run before it (docs/performance.md: the no-grad phase
+    11.9 -> 10.5 s). Only where a rank's positions are its rows' (cp=1, no packing, no SP);
+    elsewhere 0, the plain pass."""
+    plain_rows = mesh["cp"].size() == 1 and not (cfg.packing or cfg.sequence_parallel)
+    return max(unscored - 1, 0) if plain_rows else 0
+
+
+def forward_reward_model(reward_model, input_ids, seq_lens, mesh, cfg):
+    """Collective (every rank): a reward model's output at each position, unshifted:
+    out[:, i] = head(hidden[:, i]), the score of the sequence x_<=i (the trainer reads it at each
+    sequence's last token). A reward model is a critic's backbone + one-output head (its score
+    head: load_reward_model), read without the critic's shift."""
+    return forward_critic(reward_model, input_ids, seq_lens, mesh, cfg, shift=False)
 
 
 def forward_critic(critic, input_ids, seq_lens, mesh, cfg, shift=True):
     """Collective (every rank): values (b, S), right-shifted: values[:, i] = V(x_<i) =
     head(hidden[:, i-1]), 0 at position 0 (and at packed sequence starts, which see no earlier token
-    of their own). shift=False: the head's output at each position itself, head(hidden[:, i]): a
-    reward model's score is its output at a sequence's last token, an unshifted read."""
+    of their own). shift=False: forward_reward_model's unshifted read."""
     layout = _layout(input_ids, seq_lens, mesh, cfg)
+    # the one-output head stands where lm_head was (_on_meta): HF returns its output as `.logits`
     values = critic(**layout.model_inputs()).logits[..., 0].float()  # (B, T/cp)
     values = cp_gather(values, _group(mesh, "cp"), dim=1)  # (B, T)  collective over cp, natural order
     if shift:  # the shift crosses zigzag chunks: after the gather
@@ -1131,10 +1148,9 @@ def save_hf(model, path, dtype=torch.float32, copy_from=None, shard_gb=5.0):
             size = 0
         files[-1].append((name, param.shape))
         size += nbytes
-    if len(files) == 1:
-        names = ["model.safetensors"]
-    else:  # the hub's names for a sharded checkpoint
-        names = [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
+    # one file, or the hub's names for a sharded checkpoint
+    names = [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
+    names = names if len(names) > 1 else ["model.safetensors"]
     if master:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)

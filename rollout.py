@@ -398,6 +398,19 @@ class GSM8KTask:
         return math_reward(text, answer, self.format_reward) if finished else 0.0
 
 
+def sft_examples(task: Task, cfg, step: int, dp_rank: int, dp_size: int):
+    """(prompt ids, answer ids) of dp rank `dp_rank`'s share of SFT step `step`: the first
+    sft_steps * sft_batch_size pairs of the task's stream (PPO goes on from there), the reference
+    answer (target) as the response. An answer is cut where its row would pass max_model_len (as
+    SFT trainers' max_length): a packed row holds max_model_len tokens (config.validate), and no
+    row may be longer."""
+    per_rank = cfg.sft_batch_size // dp_size
+    pairs = task.prompts(step * cfg.sft_batch_size, cfg.sft_batch_size)[dp_rank * per_rank:][:per_rank]
+    prompts = [task.encode(p) for p, _ in pairs]
+    answers = [task.target(a)[:max(0, cfg.max_model_len - len(p))] for p, (_, a) in zip(prompts, pairs)]
+    return prompts, answers
+
+
 def make_task(cfg, model_dir: str, model_vocab_size: int) -> Task:
     return ToyTask(cfg.seed) if cfg.task == "toy_add" else GSM8KTask(cfg, model_dir, model_vocab_size)
 

@@ -485,15 +485,8 @@ def sft_warmup(model_dir, task, cfg, mesh):
         return sft_dir
     policy = model_parallel.load_policy(model_dir, mesh, cfg)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft_lr, weight_decay=0.0, fused=True)
-    per_rank = cfg.sft_batch_size // mesh["dp"].size()
     for it in range(cfg.sft_steps):
-        pairs = task.prompts(it * cfg.sft_batch_size, cfg.sft_batch_size)  # the start of the stream
-        first = mesh["dp"].get_local_rank() * per_rank
-        prompts = [task.encode(p) for p, _ in pairs[first:first + per_rank]]
-        # an answer is cut where its row would pass max_model_len (as SFT trainers' max_length): a
-        # packed row holds max_model_len tokens (config.validate), and no row may be longer
-        answers = [task.target(a)[:max(0, cfg.max_model_len - len(p))]
-                   for p, (_, a) in zip(prompts, pairs[first:first + per_rank])]
+        prompts, answers = rollout.sft_examples(task, cfg, it, mesh["dp"].get_local_rank(), mesh["dp"].size())
         batch = make_batch(prompts, answers, task.pad_id, device=mesh.device_type)
         num_tokens = dp_sum(batch.mask.sum(), mesh)  # global answer tokens
 
@@ -556,8 +549,7 @@ def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
     outs = None
     for idx, lens, weight in micro_rows(range(len(batch.lens)), batch, cfg, mesh):
         result = forward(model, batch.ids[idx], lens, mesh, cfg, **kwargs)
-        if not isinstance(result, tuple):
-            result = (result,)
+        result = result if isinstance(result, tuple) else (result,)
         if outs is None:
             outs = [None if r is None else r.new_zeros(batch.ids.shape) for r in result]
         for out, r in zip(outs, result):
@@ -591,7 +583,7 @@ def score(models, batch, cfg, mesh):
         fields["values"] = values * batch.mask  # (b, S)
     reward_model = models.reward_model
     if reward_model is not None:
-        (outputs,) = forward_batch(model_parallel.forward_critic, reward_model, batch, cfg, mesh, shift=False)
+        (outputs,) = forward_batch(model_parallel.forward_reward_model, reward_model, batch, cfg, mesh)
         # not gathered through the update and generation (reshard_after_forward=false keeps every
         # unit gathered after a pass)
         model_parallel.reshard(reward_model)
@@ -810,8 +802,7 @@ def step_metrics(batch, update_sums, cfg, mesh):
         err = (batch.returns - batch.values) * mask  # (b, S)
         shares.update(ret=batch.returns.sum(), ret_sq=(batch.returns ** 2).sum(), err=err.sum(),
                       err_sq=(err ** 2).sum())
-    shares.update(counts)
-    shares.update(losses)
+    shares.update({**counts, **losses})  # the loss terms last, in the order the update reported them
 
     def column(numbers):  # numbers and device scalars -> one (n,) float64 tensor on the device
         return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=mask.device) for v in numbers])
@@ -920,15 +911,6 @@ def summary(cfg, seconds, stopped):
     return f"{text} | in {cfg.out_dir}: {', '.join(filter(None, wrote))}"
 
 
-def tensorboard_writer(cfg):
-    """TensorBoard's writer into out_dir/tensorboard on rank 0 with tensorboard=true, else None."""
-    if not (cfg.tensorboard and dist.get_rank() == 0):
-        return None
-    # imported here: the package is optional (config refuses tensorboard=true without it)
-    from torch.utils.tensorboard import SummaryWriter
-    return SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
-
-
 def install_stop_handler(device):
     """SIGTERM (preemption) or Ctrl-C: finish the step, save, exit 0. A second signal kills.
     Returns stop_requested(): collective (every rank calls it); True once any rank got a signal."""
@@ -949,15 +931,22 @@ def install_stop_handler(device):
 
 
 def start_metrics_log(cfg, start_step):
-    """A fresh run starts a fresh metrics.jsonl; a resumed one keeps the rows before its step."""
+    """Rank 0: a fresh run starts a fresh metrics.jsonl, a resumed one keeps the rows before its
+    step. Returns TensorBoard's writer into out_dir/tensorboard with tensorboard=true (rank 0),
+    else None."""
     path = os.path.join(cfg.out_dir, "metrics.jsonl")
     if dist.get_rank() != 0:
-        return
+        return None
     kept = []
     if os.path.exists(path):  # read before open(path, "w") empties the file
         kept = [line for line in open(path) if json.loads(line)["step"] < start_step]
     with open(path, "w") as f:
         f.writelines(kept)
+    if not cfg.tensorboard:
+        return None
+    # imported here: the package is optional (config refuses tensorboard=true without it)
+    from torch.utils.tensorboard import SummaryWriter
+    return SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
 
 
 # -----------------------------------------------------------------------------
@@ -1056,8 +1045,8 @@ def load_checkpoint(path, parts, offload_optimizer=False):
         set_model_state_dict(part.model, state[name])
         if name in stepped:
             set_optimizer_state_dict(part.model, part.optimizer, state[name + "_optimizer"])
-        if offload_optimizer and name in stepped:
-            model_parallel.move_optimizer_state(part.optimizer, "host")
+            if offload_optimizer:
+                model_parallel.move_optimizer_state(part.optimizer, "host")
     state_file = os.path.join(path, f"trainer_state_rank{dist.get_rank()}.pt")
     if not os.path.isfile(state_file):  # a rank the saving run did not have
         state_file = os.path.join(path, "trainer_state_rank0.pt")
@@ -1137,10 +1126,9 @@ def main(cfg, task=None):
     policy = models.parts["policy"].model
     if engine is not None and start_step:  # the engine loaded model_dir: give it the resumed policy
         rollout.refit(engine, model_parallel.iter_full_params(policy, engine.dtype), cfg.refit_bucket_mb)
-    start_metrics_log(cfg, start_step)
+    tensorboard = start_metrics_log(cfg, start_step)  # None unless tensorboard=true (rank 0)
     stop_requested = install_stop_handler(device)
     t_start = time.time()
-    tensorboard = tensorboard_writer(cfg)  # None unless tensorboard=true (rank 0)
     bad_steps = 0  # steps in a row with a skipped update
     stopped = False
     for step in range(start_step, cfg.steps):

@@ -78,7 +78,7 @@ def _mesh_body(rank, world_size, root):
                 reward_model = mp.load_reward_model(path, mesh, cfg)
                 assert not any(p.requires_grad for p in reward_model.parameters())  # frozen
                 with torch.no_grad():
-                    out = mp.forward_critic(reward_model, ids, LENS, mesh, cfg, shift=False)  # (B, S)
+                    out = mp.forward_reward_model(reward_model, ids, LENS, mesh, cfg)  # (B, S)
                 scores = out[torch.arange(len(LENS)), last]  # (B,)
                 torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-5,
                                            msg=lambda m: f"{preset} {(dp, cp, tp)} packing={packing}: {m}")
