@@ -452,9 +452,9 @@ def _validate_sizes(cfg: Config, world_size: int) -> None:
 
 def _validate_paths(cfg: Config) -> None:
     """Files and directories the run reads, and out_dir, which it writes."""
-    if cfg.resume and cfg.resume != "auto" and not os.path.isdir(cfg.resume):
-        raise ConfigError(f"resume={cfg.resume!r} does not exist: give a checkpoint dir "
-                          f"(out_dir/ckpt/step_N) or 'auto'")
+    if cfg.resume and cfg.resume != "auto" and not is_checkpoint(cfg.resume):
+        raise ConfigError(f"resume={cfg.resume!r} is not a complete checkpoint (a step_N dir with .metadata "
+                          f"and trainer_state_rank0.pt): give out_dir/ckpt/step_N, or resume=auto")
     if cfg.task == "gsm8k" and not os.path.isfile(cfg.prompts):
         raise ConfigError(f"task=gsm8k needs prompts=FILE (a GSM8K-format JSONL file); "
                           f"{cfg.prompts!r} is not a file")
@@ -473,6 +473,13 @@ def _validate_paths(cfg: Config) -> None:
         os.remove(probe)
     except OSError as e:
         raise ConfigError(f"out_dir={cfg.out_dir!r} is not writable ({e.strerror}): choose another out_dir")
+
+
+def is_checkpoint(path: str) -> bool:
+    """A training checkpoint dir (train_ppo.save_checkpoint's) is complete once renamed from .tmp:
+    DCP's .metadata (written last, by rank 0) and rank 0's trainer state are both in it."""
+    files = [os.path.join(path, name) for name in (".metadata", "trainer_state_rank0.pt")]
+    return not path.rstrip("/").endswith(".tmp") and all(map(os.path.isfile, files))
 
 
 def validate(cfg: Config, world_size: int) -> None:

@@ -411,8 +411,12 @@ def sft_examples(task: Task, cfg, step: int, dp_rank: int, dp_size: int):
     return prompts, answers
 
 
-def make_task(cfg, model_dir: str, model_vocab_size: int) -> Task:
-    return ToyTask(cfg.seed) if cfg.task == "toy_add" else GSM8KTask(cfg, model_dir, model_vocab_size)
+def make_task(cfg, model_dir: str, model_vocab_size: Optional[int] = None) -> Task:
+    """The config's task; model_vocab_size: the checkpoint's (default: its config.json's)."""
+    if cfg.task == "toy_add":
+        return ToyTask(cfg.seed)
+    from transformers import AutoConfig
+    return GSM8KTask(cfg, model_dir, model_vocab_size or AutoConfig.from_pretrained(model_dir).vocab_size)
 
 
 def validation_accuracy(engine, task: Task, cfg, device: torch.device) -> float:

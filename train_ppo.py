@@ -84,7 +84,6 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import (  # noqa: E402
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
-from transformers import AutoConfig  # noqa: E402
 
 import model_parallel  # noqa: E402
 import rollout  # noqa: E402
@@ -469,7 +468,7 @@ def prepare_inputs(cfg, task):
         resume_dir = rank0_decides(find_checkpoint(cfg.resume, cfg.out_dir))
         model_dir = model_parallel.checked_model_dir(cfg)
         if task is None:
-            task = rollout.make_task(cfg, model_dir, AutoConfig.from_pretrained(model_dir).vocab_size)
+            task = rollout.make_task(cfg, model_dir)
     except (rollout.TaskError, model_parallel.CheckpointError) as e:
         print0(f"input error: {e}")
         sys.exit(2)
@@ -880,7 +879,7 @@ def plot_curves(metrics_path, png_path, loss_names):
     os.replace(png_path + ".tmp.png", png_path)
 
 
-def summary(cfg, seconds, stopped):
+def summary(cfg, seconds):
     """The run's last line (rank 0): steps, time, reward at the start and at the end (means of
     the first and the last 5 steps), with a reward model the task's rule the same way, validation
     accuracy first -> last (and the best), and where the run wrote what."""
@@ -901,14 +900,10 @@ def summary(cfg, seconds, stopped):
     val = [r[k] for r in rows for k in ("val_accuracy", "final_val_accuracy") if k in r]
     if val:
         text += f" | val_accuracy {val[0]:.3f} -> {val[-1]:.3f} (best {max(val):.3f})"
-    wrote = ["metrics.jsonl", "curves.png" if cfg.plot_every else None, "rollouts/",
-             "tensorboard/" if cfg.tensorboard else None]
-    steps = _complete_steps(os.path.join(cfg.out_dir, "ckpt"))
-    if steps:
-        wrote.append(f"ckpt/step_{steps[-1]}")
-    if cfg.export_hf and not stopped:
-        wrote.append("hf/ (the policy, for transformers and vLLM)")
-    return f"{text} | in {cfg.out_dir}: {', '.join(filter(None, wrote))}"
+    # what is in out_dir now (hf/: the policy, for transformers and vLLM; ckpt/: resume=auto's)
+    names = sorted(os.listdir(cfg.out_dir))
+    wrote = [name + ("/" if os.path.isdir(os.path.join(cfg.out_dir, name)) else "") for name in names]
+    return f"{text} | in {cfg.out_dir}: {', '.join(wrote)}"
 
 
 def install_stop_handler(device):
@@ -957,31 +952,20 @@ def start_metrics_log(cfg, start_step):
 # small trainer state (progress, LR schedulers, RNG states) with torch.save.
 # `parts` is {name: Part}, the same names when saving and loading.
 
-def _is_complete(path):
-    """A checkpoint dir is complete once renamed from .tmp: DCP's .metadata (written last, by
-    rank 0) and rank 0's trainer state are both in it."""
-    return (not path.rstrip("/").endswith(".tmp") and os.path.isfile(os.path.join(path, ".metadata"))
-            and os.path.isfile(os.path.join(path, "trainer_state_rank0.pt")))
-
-
 def _complete_steps(root):
     """The N of every complete root/step_N, in increasing order."""
     names = os.listdir(root) if os.path.isdir(root) else []
     matches = [re.fullmatch(r"step_(\d+)", name) for name in names]
-    return sorted(int(m[1]) for m in matches if m and _is_complete(os.path.join(root, m[0])))
+    return sorted(int(m[1]) for m in matches if m and config.is_checkpoint(os.path.join(root, m[0])))
 
 
 def find_checkpoint(resume, out_dir):
     """The checkpoint dir to resume from, or None for a fresh run. resume="auto": the newest
     complete out_dir/ckpt/step_N (None if there is none yet: the same command line starts and
-    restarts a preemptible job); a path: that dir, refused unless complete."""
+    restarts a preemptible job); a path: that dir (config.validate refused it unless complete)."""
     if resume == "auto":
         steps = _complete_steps(os.path.join(out_dir, "ckpt"))
         return os.path.join(out_dir, "ckpt", f"step_{steps[-1]}") if steps else None
-    if resume and not _is_complete(resume):
-        raise model_parallel.CheckpointError(f"resume={resume!r} is not a complete checkpoint (a step_N "
-                                             "dir with .metadata and trainer_state_rank0.pt): give "
-                                             "out_dir/ckpt/step_N, or resume=auto")
     return resume or None
 
 
@@ -1060,12 +1044,12 @@ def load_checkpoint(path, parts, offload_optimizer=False):
 
 # -----------------------------------------------------------------------------
 
-def finish_run(cfg, engine, mesh, t_start, stopped):
+def finish_run(cfg, engine, mesh, t_start):
     """Collective (every rank). The end of a run: the summary line, then the data side (the last
     rollout dumps on disk, the engine and the process group let go: rollout.close) and the mesh."""
     dist.barrier()
     if dist.get_rank() == 0:
-        print(summary(cfg, time.time() - t_start, stopped), flush=True)
+        print(summary(cfg, time.time() - t_start), flush=True)
     rollout.close(engine)
     model_parallel.release_mesh(mesh)
 
@@ -1153,7 +1137,7 @@ def main(cfg, task=None):
         dtype = torch.bfloat16 if cfg.export_dtype == "bf16" else torch.float32
         # + the tokenizer files and generation_config of the dir we loaded
         model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"), dtype, copy_from=model_dir)
-    finish_run(cfg, engine, mesh, t_start, stopped)
+    finish_run(cfg, engine, mesh, t_start)
 
 if __name__ == "__main__":
     main(CFG)

@@ -21,7 +21,7 @@ def test_demo_learns(tmp_path):
              if line.strip() and not PROGRESS.match(line)]
     assert len(extra) <= 10, "\n".join(extra)
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("done: 35 steps in ") and f"in {tmp_path}: metrics.jsonl, curves.png" in last, last
+    assert last.startswith("done: 35 steps in ") and f"in {tmp_path}: config.json, curves.png, " in last, last
     assert f"reward {sum(r['reward_mean'] for r in rows[:5]) / 5:.3f} (first 5 steps)" in last, last
     assert "hf/" in last and "ckpt" not in last, last  # exported; the demo saves no checkpoint
     rewards = [r["reward_mean"] for r in rows]

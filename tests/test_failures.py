@@ -149,16 +149,14 @@ def test_out_dir_not_writable(tmp_path):
 
 
 def test_resume_points_at_nothing_complete(tmp_path):
-    with pytest.raises(config.ConfigError, match="resume=.* does not exist"):
-        config.validate(config.parse_args([f"--out_dir={tmp_path}", f"--resume={tmp_path}/ckpt/step_7"]), 1)
     half = tmp_path / "ckpt" / "step_7.tmp"  # a save that was killed before its rename
     half.mkdir(parents=True)
     (half / ".metadata").write_text("")
     (half / "trainer_state_rank0.pt").write_text("")
-    with pytest.raises(model_parallel.CheckpointError, match="is not a complete checkpoint"):
-        train_ppo.find_checkpoint(str(half), str(tmp_path))
-    with pytest.raises(model_parallel.CheckpointError, match="is not a complete checkpoint"):
-        train_ppo.find_checkpoint(str(tmp_path / "ckpt"), str(tmp_path))  # the root, not a step_N
+    # nothing there; the killed save; the root, not a step_N: refused before torch loads
+    for path in (tmp_path / "ckpt" / "step_7", half, tmp_path / "ckpt"):
+        with pytest.raises(config.ConfigError, match="resume=.* is not a complete checkpoint"):
+            config.validate(config.parse_args([f"--out_dir={tmp_path}", f"--resume={path}"]), 1)
     assert train_ppo.find_checkpoint("auto", str(tmp_path)) is None  # auto: nothing yet, fresh start
 
 

@@ -189,9 +189,10 @@ def test_step_metrics_console_plot_and_summary_follow_the_loss_terms(tmp_path, m
     assert titles == [["reward_mean", "kl", "policy_loss", "entropy_loss", "ratio_penalty"]] * 2
     assert os.path.getsize(tmp_path / "curves.png") > 1000
     assert [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] == [metrics, dict(metrics, step=1)]
-    last = train_ppo.summary(cfg, 90.0, stopped=False)
+    (tmp_path / "rollouts").mkdir()
+    last = train_ppo.summary(cfg, 90.0)  # what out_dir holds, directories marked
     assert last == ("done: 2 steps in 1.5 min | reward 0.750 (first 5 steps) -> 0.750 (last 5) | "
-                    f"in {tmp_path}: metrics.jsonl, curves.png, rollouts/")
+                    f"in {tmp_path}: curves.png, metrics.jsonl, rollouts/")
 
 
 def test_generation_shares_by_hand():
