@@ -23,6 +23,7 @@ import tomllib
 import typing
 import warnings
 from dataclasses import dataclass
+from typing import Literal
 
 
 class ConfigError(ValueError):
@@ -57,7 +58,7 @@ class Config:
     # files)
     export_hf: bool = True
     # dtype of that export: auto = the compute dtype (bf16 on GPU, fp32 on CPU), bf16, fp32
-    export_dtype: str = "auto"
+    export_dtype: Literal["auto", "bf16", "fp32"] = "auto"
     # stop when this many steps in a row skipped their update for a NaN/inf loss or grad norm
     # (0 = never stop)
     max_skipped_steps: int = 3
@@ -101,22 +102,22 @@ class Config:
     offload_optimizer: bool = False
     # fsdp: FSDP2 shards params, grads and AdamW state over dp*cp. ddp: whole replicas, gradients
     # all-reduced (DDP; fp32, tp=1): faster for small models on gloo
-    data_parallel: str = "fsdp"
+    data_parallel: Literal["fsdp", "ddp"] = "fsdp"
     # FSDP2: false keeps each gathered layer until the backward (and across no-grad
     # microbatches): half the all-gathers, at the cost of the whole model's memory (ZeRO-2-like;
     # on CPU, data_parallel=ddp is faster still)
     reshard_after_forward: bool = True
     # compute dtype: bf16 (FSDP2 mixed precision, fp32 master weights) or fp32; auto = bf16 on
     # CUDA (with fsdp), else fp32
-    dtype: str = "auto"
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
     # masked: SDPA with a document mask. varlen: on CUDA in bf16 flash-attn's varlen kernel, else
     # torch's; a PyTorch stand-in elsewhere. auto = varlen with a flash kernel, or where a dense
     # mask would be large (packed rows on CUDA), else masked
-    attention: str = "auto"
+    attention: Literal["auto", "masked", "varlen"] = "auto"
 
     # ---- task and rollout ----
     # toy_add: "a+b=" (operands 0..4), reward 1 for the exact sum; gsm8k: math word problems
-    task: str = "toy_add"
+    task: Literal["toy_add", "gsm8k"] = "toy_add"
     # gsm8k: a JSONL file of {"question", "answer": "... #### N"} lines
     prompts: str = ""
     # gsm8k: a held-out JSONL file (same format) for validation
@@ -129,7 +130,7 @@ class Config:
     # gsm8k: the reward for a wrong answer given in the expected form
     format_reward: float = 0.0
     # vllm (colocated), hf (a plain HF model per rank), or auto = vllm if it is installed
-    rollout_engine: str = "auto"
+    rollout_engine: Literal["auto", "vllm", "hf"] = "auto"
     prompts_per_step: int = 16  # global: distinct prompts per step
     samples_per_prompt: int = 4  # responses sampled per prompt
     max_new_tokens: int = 6  # per response
@@ -150,7 +151,7 @@ class Config:
     # pi_old of the ratio. trainer: a no-grad policy pass (exact whatever the engine). engine: the
     # engine's sampling logprobs, one forward fewer, as TRL's PPOTrainer; exact only if the engine
     # computes as the trainer does (the HF engine in fp32), and no entropy metric then
-    old_logprobs: str = "trainer"
+    old_logprobs: Literal["trainer", "engine"] = "trainer"
 
     # ---- supervised warm-up (SFT) before PPO ----
     # It gives PPO a policy worth improving.
@@ -169,7 +170,7 @@ class Config:
     # gae: a learned critic + GAE (PPO). grpo: each response's score against its prompt group's
     # mean (and std), no critic (DeepSeekMath). rloo: against the mean of the group's other
     # responses, no critic (Ahmadian et al., 2024). docs/losses.md compares them.
-    advantage_estimator: str = "gae"
+    advantage_estimator: Literal["gae", "grpo", "rloo"] = "gae"
     # grpo: divide by the group's std (GRPO); false subtracts the group mean only (Dr. GRPO)
     grpo_norm_by_std: bool = True
     lr: float = 1e-6  # policy AdamW learning rate
@@ -182,7 +183,7 @@ class Config:
     # beta: a per-token reward penalty beta * KL(policy || reference)
     kl_coef: float = 0.001
     # k1 = log ratio (unbiased), k3 = (r - 1) - log r (low variance, >= 0)
-    kl_estimator: str = "k1"
+    kl_estimator: Literal["k1", "k3"] = "k1"
     gamma: float = 1.0  # GAE discount
     lam: float = 1.0  # GAE lambda
     # PPO policy ratio clip epsilon: the ratio is kept in [1 - clip_ratio, 1 + clip_ratio_high]
@@ -195,7 +196,7 @@ class Config:
     # each sequence's (Zheng et al., 2025: the geometric mean of its tokens' ratios), in a range of
     # its own, as narrow as the paper's: a sequence's ratio stays much nearer 1 than a token's.
     # GSPO averages over sequences: pair it with loss_agg_mode=seq-mean-token-mean.
-    policy_loss_mode: str = "ppo"
+    policy_loss_mode: Literal["ppo", "gspo"] = "ppo"
     gspo_clip_ratio: float = 3e-4  # GSPO's sequence ratio is kept in [1 - this, 1 + the next one]
     gspo_clip_ratio_high: float = 4e-4  # the paper's 3e-4 below and 4e-4 above
     # clip of the value update around the old values (0 = no clipping)
@@ -211,7 +212,8 @@ class Config:
     # token-mean (every response token weighs the same), seq-mean-token-sum, seq-mean-token-mean
     # (every response weighs the same), seq-mean-token-sum-norm (Dr. GRPO: token sums over a
     # constant). Every count is global, so the mesh never changes the loss.
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     # seq-mean-token-sum-norm's constant; 0 = max_new_tokens
     loss_agg_norm: int = 0
 
@@ -221,20 +223,6 @@ class Config:
         return self.prompts_per_step * self.samples_per_prompt
 
 
-# Fields whose value must be one of a few strings, and what each accepts.
-CHOICES = {
-    "rollout_engine": ("auto", "vllm", "hf"),
-    "kl_estimator": ("k1", "k3"),
-    "task": ("toy_add", "gsm8k"),
-    "dtype": ("auto", "bf16", "fp32"),
-    "attention": ("auto", "masked", "varlen"),
-    "advantage_estimator": ("gae", "grpo", "rloo"),
-    "loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "policy_loss_mode": ("ppo", "gspo"),
-    "old_logprobs": ("trainer", "engine"),
-    "data_parallel": ("fsdp", "ddp"),
-    "export_dtype": ("auto", "bf16", "fp32"),
-}
 # Fields that must be >= 1 (integers) and > 0 (floats).
 POSITIVE = ("tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size",
             "prompts_per_step", "samples_per_prompt", "max_new_tokens", "rollout_tp_size",
@@ -331,7 +319,9 @@ def print_help() -> None:
 
 
 def _coerce(key: str, value, typ):
-    """Turn a TOML value or a command-line string into the field's type, or refuse."""
+    """Turn a TOML value or a command-line string into the field's type, or refuse. A Literal
+    field takes a string (_validate_values checks it is one of the choices)."""
+    typ = str if typing.get_origin(typ) is typing.Literal else typ
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -391,8 +381,9 @@ def parse_args(argv: list) -> Config:
 
 def _validate_values(cfg: Config) -> None:
     """Each field on its own: one of its choices, in its range."""
-    for key, allowed in CHOICES.items():
-        if getattr(cfg, key) not in allowed:
+    for key, typ in typing.get_type_hints(Config).items():
+        allowed = typing.get_args(typ)  # a Literal field's choices (other types: none)
+        if allowed and getattr(cfg, key) not in allowed:
             raise ConfigError(f"{key}={getattr(cfg, key)!r} is not supported: use one of {allowed}")
     for key in POSITIVE:
         if not getattr(cfg, key) > 0:

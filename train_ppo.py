@@ -168,9 +168,9 @@ def rloo_advantages(scores, group_size):
 
 # The critic-free advantage estimators, by their config name: every sample's score (N,) of the
 # global batch, prompt-major -> its advantage (N,), put on each of its response tokens. A new
-# estimator is one entry here and its name in config.CHOICES; without an entry, the name would
-# need a critic (gae, the learned critic with GAE below, is the one that does). The KL to the
-# reference is then a loss term (policy_loss_terms), not a per-token reward.
+# estimator is one entry here and its name in config.Config.advantage_estimator's Literal; without
+# an entry, the name would need a critic (gae, the learned critic with GAE below, is the one that
+# does). The KL to the reference is then a loss term (policy_loss_terms), not a per-token reward.
 GROUP_ADVANTAGES = {
     "grpo": lambda scores, cfg: grpo_advantages(scores, cfg.samples_per_prompt, cfg.grpo_norm_by_std),
     "rloo": lambda scores, cfg: rloo_advantages(scores, cfg.samples_per_prompt),
