@@ -378,8 +378,9 @@ def materialize_tiny_model(name, dir, seed, **overrides):
 # all-reduce per block, or a reduce-scatter onto the sequence dim with SP). Llama, Qwen2, Qwen3 and
 # Mistral share module names, so one plan serves the four; Gemma3 is refused for tp > 1.
 
-def _tp_plan(family, sequence_parallel, critic):
-    """{module name pattern: how parallelize_module splits it} for this family, SP and head."""
+def _tp_plan(model, sequence_parallel):
+    """{module name pattern: how parallelize_module splits it} for the model's family, SP and head
+    (a critic's ValueHead or an LM head)."""
     # layout of the residual stream between blocks: the full sequence on every tp rank, or (SP)
     # each tp rank holds S/tp of the tokens, so norms and residual adds are not repeated
     stream = Shard(1) if sequence_parallel else Replicate()
@@ -395,7 +396,7 @@ def _tp_plan(family, sequence_parallel, critic):
         "model.layers.*.mlp.up_proj": ColwiseParallel(),  # the same channels
         "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=stream),  # channels summed
     }
-    if family == "qwen3":
+    if model.config.model_type == "qwen3":
         plan.update({
             # per-head q/k norms see only this rank's heads (dim 2 of (B, S, H/tp, D)); marking
             # that split (SP's style on the head dim) makes the replicated weight's gradient a sum
@@ -416,7 +417,7 @@ def _tp_plan(family, sequence_parallel, critic):
             "model.layers.*.mlp": PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),
         })
-    if critic:
+    if isinstance(model.get_output_embeddings(), ValueHead):
         # the value head is tiny and replicated over tp: it just needs every token
         plan["lm_head"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
                                              use_local_output=True)
@@ -512,7 +513,7 @@ def _build(path, mesh, cfg, critic, frozen=False):
     model = _on_meta(config, critic, torch.bfloat16 if frozen and cfg.dtype == "bf16" else torch.float32)
     tied = not critic and config.tie_word_embeddings
     if tp_size > 1:
-        parallelize_module(model, mesh["tp"], _tp_plan(config.model_type, cfg.sequence_parallel, critic))
+        parallelize_module(model, mesh["tp"], _tp_plan(model, cfg.sequence_parallel))
         # TP gave each module its own DTensor copy (both Shard(0) on vocab): tie again
         if tied:
             _tie_embeddings(model)
@@ -521,7 +522,7 @@ def _build(path, mesh, cfg, critic, frozen=False):
     device = _device(mesh)
     offload = cfg.data_parallel == "fsdp" and (cfg.cpu_offload or frozen)
     if cfg.data_parallel == "fsdp":
-        _shard_fsdp(model, mesh.dp_cp, cfg, critic, offload)
+        _shard_fsdp(model, mesh.dp_cp, cfg, offload)
     elif mesh.dp_cp.size() > 1:  # ddp (on one rank: a plain module)
         _replicate_ddp(model, mesh.dp_cp.get_group())
     _allocate(model, device, offload)
@@ -554,7 +555,7 @@ def _tie_embeddings(model):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
 
 
-def _shard_fsdp(model, mesh, cfg, critic, offload):
+def _shard_fsdp(model, mesh, cfg, offload):
     """FSDP2 over `mesh` (dp x cp): the embedding, each decoder layer (one all-gather in flight at a
     time), the final norm with the head, then the root (torchtitan's units). In one root unit, an
     untied 7B's embedding and head (1.09B parameters at tp=1) would stay gathered through forward
@@ -584,12 +585,12 @@ def _shard_fsdp(model, mesh, cfg, critic, offload):
         fully_shard(embed, mp_policy=compute, **fsdp)
     for layer in [m for m in model.modules() if type(m).__name__ in model._no_split_modules]:
         fully_shard(layer, mp_policy=compute, **fsdp)
-    if not tied and not critic:
-        fully_shard([head] if norm is None else [norm, head], mp_policy=compute, **fsdp)
-    if critic:
+    if isinstance(head, ValueHead):  # a critic's
         # the value head is its own unit with an fp32 param_dtype: FSDP2 casts its bf16 input up
         # to fp32 (without the cast, bf16 hidden states meet fp32 weights and matmul fails)
         fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32), **fsdp)
+    elif not tied:
+        fully_shard([head] if norm is None else [norm, head], mp_policy=compute, **fsdp)
     fully_shard(model, mp_policy=compute, **fsdp)
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -884,17 +884,16 @@ def summary(cfg, seconds):
     the first and the last 5 steps), with a reward model the task's rule the same way, validation
     accuracy first -> last (and the best), and where the run wrote what."""
     rows = [json.loads(line) for line in open(os.path.join(cfg.out_dir, "metrics.jsonl"))]
-    if not rows:  # steps=0: the SFT warm-up alone
-        return f"done: no PPO step (steps=0) in {seconds / 60:.1f} min | in {cfg.out_dir}: sft/"
 
     def first_last(key):
         """The means of the first and the last 5 rows that have `key`."""
         values = [r[key] for r in rows if key in r]
         return sum(values[:5]) / len(values[:5]), sum(values[-5:]) / len(values[-5:])
-    first, last = first_last("reward_mean")
-    text = (f"done: {len(rows)} steps in {seconds / 60:.1f} min | reward {first:.3f} (first 5 steps) "
-            f"-> {last:.3f} (last 5)")
-    if cfg.reward_model:  # the reward model's score above, the truth here
+    text = f"done: {len(rows)} steps in {seconds / 60:.1f} min"
+    if rows:  # (none with steps=0: the SFT warm-up alone)
+        first, last = first_last("reward_mean")
+        text += f" | reward {first:.3f} (first 5 steps) -> {last:.3f} (last 5)"
+    if rows and cfg.reward_model:  # the reward model's score above, the truth here
         first, last = first_last("task_score")
         text += f" | task_score {first:.3f} -> {last:.3f}"
     val = [r[k] for r in rows for k in ("val_accuracy", "final_val_accuracy") if k in r]
