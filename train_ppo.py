@@ -270,7 +270,8 @@ def aggregate_loss(per_token, mask, mode="token-mean", num_tokens=None, num_seqs
 
 
 # -----------------------------------------------------------------------------
-# Plumbing: which samples a rank owns, batches as tensors, microbatches, statistics.
+# Plumbing: rank 0's prints and decisions, the run's models, the step's Batch and the update's
+# split of the samples over dp ranks (training_batch, balanced_split), timing.
 
 def print0(*args):
     if dist.get_rank() == 0:  # rank 0 alone prints (and writes files)
@@ -452,9 +453,8 @@ def start_run(cfg):
     if dist.get_rank() == 0:
         os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
         config.save(cfg, os.path.join(cfg.out_dir, "config.json"))
-    world_size = dist.get_world_size()
-    print0(f"mesh dp={mesh['dp'].size()} cp={cfg.cp_size} tp={cfg.tp_size} on {world_size} x {device.type}, "
-           f"{cfg.dtype}, {'packed' if cfg.packing else 'padded'} rows, attention: {kernel}, "
+    print0(f"mesh dp={mesh['dp'].size()} cp={cfg.cp_size} tp={cfg.tp_size} on {dist.get_world_size()} x "
+           f"{device.type}, {cfg.dtype}, {'packed' if cfg.packing else 'padded'} rows, attention: {kernel}, "
            f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine, "
            f"{cfg.prompts_per_step}x{cfg.samples_per_prompt} samples a step")
     return device, mesh
@@ -557,11 +557,10 @@ def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
     return outs
 
 
-@torch.no_grad()
 def score(models, batch, cfg, mesh):
-    """Collective over the mesh. Step 4, the passes without grad of the run's Models, returned as
-    Batch fields (for dataclasses.replace): the old policy's logprobs and entropy (or the
-    engine's logprobs), the reference's logprobs (the initial weights swapped into the same
+    """Collective over the mesh. Step 4, the passes without grad of the run's Models (ppo_step
+    runs steps 4-6 under no_grad), returned as Batch fields (for dataclasses.replace): the old
+    policy's logprobs and entropy (or the engine's logprobs), the reference's logprobs (the initial weights swapped into the same
     module), the critic's values, and a reward model's scores: its output at each sequence's last
     token (an unshifted read, unlike the critic's), which replace the task's as the reward; the
     task's are kept as task_scores, to be logged beside it: the reward model's opinion and the
@@ -591,7 +590,6 @@ def score(models, batch, cfg, mesh):
     return fields
 
 
-@torch.no_grad()
 def global_scores(batch, n, mesh):
     """Collective over dp. Every sample's reward by global index, (n,) for the step's n samples:
     each dp rank has its rows' (their reward model's scores, or the task's); GRPO's and RLOO's
@@ -603,7 +601,6 @@ def global_scores(batch, n, mesh):
     return dp_sum(scores, mesh).float()
 
 
-@torch.no_grad()
 def compute_advantages(batch, all_scores, cfg, mesh):
     """Collective over dp (the whitening). Steps 5-6, returned as Batch fields. gae: per-token
     reward = -kl_coef * KL at every response token, + the score on the last one; GAE; whitened
@@ -669,18 +666,36 @@ def minibatch_update(part, loss_fn, rows, batch, cfg, mesh):
 
 def update(parts, batch, cfg, mesh, train_policy=True):
     """Collective over the mesh. Steps 7-8: ppo_epochs passes over the step's fixed minibatches,
-    one optimizer step per minibatch and model (minibatch_update, with the loss of each
-    microbatch below), then the LR schedules. train_policy=False (the critic's warm-up steps)
-    updates the critic alone. Returns the sums that step_metrics turns into the step's metrics,
-    (losses, counts, norms), each {name: sum over the step's optimizer steps}: every loss term
-    and count as this rank's share, in the order reported, and each model's grad norm (global
-    already) with `skipped_updates`, the optimizer steps skipped for a NaN/inf loss or norm."""
+    one optimizer step per minibatch and trained model (minibatch_update, with the losses below),
+    then the LR schedules. train_policy=False (the critic's warm-up steps) updates the critic
+    alone. Returns the sums that step_metrics turns into the step's metrics, (losses, counts,
+    norms), each {name: sum over the step's optimizer steps}: every loss term and count as this
+    rank's share, in the order reported, and each model's grad norm (global already) with
+    `skipped_updates`, the optimizer steps skipped for a NaN/inf loss or norm."""
     if cfg.offload_optimizer:  # AdamW's state back from host memory, to the batch's device
         for part in parts.values():
             model_parallel.move_optimizer_state(part.optimizer, batch.ids.device)
-    policy, critic = parts["policy"], parts.get("critic")
     per_minibatch = len(batch.lens) // cfg.num_minibatches  # rows of each minibatch on this rank
     global_minibatch = per_minibatch * mesh["dp"].size()  # sequences
+
+    # The loss of one microbatch of each model: named terms (their sum is minimized) and counts.
+    # `aggregate` is the current minibatch's (set in the loop below, read when they run).
+    def policy_loss_of(idx, lens):  # the sum of policy_loss_terms
+        lp, entropy = model_parallel.forward_policy(parts["policy"].model, batch.ids[idx], lens, mesh, cfg,
+                                                    temperature=cfg.temperature,
+                                                    with_entropy=cfg.entropy_coef > 0,
+                                                    unscored=batch.unscored)
+        # the module's name, looked up now: a fork's replacement of it is what trains
+        terms, clipped = policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg)
+        return terms, {"clipped_tokens": clipped}
+
+    def critic_loss_of(idx, lens):  # the clipped value loss, one term
+        values = model_parallel.forward_critic(parts["critic"].model, batch.ids[idx], lens, mesh, cfg)
+        per_token = value_loss(values, batch.values[idx], batch.returns[idx], cfg.value_clip)
+        return {"value_loss": aggregate(per_token, batch.mask[idx])}, {}
+
+    losses_of = {"policy": (policy_loss_of, "grad_norm"), "critic": (critic_loss_of, "critic_grad_norm")}
+    trained = [name for name in parts if name != "policy" or train_policy]  # the critic in its warm-up
     losses, counts, norms = Counter(), Counter(), Counter()
     for epoch in range(cfg.ppo_epochs):
         for first in range(0, len(batch.lens), per_minibatch):
@@ -691,32 +706,14 @@ def update(parts, batch, cfg, mesh, train_policy=True):
             aggregate = functools.partial(aggregate_loss, mode=cfg.loss_agg_mode, num_tokens=num_tokens,
                                           num_seqs=global_minibatch,
                                           norm=cfg.loss_agg_norm or cfg.max_new_tokens)
-
-            def policy_loss_of(idx, lens):  # the policy's loss: the sum of policy_loss_terms
-                lp, entropy = model_parallel.forward_policy(policy.model, batch.ids[idx], lens, mesh, cfg,
-                                                            temperature=cfg.temperature,
-                                                            with_entropy=cfg.entropy_coef > 0,
-                                                            unscored=batch.unscored)
-                # the module's name, looked up now: a fork's replacement of it is what trains
-                terms, clipped = policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg)
-                return terms, {"clipped_tokens": clipped}
-
-            def critic_loss_of(idx, lens):  # the critic's: the clipped value loss, one term
-                values = model_parallel.forward_critic(critic.model, batch.ids[idx], lens, mesh, cfg)
-                per_token = value_loss(values, batch.values[idx], batch.returns[idx], cfg.value_clip)
-                return {"value_loss": aggregate(per_token, batch.mask[idx])}, {}
-
-            trained = [(policy, policy_loss_of, "grad_norm")] if train_policy else []
-            if critic is not None:
-                trained.append((critic, critic_loss_of, "critic_grad_norm"))
-            for part, loss_of, norm_name in trained:
-                terms, part_counts, norm, stepped = minibatch_update(part, loss_of, rows, batch, cfg, mesh)
+            for name in trained:
+                loss_of, norm_name = losses_of[name]
+                terms, counted, norm, stepped = minibatch_update(parts[name], loss_of, rows, batch, cfg, mesh)
                 losses.update(terms)
-                counts.update(part_counts)
+                counts.update(counted)
                 norms.update({norm_name: norm, "skipped_updates": int(not stepped)})
-    for name, part in parts.items():
-        if name != "policy" or train_policy:  # (a policy not trained keeps its LR warm-up)
-            part.schedule.step()
+    for name in trained:  # (a policy not trained keeps its LR warm-up)
+        parts[name].schedule.step()
     if cfg.offload_optimizer:  # and out again: the engine gets the room
         for part in parts.values():
             model_parallel.move_optimizer_state(part.optimizer, "host")
@@ -1024,12 +1021,6 @@ def load_checkpoint(path, parts, offload_optimizer=False):
     stepped = [name for name in parts if any(key.startswith(name + "_optimizer.") for key in saved)]
     state = _sharded_state(parts, stepped)
     dcp.load(state, checkpoint_id=path)  # collective: each rank reads the pieces its shards cover
-    for name, part in parts.items():
-        set_model_state_dict(part.model, state[name])
-        if name in stepped:
-            set_optimizer_state_dict(part.model, part.optimizer, state[name + "_optimizer"])
-            if offload_optimizer:
-                model_parallel.move_optimizer_state(part.optimizer, "host")
     state_file = os.path.join(path, f"trainer_state_rank{dist.get_rank()}.pt")
     if not os.path.isfile(state_file):  # a rank the saving run did not have
         state_file = os.path.join(path, "trainer_state_rank0.pt")
@@ -1037,7 +1028,12 @@ def load_checkpoint(path, parts, offload_optimizer=False):
     trainer_state = torch.load(state_file, weights_only=False)
     rollout.set_rng_states(trainer_state["rng"])
     for name, part in parts.items():
+        set_model_state_dict(part.model, state[name])
         part.schedule.load_state_dict(trainer_state["schedulers"][name])
+        if name in stepped:
+            set_optimizer_state_dict(part.model, part.optimizer, state[name + "_optimizer"])
+            if offload_optimizer:
+                model_parallel.move_optimizer_state(part.optimizer, "host")
     return trainer_state["progress"]
 
 
@@ -1068,7 +1064,7 @@ def ppo_step(progress, models, engine, task, cfg, mesh, device):
             start = progress["prompts_drawn"]  # the prompt stream's position
             every, metrics["rollout_samples"] = rollout.rollouts(engine, task, cfg, step, start)
             batch = training_batch(every, cfg, mesh, task.pad_id, device)
-        with timed(metrics, "time_logprobs_s"):  # 4-6. no-grad passes, rewards, advantages
+        with timed(metrics, "time_logprobs_s"), torch.no_grad():  # 4-6. forward passes, rewards, advantages
             batch = replace(batch, **score(models, batch, cfg, mesh))
             all_scores = global_scores(batch, len(every), mesh)  # (N,)
             batch = replace(batch, **compute_advantages(batch, all_scores, cfg, mesh))

@@ -76,7 +76,8 @@ def _one_rank_body(rank, world_size, tmp):
     batch.scores = torch.zeros(2)
     snapshot = model_parallel.snapshot_weights(policy)
     models = train_ppo.Models({"policy": train_ppo.Part(policy, None, None)}, snapshot, reward_model)
-    train_ppo.score(models, batch, keep, mesh)
+    with torch.no_grad():  # as ppo_step calls it
+        train_ppo.score(models, batch, keep, mesh)
     gathered = [n for n, p in reward_model.named_parameters() if not isinstance(p, DTensor)]
     assert not gathered, f"the reward model was left gathered: {gathered}"
     assert not _offloaded(policy)
