@@ -560,11 +560,12 @@ def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
 def score(models, batch, cfg, mesh):
     """Collective over the mesh. Step 4, the passes without grad of the run's Models (ppo_step
     runs steps 4-6 under no_grad), returned as Batch fields (for dataclasses.replace): the old
-    policy's logprobs and entropy (or the engine's logprobs), the reference's logprobs (the initial weights swapped into the same
-    module), the critic's values, and a reward model's scores: its output at each sequence's last
-    token (an unshifted read, unlike the critic's), which replace the task's as the reward; the
-    task's are kept as task_scores, to be logged beside it: the reward model's opinion and the
-    truth side by side, where reward hacking shows."""
+    policy's logprobs and entropy (or the engine's logprobs), the reference's logprobs (the
+    initial weights swapped into the same module), the critic's values, and a reward model's
+    scores: its output at each sequence's last token (forward_reward_model: an unshifted read,
+    unlike the critic's), which replace the task's as the reward; the task's are kept as
+    task_scores, to be logged beside it: the reward model's opinion and the truth side by side,
+    where reward hacking shows."""
     # old_logprobs=engine: the engine's logprobs stand for pi_old, one policy forward fewer
     fields = dict(old_lp=batch.engine_lp, entropy=None)
     policy = models.parts["policy"].model
