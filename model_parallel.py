@@ -544,7 +544,7 @@ def _on_meta(config, critic, dtype):
         # attn_implementation="ppo": every layer calls ppo_attention (registered above)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="ppo", dtype=dtype)
         if critic:
-            model.lm_head = ValueHead(config.hidden_size, 1)
+            model.set_output_embeddings(ValueHead(config.hidden_size, 1))  # lm_head, whatever its name
     return model
 
 
@@ -698,8 +698,9 @@ def load_critic(path, mesh, cfg, frozen=False):
         hidden = model.config.hidden_size
         generator = torch.Generator().manual_seed(cfg.seed)
         weight = torch.randn(1, hidden, generator=generator) / math.sqrt(hidden + 1)
+    head = next(name for name, module in model.named_modules() if module is model.get_output_embeddings())
     # (HF's score heads have no bias: 0 reads the same)
-    return _load_weights(model, path, extra={"lm_head.weight": weight, "lm_head.bias": torch.zeros(1)})
+    return _load_weights(model, path, extra={f"{head}.weight": weight, f"{head}.bias": torch.zeros(1)})
 
 
 def load_reward_model(path, mesh, cfg):
