@@ -157,7 +157,8 @@ def _recording_body(rank, world_size, out_dir):
     engines, trained, make_batch, gathered = [], [], train_ppo.make_batch, []
     full_tensor = DTensor.full_tensor
 
-    def make_engine(cfg, model_dir, device, stop_ids):
+    def make_engine(cfg, model_dir, device, eos_id):
+        stop_ids = rollout.stop_token_ids(model_dir, eos_id)  # as rollout.make_engine asks
         engines.append(RecordingEngine(model_dir, device, stop_ids, torch.bfloat16))
         return engines[-1]
 
