@@ -124,17 +124,6 @@ def epoch_order(seed: int, size: int, start: int, n: int) -> list:
 TOY_FACTS = [(f"{a}+{b}=", str(a + b)) for a in range(TOY_OPERANDS) for b in range(TOY_OPERANDS)]
 
 
-def toy_prompts(seed: int, start: int, n: int) -> list:
-    """(prompt text, answer text) pairs start .. start+n-1 of the shuffled epochs over the 25
-    facts."""
-    return [TOY_FACTS[i] for i in epoch_order(seed, len(TOY_FACTS), start, n)]
-
-
-def toy_reward(response_text: str, answer: str, finished: bool) -> float:
-    """1.0 when the response is exactly the answer and the model stopped (emitted EOS)."""
-    return float(finished and response_text.strip() == answer)
-
-
 # -----------------------------------------------------------------------------
 # Math answers (GSM8K and the like): the reward is exact match of the final number. GSM8K's
 # references end in "#### 72" (Cobbe et al., 2021); a model's answer is taken from its last
@@ -297,7 +286,9 @@ class ToyTask:
         self.pad_id = self.tok.encode_single_token(PAD)
 
     def prompts(self, start, n):
-        return toy_prompts(self.seed, start, n)
+        """(prompt text, answer text) pairs start .. start+n-1 of the shuffled epochs over the 25
+        facts."""
+        return [TOY_FACTS[i] for i in epoch_order(self.seed, len(TOY_FACTS), start, n)]
 
     def encode(self, prompt):
         return self.tok.encode(prompt)
@@ -310,7 +301,8 @@ class ToyTask:
         return self.tok.decode([i for i in ids if i < 256], errors="replace")
 
     def reward(self, text, answer, finished):
-        return toy_reward(text, answer, finished)
+        """1.0 when the response is exactly the answer and the model stopped (emitted EOS)."""
+        return float(finished and text.strip() == answer)
 
 
 def read_gsm8k(path: str) -> list:

@@ -59,7 +59,7 @@ measured["init_s"] = time.perf_counter() - t0
 
 # Ranks of one vLLM TP group pass identical requests; different groups pass different ones.
 group_index = rank // cfg.rollout_tp_size
-prompts = [tok.encode(p) for p, _ in rollout.toy_prompts(cfg.seed, 6 * group_index, 6)]
+prompts = [tok.encode(p) for p, _ in rollout.ToyTask(cfg.seed).prompts(6 * group_index, 6)]
 seeds = [rollout.sample_seed(cfg.seed, group_index, i, 0) for i in range(len(prompts))]
 
 

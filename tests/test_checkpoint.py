@@ -111,7 +111,7 @@ def test_resume_draws_the_prompts_the_straight_run_drew(straight, resumed):
     state = torch.load(os.path.join(resumed["out"], "ckpt", "step_2", "trainer_state_rank0.pt"),
                        weights_only=False)
     assert state["progress"] == {"step": 2, "prompts_drawn": 248}
-    want = [prompt for prompt, _ in rollout.toy_prompts(1, 240, 16)]
+    want = [prompt for prompt, _ in rollout.ToyTask(1).prompts(240, 16)]
     assert len(set(want[:10])) == 10 and want[:10] != want[10:]  # the rest of epoch 9, then a new order
     for out in (straight[0], resumed["out"]):
         drawn = []

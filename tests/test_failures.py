@@ -182,7 +182,7 @@ def write_rollouts(path, steps, nan_steps, prompts_per_step=4, samples_per_promp
     tok = rollout.toy_tokenizer()
     for step in range(steps):
         samples = []
-        pairs = rollout.toy_prompts(1, step * prompts_per_step, prompts_per_step)
+        pairs = rollout.ToyTask(1).prompts(step * prompts_per_step, prompts_per_step)
         for j in range(prompts_per_step * samples_per_prompt):
             prompt, answer = pairs[j // samples_per_prompt]
             response = tok.encode(answer if j % 3 else "9") + [256]  # some right, some wrong

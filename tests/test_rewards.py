@@ -4,7 +4,7 @@ import json
 import pytest
 
 import rollout
-from rollout import extract_answer, math_reward, toy_prompts, toy_reward
+from rollout import ToyTask, extract_answer, math_reward
 
 # (model output, the number a careful human grader would read as its final answer)
 TRICKY = [
@@ -49,17 +49,17 @@ def test_math_reward_exact_match_and_format():
 
 
 def test_toy_task():
-    pairs = toy_prompts(seed=1, start=0, n=50)  # two epochs of the 25 facts
-    assert pairs == toy_prompts(seed=1, start=0, n=50)        # same on every rank
+    pairs = ToyTask(1).prompts(0, 50)  # two epochs of the 25 facts
+    assert pairs == ToyTask(1).prompts(0, 50)        # same on every rank
     assert sorted(pairs[:25]) == sorted(pairs[25:]) and len(set(pairs[:25])) == 25  # each fact once an epoch
     assert pairs[:25] != pairs[25:]                            # each epoch shuffled anew
-    assert toy_prompts(seed=1, start=20, n=10) == pairs[20:30]  # a resumed position draws the same
+    assert ToyTask(1).prompts(20, 10) == pairs[20:30]  # a resumed position draws the same
     for prompt, answer in pairs:
         a, b = prompt.rstrip("=").split("+")
         assert int(answer) == int(a) + int(b)
-    assert toy_reward("7", "7", finished=True) == 1.0
-    assert toy_reward("7", "7", finished=False) == 0.0       # did not stop
-    assert toy_reward("77", "7", finished=True) == 0.0
+    assert ToyTask(1).reward("7", "7", finished=True) == 1.0
+    assert ToyTask(1).reward("7", "7", finished=False) == 0.0       # did not stop
+    assert ToyTask(1).reward("77", "7", finished=True) == 0.0
 
 
 def test_stop_tokens_without_generation_config_include_config_json_eos(tmp_path):
