@@ -252,7 +252,7 @@ def masked_attention_error(row_tokens: int, cp_size: int, rows: int = 1):
     return None
 
 
-def resolve_auto(cfg: Config, device_type: str, gpu_kernel=None) -> str:
+def resolve_auto(cfg: Config, device_type: str, gpu_kernel) -> str:
     """Replace "auto" in cfg.dtype, cfg.export_dtype and cfg.attention by what runs on this device
     ("cuda" or "cpu"), whose flash varlen kernel is `gpu_kernel` (its name, or None: the trainer
     asks model_parallel.gpu_kernel_name); return the attention kernel's name (the run's first line

@@ -103,13 +103,16 @@ def make_mesh(world_size, tp_size, cp_size, device_type):
 
 
 def setup(cfg):
-    """Collective (every rank): the process group (init_distributed), the (dp, cp, tp) mesh
-    (make_mesh), and cfg's "auto" options resolved for this device and its kernels
-    (config.resolve_auto). Returns (device, mesh, the attention kernel's name)."""
+    """Collective (every rank): what the run needs before it loads a model. The process group
+    (init_distributed), the (dp, cp, tp) mesh (make_mesh), the policy's model dir with every dir
+    the run loads checked (checked_model_dir; CheckpointError), and cfg's "auto" options resolved
+    for this device and its kernels (config.resolve_auto). Returns (device, mesh, model dir, the
+    attention kernel's name)."""
     _, world_size, device = init_distributed(cfg.collective_timeout_s)
     mesh = make_mesh(world_size, cfg.tp_size, cfg.cp_size, device.type)
+    model_dir = checked_model_dir(cfg)
     gpu_kernel = gpu_kernel_name() if device.type == "cuda" else None
-    return device, mesh, resolve_auto(cfg, device.type, gpu_kernel)
+    return device, mesh, model_dir, resolve_auto(cfg, device.type, gpu_kernel)
 
 
 def release_mesh(mesh):
@@ -328,7 +331,7 @@ AttentionInterface.register("ppo", ppo_attention)
 # The first four name their modules as Llama does, so one TP plan serves them.
 #
 # Adding a family: its model_type in FAMILIES; in _tp_plan an entry for each module whose name or
-# split differs from Llama's (or a tp_size=1 refusal in _check_supported, as Gemma3's); a tiny
+# split differs from Llama's (or a tp_size=1 refusal in check_hf_dir, as Gemma3's); a tiny
 # preset below; its preset in the FAMILIES list of tests/test_model_parallel.py, which compares it
 # with the plain HF model on every mesh. A new attention variant must reach ppo_attention as an
 # argument HF passes (as `sliding_window` does), or it is silently ignored.
@@ -478,9 +481,8 @@ def checked_model_dir(cfg):
     """The policy's HF checkpoint dir (a tiny preset is written as one first), once every dir the
     run loads has passed check_hf_dir and a reward model has a one-label score head; else
     CheckpointError."""
-    model_dir = cfg.model
-    if model_dir in TINY_PRESETS:
-        model_dir = materialize_tiny_model(cfg.model, cfg.out_dir, cfg.seed)
+    preset = cfg.model in TINY_PRESETS  # written as a real HF checkpoint dir first
+    model_dir = materialize_tiny_model(cfg.model, cfg.out_dir, cfg.seed) if preset else cfg.model
     for path in (model_dir, cfg.critic_model, cfg.reward_model):
         if path:  # no critic_model: the critic starts from the policy's checkpoint
             check_hf_dir(path, cfg.tp_size)

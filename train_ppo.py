@@ -445,34 +445,28 @@ def timed(times, name):
 # -----------------------------------------------------------------------------
 # Set-up: distributed, inputs checked, models loaded (after an optional SFT warm-up).
 
-def start_run(cfg):
-    """Collective (every rank). Join the process group, build the (dp, cp, tp) mesh, resolve the
-    "auto" options (model_parallel.setup); rank 0 makes out_dir and saves the resolved config
-    there. Returns (device, mesh)."""
-    device, mesh, kernel = model_parallel.setup(cfg)
-    if dist.get_rank() == 0:
-        os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
-        config.save(cfg, os.path.join(cfg.out_dir, "config.json"))
+def start_run(cfg, task):
+    """Collective (every rank). The process group, the (dp, cp, tp) mesh and the policy's model dir
+    (model_parallel.setup: every model dir is checked, a tiny preset written as a real HF
+    checkpoint, the "auto" options resolved); rank 0 makes out_dir and saves the resolved config
+    there; the checkpoint to resume from and the task (None: the config's). Bad input is refused
+    here, before any heavy work: one line, exit 2. Returns (device, mesh, model_dir, resume_dir,
+    task)."""
+    try:
+        device, mesh, model_dir, kernel = model_parallel.setup(cfg)
+        if dist.get_rank() == 0:
+            os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
+            config.save(cfg, os.path.join(cfg.out_dir, "config.json"))
+        resume_dir = rank0_decides(find_checkpoint(cfg.resume, cfg.out_dir))
+        task = rollout.make_task(cfg, model_dir) if task is None else task
+    except (rollout.TaskError, model_parallel.CheckpointError) as e:
+        print0(f"input error: {e}")
+        sys.exit(2)
     print0(f"mesh dp={mesh['dp'].size()} cp={cfg.cp_size} tp={cfg.tp_size} on {dist.get_world_size()} x "
            f"{device.type}, {cfg.dtype}, {'packed' if cfg.packing else 'padded'} rows, attention: {kernel}, "
            f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine, "
            f"{cfg.prompts_per_step}x{cfg.samples_per_prompt} samples a step")
-    return device, mesh
-
-
-def prepare_inputs(cfg, task):
-    """Model dir (model_parallel.checked_model_dir: a tiny preset is written as a real HF
-    checkpoint), the checkpoint to resume from, and the task. Bad input is refused here, before
-    any heavy work: one line, exit 2."""
-    try:
-        resume_dir = rank0_decides(find_checkpoint(cfg.resume, cfg.out_dir))
-        model_dir = model_parallel.checked_model_dir(cfg)
-        if task is None:
-            task = rollout.make_task(cfg, model_dir)
-    except (rollout.TaskError, model_parallel.CheckpointError) as e:
-        print0(f"input error: {e}")
-        sys.exit(2)
-    return model_dir, resume_dir, task
+    return device, mesh, model_dir, resume_dir, task
 
 
 def sft_warmup(model_dir, task, cfg, mesh):
@@ -649,8 +643,9 @@ def minibatch_update(part, loss_fn, rows, batch, cfg, mesh):
     count_sums = Counter()
     micros = micro_rows(rows, batch, cfg, mesh)
     for i, (idx, lens, weight) in enumerate(micros):
+        # DDP decides at the forward whether the backward all-reduces: in the last microbatch
+        model_parallel.sync_gradients(part.model, sync=i == len(micros) - 1)
         terms, counts = loss_fn(idx, lens)
-        model_parallel.sync_gradients(part.model, sync=i == len(micros) - 1)  # (DDP: in the last backward)
         (weight * sum(terms.values())).backward()
         term_sums.update({name: weight * term.detach() for name, term in terms.items()})
         count_sums.update({name: weight * count for name, count in counts.items()})
@@ -751,7 +746,7 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
         train_ppo.policy_loss_terms = with_ratio_penalty
 
     Every rank must return the same names in the same order (their sums are all-reduced as one
-    tensor: StepStats.all_reduce)."""
+    tensor: step_metrics)."""
     mask = batch.mask[idx]  # (rows, S)
     tis = batch.tis[idx] if cfg.tis_cap else None  # (rows, S)
     clip, sequence_mask = (cfg.clip_ratio, cfg.clip_ratio_high or None), None
@@ -799,7 +794,10 @@ def step_metrics(batch, update_sums, cfg, mesh):
         err = (batch.returns - batch.values) * mask  # (b, S)
         shares.update(ret=batch.returns.sum(), ret_sq=(batch.returns ** 2).sum(), err=err.sum(),
                       err_sq=(err ** 2).sum())
-    shares.update({**counts, **losses})  # the loss terms last, in the order the update reported them
+    # the loss terms last, in the order the update reported them, under names of their own: a
+    # fork's term may be called anything ("kl", "tokens")
+    shares.update(counts)
+    shares.update({f"loss {name}": term for name, term in losses.items()})
 
     def column(numbers):  # numbers and device scalars -> one (n,) float64 tensor on the device
         return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=mask.device) for v in numbers])
@@ -824,7 +822,8 @@ def step_metrics(batch, update_sums, cfg, mesh):
         var_err = s["err_sq"] / n_tok - (s["err"] / n_tok) ** 2
         m["value_explained_var"] = 1 - var_err / max(var_ret, 1e-12)
     updates = cfg.ppo_epochs * cfg.num_minibatches  # optimizer steps of each trained model
-    m.update({name: s[name] / updates for name in [*losses, *norms] if name != "skipped_updates"})
+    m.update({name: s[f"loss {name}"] / updates for name in losses})
+    m.update({name: s[name] / updates for name in norms if name != "skipped_updates"})
     m["tokens"] = int(s["all_tokens"])  # prompt + response tokens of the global batch
     return m
 
@@ -898,7 +897,7 @@ def summary(cfg, seconds):
     if val:
         text += f" | val_accuracy {val[0]:.3f} -> {val[-1]:.3f} (best {max(val):.3f})"
     # what is in out_dir now (hf/: the policy, for transformers and vLLM; ckpt/: resume=auto's)
-    names = sorted(os.listdir(cfg.out_dir))
+    names = sorted(n for n in os.listdir(cfg.out_dir) if not n.startswith(".") and not n.endswith(".tmp"))
     wrote = [name + ("/" if os.path.isdir(os.path.join(cfg.out_dir, name)) else "") for name in names]
     return f"{text} | in {cfg.out_dir}: {', '.join(wrote)}"
 
@@ -1089,8 +1088,7 @@ def ppo_step(progress, models, engine, task, cfg, mesh, device):
 def main(cfg, task=None):
     """Train with PPO. `task`: any rollout.Task (default: the config's toy_add or gsm8k)."""
     cfg.task = cfg.task if task is None else type(task).__name__  # config.json names a fork's task
-    device, mesh = start_run(cfg)
-    model_dir, resume_dir, task = prepare_inputs(cfg, task)
+    device, mesh, model_dir, resume_dir, task = start_run(cfg, task)
     if cfg.sft_steps:
         model_dir = sft_warmup(model_dir, task, cfg, mesh)
     models = build_models(model_dir, cfg, mesh)

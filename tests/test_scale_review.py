@@ -154,8 +154,7 @@ def _two_rank_body(rank, world_size, out_dir):
             raise AssertionError("rank 1 runs an SFT warm-up that rank 0 skips")
         model_parallel.load_policy = no_sft
     cfg = config.Config(out_dir=out_dir, resume="auto", sft_steps=1, sft_batch_size=2)
-    mesh = model_parallel.make_mesh(world_size, 1, 1, "cpu")
-    model_dir, resume_dir, task = train_ppo.prepare_inputs(cfg, None)
+    _, mesh, model_dir, resume_dir, task = train_ppo.start_run(cfg, None)
     sft_dir = train_ppo.sft_warmup(model_dir, task, cfg, mesh)
     both = [None] * world_size
     dist.all_gather_object(both, (resume_dir, sft_dir))
