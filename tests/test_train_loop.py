@@ -458,3 +458,34 @@ def test_host_reads_of_an_update_do_not_grow_with_its_microbatches(tmp_path):
     model's optimizer step (how many microbatches, and whether the step is finite), at 2 and at 8
     microbatches, padded and packed."""
     run_ranks(_host_reads_body, 1, str(tmp_path))
+
+
+def _ddp_microbatches_body(rank, world_size, root):
+    """Two ranks of DDP replicas, each with its own two rows in two microbatches: one optimizer
+    step must leave both replicas the same (every microbatch's gradients summed over the ranks).
+    DDP reads at the forward whether the next backward all-reduces: a sync flag set after the
+    forward left the last microbatch unreduced and the replicas drifted apart without an error."""
+    cfg = config.Config(data_parallel="ddp", dtype="fp32", attention="masked", micro_batch_size=1)
+    mesh = model_parallel.make_mesh(world_size, 1, 1, "cpu")
+    policy = model_parallel.load_policy(model_parallel.materialize_tiny_model("tiny-llama", root, seed=0),
+                                        mesh, cfg)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2, fused=True)
+    gen = torch.Generator().manual_seed(rank)  # each rank's rows differ
+    responses = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (4, 6)]
+    batch = train_ppo.make_batch([[1, 2, 3]] * 2, responses, pad_id=257)
+
+    def nll(idx, lens):
+        lp, _ = model_parallel.forward_policy(policy, batch.ids[idx], lens, mesh, cfg)
+        return {"nll": -train_ppo.masked_sum(lp, batch.mask[idx])}, {}
+
+    before = torch.cat([p.detach().flatten() for p in policy.parameters()])
+    train_ppo.minibatch_update(train_ppo.Part(policy, optimizer, None), nll, [0, 1], batch, cfg, mesh)
+    after = torch.cat([p.detach().flatten() for p in policy.parameters()])
+    replicas = [torch.zeros_like(after) for _ in range(world_size)]
+    torch.distributed.all_gather(replicas, after)
+    assert not torch.equal(before, after)  # a step was taken
+    assert torch.equal(replicas[0], replicas[1]), "DDP replicas differ after one step"
+
+
+def test_ddp_sums_every_microbatch_over_the_ranks(tmp_path):
+    run_ranks(_ddp_microbatches_body, 2, str(tmp_path))
