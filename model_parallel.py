@@ -444,8 +444,8 @@ class CheckpointError(ValueError):
 def check_hf_dir(path, tp_size):
     """Refuse (CheckpointError, one line) a model dir that loading would fail on later: no dir, no
     or unreadable config.json, a family without a plan here, a tp split that cuts a head, missing
-    or corrupt weights. Reads only config.json and the safetensors headers: fast, on every rank
-    (and again by _build)."""
+    or corrupt weights. Reads only config.json and the safetensors headers: fast, on every rank.
+    Returns the HF config it read (_build builds from it)."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(f"model={path!r} is not an HF checkpoint dir (no config.json): give a dir "
                               f"written by save_pretrained, or a tiny preset (see --help)")
@@ -475,6 +475,7 @@ def check_hf_dir(path, tp_size):
             safe_open(os.path.join(path, f), framework="pt")
         except SafetensorError as e:
             raise CheckpointError(f"{path}/{f} is corrupt ({e}): download or save it again") from None
+    return config
 
 
 def checked_model_dir(cfg):
@@ -510,8 +511,7 @@ def _build(path, mesh, cfg, critic, frozen=False):
     live in host memory between its passes (FSDP2's CPU offload gathers them onto the GPU for its
     one pass a step): it would otherwise hold GPU memory through generation and the update."""
     tp_size = mesh["tp"].size()
-    check_hf_dir(path, tp_size)
-    config = AutoConfig.from_pretrained(path)
+    config = check_hf_dir(path, tp_size)  # (a library caller's dir is refused here too)
     model = _on_meta(config, critic, torch.bfloat16 if frozen and cfg.dtype == "bf16" else torch.float32)
     tied = not critic and config.tie_word_embeddings
     if tp_size > 1:

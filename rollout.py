@@ -19,7 +19,7 @@ import numpy as np
 import tiktoken
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, StaticCache
+from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
 
 
 # -----------------------------------------------------------------------------
@@ -30,14 +30,13 @@ from transformers import AutoModelForCausalLM, StaticCache
 # update's split over dp ranks is decided after generation, when the lengths are known
 # (train_ppo.balanced_split).
 
-def generated_by(cfg, rank, world_size):
-    """Global indices of the samples `rank` generates: the step's samples cut into equal
+def generated_by(n, rank, world_size):
+    """Global indices of the samples `rank` generates: the step's n samples cut into equal
     contiguous shares, one a rank (split, not repeated: each sample is drawn once). Which rank
     trains on a sample is decided after generation, when the lengths are known (balanced_split),
     so the shares need not follow the mesh; a vLLM group (rollout_tp_size consecutive ranks) draws
     its members' consecutive shares together. 16 samples over 8 ranks: rank r draws 2r and 2r+1;
     3 samples over 4 ranks: rank 0 draws none, ranks 1, 2, 3 one each."""
-    n = cfg.prompts_per_step * cfg.samples_per_prompt  # the step's samples
     return list(range(rank * n // world_size, (rank + 1) * n // world_size))
 
 
@@ -53,7 +52,8 @@ def generate_share(engine, task, cfg, step, start):
     prompt_ids = [task.encode(p) for p, _ in prompts]  # (chat template applied)
     first = rank - rank % cfg.rollout_tp_size  # the first rank of this rank's vLLM group
     group = range(first, first + cfg.rollout_tp_size)
-    wanted = [j for member in group for j in generated_by(cfg, member, world_size)]  # in order
+    n = len(prompts) * K  # the step's samples
+    wanted = [j for member in group for j in generated_by(n, member, world_size)]  # in order
     outs = []  # none wanted: fewer samples than ranks
     if wanted:
         seeds = [sample_seed(cfg.seed, step, j // K, j % K) for j in wanted]
@@ -61,7 +61,7 @@ def generate_share(engine, task, cfg, step, start):
         outs = engine.generate(requests, seeds, cfg.max_new_tokens, cfg.temperature)
     by_index = dict(zip(wanted, outs))
     samples = []
-    for j in generated_by(cfg, rank, world_size):
+    for j in generated_by(n, rank, world_size):
         response, lps = by_index[j]
         prompt, answer = prompts[j // K]
         text = task.decode(response)
@@ -407,7 +407,6 @@ def make_task(cfg, model_dir: str, model_vocab_size: Optional[int] = None) -> Ta
     """The config's task; model_vocab_size: the checkpoint's (default: its config.json's)."""
     if cfg.task == "toy_add":
         return ToyTask(cfg.seed)
-    from transformers import AutoConfig
     return GSM8KTask(cfg, model_dir, model_vocab_size or AutoConfig.from_pretrained(model_dir).vocab_size)
 
 

@@ -529,10 +529,10 @@ def micro_rows(rows, batch, cfg, mesh):
     a device tensor (copied without a host sync), their lengths, and the weight of their loss, 0
     for a dummy (a rank with fewer microbatches runs rows[0] again, so that FSDP's or DDP's
     collectives still match): a dummy's outputs are dropped, its loss counts 0 times."""
-    micros = model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh)
-    idx = [[rows[j] for j in micro] for micro, _ in micros]
-    return [(model_parallel.to_device(i, batch.ids.device), [batch.lens[j] for j in i], weight)
-            for i, (_, weight) in zip(idx, micros)]
+    micros = model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh)  # positions in `rows`
+    picked = [([rows[j] for j in micro], weight) for micro, weight in micros]  # batch row indices
+    return [(model_parallel.to_device(idx, batch.ids.device), [batch.lens[i] for i in idx], weight)
+            for idx, weight in picked]
 
 
 def forward_batch(forward, model, batch, cfg, mesh, **kwargs):

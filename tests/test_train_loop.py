@@ -201,9 +201,9 @@ def test_generation_shares_by_hand():
     two each, in order; 3 samples over 4 ranks: rank 0 draws none, each sample is drawn once."""
     cfg = config.Config(prompts_per_step=8, samples_per_prompt=2, num_minibatches=2)
     by_hand = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
-    assert [rollout.generated_by(cfg, rank, 8) for rank in range(8)] == by_hand
+    assert [rollout.generated_by(cfg.global_batch_size, rank, 8) for rank in range(8)] == by_hand
     cfg = config.Config(prompts_per_step=3, samples_per_prompt=1, num_minibatches=1)
-    assert [rollout.generated_by(cfg, rank, 4) for rank in range(4)] == [[], [0], [1], [2]]
+    assert [rollout.generated_by(cfg.global_batch_size, rank, 4) for rank in range(4)] == [[], [0], [1], [2]]
 
 
 def _old_logprobs_body(rank, world_size, out_dir):
