@@ -116,8 +116,9 @@ class Config:
     attention: Literal["auto", "masked", "varlen"] = "auto"
 
     # ---- task and rollout ----
-    # toy_add: "a+b=" (operands 0..4), reward 1 for the exact sum; gsm8k: math word problems
-    task: Literal["toy_add", "gsm8k"] = "toy_add"
+    # toy_add: "a+b=" (operands 0..4), reward 1 for the exact sum; toy_tool: two-digit sums with a
+    # calculator to call (multi-turn: max_turns >= 2); gsm8k: math word problems
+    task: Literal["toy_add", "toy_tool", "gsm8k"] = "toy_add"
     # gsm8k: a JSONL file of {"question", "answer": "... #### N"} lines
     prompts: str = ""
     # gsm8k: a held-out JSONL file (same format) for validation
@@ -133,7 +134,10 @@ class Config:
     rollout_engine: Literal["auto", "vllm", "hf"] = "auto"
     prompts_per_step: int = 16  # global: distinct prompts per step
     samples_per_prompt: int = 4  # responses sampled per prompt
-    max_new_tokens: int = 6  # per response
+    max_new_tokens: int = 6  # per response (per model turn, in an episode of several)
+    # model turns per episode, for a task with observations (a tool's output) between them; the
+    # episode (prompt + turns + observations) stays within max_model_len (docs/multiturn.md)
+    max_turns: int = 1
     # sampling temperature; the trainer divides its logits by it too
     temperature: float = 1.0
     # vLLM tensor-parallel size (ranks that share one engine)
@@ -227,7 +231,8 @@ class Config:
 POSITIVE = ("tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size",
             "prompts_per_step", "samples_per_prompt", "max_new_tokens", "rollout_tp_size",
             "refit_bucket_mb", "max_model_len", "vllm_gpu_memory_utilization", "vllm_kv_cache_gb",
-            "sft_batch_size", "ppo_epochs", "num_minibatches", "temperature", "collective_timeout_s")
+            "sft_batch_size", "ppo_epochs", "num_minibatches", "temperature", "collective_timeout_s",
+            "max_turns")
 # Fields that must be >= 0: a coefficient, a rate or a count where 0 means "off" or "never".
 NON_NEGATIVE = ("steps", "kl_coef", "tis_cap", "clip_ratio_c", "eval_every", "format_reward", "clip_ratio",
                 "value_clip", "lr", "entropy_coef", "max_grad_norm", "critic_lr", "sft_lr",

@@ -54,22 +54,60 @@ def generate_share(engine, task, cfg, step, start):
     group = range(first, first + cfg.rollout_tp_size)
     n = len(prompts) * K  # the step's samples
     wanted = [j for member in group for j in generated_by(n, member, world_size)]  # in order
-    outs = []  # none wanted: fewer samples than ranks
-    if wanted:
-        seeds = [sample_seed(cfg.seed, step, j // K, j % K) for j in wanted]
-        requests = [prompt_ids[j // K] for j in wanted]
-        outs = engine.generate(requests, seeds, cfg.max_new_tokens, cfg.temperature)
+    keys = [(step, j // K, j % K) for j in wanted]  # what each sample is: its seeds' key
+    outs = run_episodes(engine, task, cfg, [prompt_ids[j // K] for j in wanted], keys, cfg.temperature)
     by_index = dict(zip(wanted, outs))
     samples = []
     for j in generated_by(n, rank, world_size):
-        response, lps = by_index[j]
+        response, lps, action_mask = by_index[j]
         prompt, answer = prompts[j // K]
-        text = task.decode(response)
+        text = task.decode(response)  # the whole episode, observations included
         ended = finished(response, engine.stop_ids)
+        # action_mask: 1 on the model's tokens, 0 on observations (its runs of 1 are the turns)
         samples.append(dict(index=j, prompt=prompt, response=text, answer=answer,
                             prompt_ids=prompt_ids[j // K], response_ids=response, engine_logprobs=lps,
-                            finished=ended, reward=task.reward(text, answer, ended)))
+                            action_mask=action_mask, finished=ended, reward=task.reward(text, answer, ended)))
     return samples, len(wanted)
+
+
+def run_episodes(engine, task, cfg, prompt_ids, keys, temperature):
+    """Collective over each vLLM group (its ranks pass identical requests, and `observe` must be
+    deterministic). The episode of each prompt (token ids), sampled with seeds from its key
+    ((step, prompt, sample): sample_seed, a seed a turn). One engine call a turn for the episodes
+    still running, each on its ids so far: token ids in and out, nothing re-tokenized (vLLM's
+    prefix cache keeps the earlier turns). After a model turn that ended by a stop token, a task
+    with `observe` (Task) gives the ids to append, or None: the episode is over. It also ends
+    after max_turns model turns, at a turn cut off by its token budget (max_new_tokens, and
+    prompt + episode <= max_model_len), or at an observation that would leave no room for another
+    turn: ended whole, never cut. Returns one (response ids, engine logprobs, action mask) per
+    prompt: the turns and observations in order; an observation's tokens have logprob 0 and mask
+    0 (context, not actions), and the last token is always the model's."""
+    observe = getattr(task, "observe", None)  # a task without it is single-turn
+    episodes = [([], [], []) for _ in prompt_ids]  # (ids, logprobs, action mask)
+    running = list(range(len(prompt_ids)))
+    for turn in range(cfg.max_turns if observe else 1):
+        contexts = [prompt_ids[k] + episodes[k][0] for k in running]
+        budgets = [min(cfg.max_new_tokens, cfg.max_model_len - len(c)) for c in contexts]
+        seeds = [sample_seed(cfg.seed, *keys[k], turn) for k in running]
+        outs = engine.generate(contexts, seeds, budgets, temperature) if running else []
+        still = []
+        for k, context, (ids, lps) in zip(running, contexts, outs):
+            for part, new in zip(episodes[k], (ids, lps, [1] * len(ids))):
+                part += new
+            if turn + 1 == cfg.max_turns or not finished(ids, engine.stop_ids):
+                continue
+            observation = observe(ids, context + ids)
+            if observation is None or len(context) + len(ids) + len(observation) >= cfg.max_model_len:
+                continue  # over, or no room for another turn
+            if not all(isinstance(i, int) and 0 <= i < engine.vocab_size for i in observation):
+                raise TaskError(f"observe() must return a list of token ids in [0, {engine.vocab_size}) or "
+                                f"None, not {str(observation)[:60]}")
+            n = len(observation)
+            for part, new in zip(episodes[k], (observation, [0.0] * n, [0] * n)):  # context, not actions
+                part += new
+            still.append(k)
+        running = still
+    return episodes
 
 
 def rollouts(engine, task, cfg, step, start):
@@ -81,10 +119,16 @@ def rollouts(engine, task, cfg, step, start):
     instead."""
     if cfg.replay_rollouts:  # every rank reads the whole step
         return load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl")), 0
-    mine, generated = generate_share(engine, task, cfg, step, start)
+    try:
+        mine, generated = generate_share(engine, task, cfg, step, start)
+    except TaskError as e:  # a bad observation: every rank must hear of it, or the gather would hang
+        mine, generated = str(e), 0
     engine.sleep()  # GPU: vLLM frees its memory for training
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)  # collective: every rank's share on every rank
+    errors = [share for share in gathered if isinstance(share, str)]
+    if errors:  # every rank stops here, before anything of the step is trained or written
+        raise SystemExit(f"task error: {errors[0]}" if dist.get_rank() == 0 else 1)
     every = {s["index"]: s for share in gathered for s in share}
     return every, generated
 
@@ -231,11 +275,11 @@ def finished(response_ids: list, stop_ids: list) -> bool:
     return bool(response_ids) and response_ids[-1] in stop_ids
 
 
-def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
-    """The seed of one sample depends on what it is, not on which rank draws it or with which
-    batch, so that the same config samples the same tokens on any mesh."""
-    key = f"{seed}/{step}/{prompt_index}/{sample_index}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
+def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int, turn: int = 0) -> int:
+    """The seed of one sample's turn depends on what it is, not on which rank draws it or with
+    which batch, so that the same config samples the same tokens on any mesh."""
+    key = f"{seed}/{step}/{prompt_index}/{sample_index}" + (f"/{turn}" if turn else "")  # turn 0: no suffix
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "little")
 
 
 # -----------------------------------------------------------------------------
@@ -264,10 +308,19 @@ class Task(Protocol):
         """Response text for the reward and the dumps."""
 
     def reward(self, text: str, answer: str, finished: bool) -> float:
-        """The score of one response; finished: it ended by a stop token. Validation counts a
-        greedy response as correct when its reward is at least the task's `solved_at`, an
-        optional attribute (default 1.0, a rule's full reward): a graded task sets its own bar,
-        e.g. solved_at = 10.0 for marks out of 10, or 0.9 for a partial credit that counts."""
+        """The score of one response (of a whole episode, observations included); finished: it
+        ended by a stop token. Validation counts a greedy response as correct when its reward is
+        at least the task's `solved_at`, an optional attribute (default 1.0, a rule's full
+        reward): a graded task sets its own bar, e.g. solved_at = 10.0 for marks out of 10, or
+        0.9 for a partial credit that counts."""
+
+    # Multi-turn episodes (docs/multiturn.md): a task may also define
+    #     observe(self, turn: list, episode: list) -> Optional[list]
+    # called after each model turn that ended by a stop token, with that turn's ids and the whole
+    # episode so far (prompt + response, ending with the turn). It returns the ids to append (a
+    # tool's output, formatted as its chat template formats a tool message: chat_tool_message), or
+    # None: the episode is over. A task without it is single-turn. It must be deterministic (the
+    # ranks of a vLLM group each run it on the same turn).
 
 
 class TaskError(ValueError):
@@ -284,11 +337,12 @@ class ToyTask:
         self.val = []
         self.eos_id = self.tok.encode_single_token(EOS)
         self.pad_id = self.tok.encode_single_token(PAD)
+        self.facts = TOY_FACTS  # (prompt, answer) pairs
 
     def prompts(self, start, n):
-        """(prompt text, answer text) pairs start .. start+n-1 of the shuffled epochs over the 25
+        """(prompt text, answer text) pairs start .. start+n-1 of the shuffled epochs over the
         facts."""
-        return [TOY_FACTS[i] for i in epoch_order(self.seed, len(TOY_FACTS), start, n)]
+        return [self.facts[i] for i in epoch_order(self.seed, len(self.facts), start, n)]
 
     def encode(self, prompt):
         return self.tok.encode(prompt)
@@ -303,6 +357,51 @@ class ToyTask:
     def reward(self, text, answer, finished):
         """1.0 when the response is exactly the answer and the model stopped (emitted EOS)."""
         return float(finished and text.strip() == answer)
+
+
+class ToyToolTask(ToyTask):
+    """A task where a tool is the difference (docs/multiturn.md): sums of two-digit numbers,
+    "23+45=", which the toy model cannot learn to add in minutes, and a calculator it can call.
+    A turn "?" (then EOS) calls it on the prompt's sum; the observation is its result in brackets,
+    "[68]", and the model's next turn should copy it: "?<eos>[68]68<eos>". The reward reads the
+    text after the last observation (the whole response, without one): 1 for the exact sum, if
+    the model stopped. Its SFT target is that whole trace, the tool's output included."""
+
+    def __init__(self, seed: int):
+        super().__init__(seed)
+        self.facts = [(f"{a}+{b}=", str(a + b)) for a in range(10, 100) for b in range(10, 100)]
+
+    def observe(self, turn, episode):
+        if self.decode(turn) != "?":  # an answer: the episode is over
+            return None
+        a, b = re.match(r"(\d+)\+(\d+)=", self.decode(episode)).groups()  # the prompt
+        return self.tok.encode(f"[{int(a) + int(b)}]")
+
+    def target(self, answer):
+        return self.tok.encode("?") + [self.eos_id] + self.tok.encode(f"[{answer}]{answer}") + [self.eos_id]
+
+    def reward(self, text, answer, finished):
+        return float(finished and text.rsplit("]", 1)[-1] == answer)
+
+
+def chat_tool_message(tok, content: str, role: str = "tool") -> list:
+    """The ids to append after a model turn (ended by the tokenizer's EOS) for a tool message
+    `content`, up to the opening of the assistant's next turn, as the tokenizer's chat template
+    writes them: the difference of two renderings of one conversation, without and with the
+    message (TRL's way). What the template puts after the turn's stop token (ChatML's "\n")
+    comes with it, so the episode's ids are the template's rendering of the whole conversation.
+    Refused (TaskError) where the template writes the earlier turns differently once the message
+    follows (e.g. one that drops past reasoning): no appended ids could match it."""
+    chat = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+    before = list(tok.apply_chat_template(chat, tokenize=True, return_dict=False))
+    after = list(tok.apply_chat_template(chat + [{"role": role, "content": content}], tokenize=True,
+                                         add_generation_prompt=True, return_dict=False))
+    ends = [i + 1 for i, t in enumerate(before) if t == tok.eos_token_id]  # after a turn's stop token
+    if not ends or after[:ends[-1]] != before[:ends[-1]]:
+        raise TaskError("the chat template does not end an assistant turn with the tokenizer's EOS, or "
+                        f"writes it differently once a {role} message follows: observations cannot be "
+                        "appended to the sampled ids (render the episode yourself in observe)")
+    return after[ends[-1]:]
 
 
 def read_gsm8k(path: str) -> list:
@@ -405,8 +504,9 @@ def sft_examples(task: Task, cfg, step: int, dp_rank: int, dp_size: int):
 
 def make_task(cfg, model_dir: str, model_vocab_size: Optional[int] = None) -> Task:
     """The config's task; model_vocab_size: the checkpoint's (default: its config.json's)."""
-    if cfg.task == "toy_add":
-        return ToyTask(cfg.seed)
+    toys = {"toy_add": ToyTask, "toy_tool": ToyToolTask}
+    if cfg.task in toys:
+        return toys[cfg.task](cfg.seed)
     return GSM8KTask(cfg, model_dir, model_vocab_size or AutoConfig.from_pretrained(model_dir).vocab_size)
 
 
@@ -418,13 +518,11 @@ def validation_accuracy(engine, task: Task, cfg, device: torch.device) -> float:
     rank = dist.get_rank()
     groups = dist.get_world_size() // cfg.rollout_tp_size
     mine = task.val[rank // cfg.rollout_tp_size::groups]
-    correct = 0.0
-    if mine:
-        prompt_ids = [task.encode(q) for q, _ in mine]
-        outs = engine.generate(prompt_ids, [0] * len(mine), cfg.max_new_tokens, 0.0)  # greedy
-        solved = getattr(task, "solved_at", 1.0)  # the reward that counts as correct (Task)
-        correct = sum(task.reward(task.decode(r), a, finished(r, engine.stop_ids)) >= solved
-                      for (r, _), (_, a) in zip(outs, mine))
+    prompt_ids = [task.encode(q) for q, _ in mine]
+    outs = run_episodes(engine, task, cfg, prompt_ids, [(0, 0, 0)] * len(mine), 0.0)  # greedy: no seeds
+    solved = getattr(task, "solved_at", 1.0)  # the reward that counts as correct (Task)
+    correct = sum(task.reward(task.decode(r), a, finished(r, engine.stop_ids)) >= solved
+                  for (r, _, _), (_, a) in zip(outs, mine))
     total = torch.tensor([float(correct)], device=device)
     # every member of a vLLM group counted the same prompts: divide by the group size
     dist.all_reduce(total)
@@ -440,10 +538,12 @@ class Engine(Protocol):
     dtype: torch.dtype  # refit casts the trained weights to this
     # a response ends at any of these (stop_token_ids): the trainer's `finished` too
     stop_ids: list
+    vocab_size: int  # the model's: an observation's ids must be below it
 
-    def generate(self, prompt_ids: list, seeds: list, max_new_tokens: int, temperature: float) -> list:
+    def generate(self, prompt_ids: list, seeds: list, max_new_tokens, temperature: float) -> list:
         """One (response ids, engine logprob of each sampled token) per prompt. Sample k is drawn
-        with seeds[k] alone, so it does not depend on the batch; temperature 0 = greedy."""
+        with seeds[k] alone, so it does not depend on the batch; temperature 0 = greedy.
+        max_new_tokens: one budget for all, or a list of one a prompt."""
 
     def sleep(self) -> None:
         """Training runs now: free what can be freed (GPU memory)."""
@@ -501,6 +601,7 @@ class HFEngine:
         self.stop_ids = stop_ids
         self.dtype = dtype  # refit casts to this
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        self.vocab_size = self.model.config.vocab_size
         self.params = dict(self.model.named_parameters())  # HF checkpoint names -> tensors
 
     @torch.no_grad()
@@ -508,6 +609,7 @@ class HFEngine:
         """Prompts are left-padded so that every row's next token sits in the last column. Every
         token is drawn on the device; the one host read a token is the stop check."""
         B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
+        budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * B
         on = dict(device=self.device)
         ids = torch.tensor([[0] * (P - len(p)) + p for p in prompt_ids], **on)  # (B, P) left-padded
         mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompt_ids], **on)  # (B, P) 1 = real
@@ -516,34 +618,37 @@ class HFEngine:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
         seeds = torch.tensor(seeds, **on)  # (B,)
         stop = torch.tensor(self.stop_ids, dtype=torch.long, **on)  # (stop ids,)
+        budget = torch.tensor(budgets, **on)  # (B,)
         tokens, logprobs = [], []  # a (B,) tensor per step, on the device
         done = torch.zeros(B, dtype=torch.bool, **on)  # (B,)
         # A static cache, allocated once for the whole response, with each step's cache slot given
         # (cache_position): transformers then reads nothing back from the device in a decode step
         # (with a growing cache, its mask code checks on the host whether the padding can be
         # ignored, a GPU sync every token)
-        cache = StaticCache(config=self.model.config, max_cache_len=P + max_new_tokens)
+        cache = StaticCache(config=self.model.config, max_cache_len=P + max(budgets))
         # the prompt pass: keep only the last position's logits, the cache for the rest
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                          cache_position=torch.arange(P, **on), logits_to_keep=1)
-        for t in range(max_new_tokens):
+        for t in range(max(budgets)):
             # the trainer's convention: log-softmax of logits / T in fp32 (T = 0: greedy, plain
             # logprobs)
             logp = torch.log_softmax(out.logits[:, -1].float() / (temperature or 1.0), -1)  # (B, V)
             token = logp.argmax(-1) if temperature == 0 else gumbel_sample(logp, seeds, t)  # (B,)
             tokens.append(token)
             logprobs.append(logp.gather(1, token[:, None])[:, 0])  # (B,)
-            done |= torch.isin(token, stop)
+            done |= torch.isin(token, stop) | (t + 1 >= budget)  # (B,) a row's budget ends it too
             if bool(done.all()):  # the one host read a token (a GPU sync)
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # (B, P + t + 1)
             pos = pos[:, -1:] + 1  # (B, 1)
             out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=pos,
                              past_key_values=cache, cache_position=torch.arange(P + t, P + t + 1, **on))
-        # each response ends at its first stop token (what came after it was drawn, not kept)
+        # each response ends at its first stop token or its budget (what came after was drawn, not
+        # kept)
         results = []
-        for row, lps in zip(torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()):
-            end = next((k + 1 for k, token in enumerate(row) if token in self.stop_ids), len(row))
+        rows, row_logprobs = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
+        for row, lps, limit in zip(rows, row_logprobs, budgets):
+            end = min(next((k + 1 for k, token in enumerate(row) if token in self.stop_ids), limit), limit)
             results.append((row[:end], lps[:end]))
         return results
 
@@ -640,6 +745,7 @@ class VLLMEngine:
         # in-process handles, possible only without multiprocessing: refit writes here
         self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
         self.model = self.worker.model_runner.get_model()
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.reloading = False
 
     def generate(self, prompt_ids, seeds, max_new_tokens, temperature):
@@ -648,9 +754,10 @@ class VLLMEngine:
         # one SamplingParams per sample: its seed gives the request its own generator. Without a
         # tokenizer vLLM knows only generation_config's EOS ids: stop_token_ids names the whole set
         # (and keeps the token in the output); an empty set must ignore generation_config's too
-        params = [SamplingParams(seed=s, temperature=temperature, max_tokens=max_new_tokens, logprobs=0,
+        budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(seeds)
+        params = [SamplingParams(seed=s, temperature=temperature, max_tokens=m, logprobs=0,
                                  stop_token_ids=self.stop_ids, ignore_eos=not self.stop_ids, detokenize=False)
-                  for s in seeds]
+                  for s, m in zip(seeds, budgets)]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
         with _trainer_state_kept():
             outs = self.llm.generate(prompts, params, use_tqdm=False)  # in prompt order

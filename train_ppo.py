@@ -335,16 +335,18 @@ class Batch:
     tis: Optional[torch.Tensor] = None  # (b, S) truncated importance weights
 
 
-def make_batch(prompts, responses, pad_id, engine_logprobs=None, device="cpu"):
-    """A Batch on `device` from token id lists (prompt i, response i, its engine logprobs).
-    On a GPU the whole step then stays there: nothing goes back to the CPU in the update."""
+def make_batch(prompts, responses, pad_id, engine_logprobs=None, device="cpu", action_masks=None):
+    """A Batch on `device` from token id lists (prompt i, response i, its engine logprobs, its
+    action mask: 1 on the model's tokens, 0 on an episode's observations, which are context and
+    out of every loss and statistic; None: all the model's). On a GPU the whole step then stays
+    there: nothing goes back to the CPU in the update."""
     lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
     ids = torch.full((len(lens), max(lens)), pad_id, dtype=torch.long)  # (b, S)
     mask = torch.zeros(ids.shape)  # (b, S)
     engine_lp = torch.zeros(ids.shape)  # (b, S)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         ids[i, :lens[i]] = torch.tensor(p + r)
-        mask[i, len(p):lens[i]] = 1
+        mask[i, len(p):lens[i]] = 1 if action_masks is None else torch.tensor(action_masks[i])
         if engine_logprobs is not None:
             engine_lp[i, len(p):lens[i]] = torch.tensor(engine_logprobs[i], dtype=torch.float32)
     return Batch(ids.to(device), mask.to(device), engine_lp.to(device), lens, min(map(len, prompts)))
@@ -367,7 +369,7 @@ def training_batch(every, cfg, mesh, pad_id, device):
     index = split[mesh["dp"].get_local_rank()]
     samples = [every[j] for j in index]
     batch = make_batch([s["prompt_ids"] for s in samples], [s["response_ids"] for s in samples], pad_id,
-                       [s["engine_logprobs"] for s in samples], device)
+                       [s["engine_logprobs"] for s in samples], device, [s["action_mask"] for s in samples])
     scores = torch.tensor([s.get("task_score", s["reward"]) for s in samples], device=device)  # (b,)
     return replace(batch, index=index, scores=scores)
 
@@ -783,7 +785,9 @@ def step_metrics(batch, update_sums, cfg, mesh):
     mask, scores = batch.mask, batch.scores  # (b, S), (b,)
     kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
     mismatch = (batch.old_lp - batch.engine_lp).abs()  # (b, S)
+    # an episode's turns: its runs of the model's tokens (observations lie between them)
     shares = dict(tokens=mask.sum(), sequences=len(batch.lens), all_tokens=sum(batch.lens),
+                  turns=(mask.diff(dim=-1) > 0).sum(),
                   reward=scores.sum(), reward_sq=(scores ** 2).sum(), kl=masked_sum(kl, mask),
                   mismatch=masked_sum(mismatch, mask), mult_prob_error=masked_sum(torch.exp(mismatch), mask))
     if batch.entropy is not None:  # none with old_logprobs=engine or log_entropy=false
@@ -812,7 +816,9 @@ def step_metrics(batch, update_sums, cfg, mesh):
              token_mult_prob_error=s["mult_prob_error"] / n_tok,
              # each epoch's update sees all n_tok tokens again
              clip_frac=s.get("clipped_tokens", 0.0) / (n_tok * cfg.ppo_epochs),
-             skipped_updates=int(s.get("skipped_updates", 0)))
+             skipped_updates=int(s.get("skipped_updates", 0)), turns_per_episode=s["turns"] / n_seq,
+             # each observation follows a model turn and precedes another
+             tool_calls_per_episode=s["turns"] / n_seq - 1)
     if "entropy" in s:
         m["entropy"] = s["entropy"] / n_tok
     if "task_score" in s:  # the task's rule, beside a reward model's score (reward_mean)
