@@ -228,11 +228,10 @@ class Config:
 
 
 # Fields that must be >= 1 (integers) and > 0 (floats).
-POSITIVE = ("tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size",
+POSITIVE = ("tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size", "max_turns",
             "prompts_per_step", "samples_per_prompt", "max_new_tokens", "rollout_tp_size",
             "refit_bucket_mb", "max_model_len", "vllm_gpu_memory_utilization", "vllm_kv_cache_gb",
-            "sft_batch_size", "ppo_epochs", "num_minibatches", "temperature", "collective_timeout_s",
-            "max_turns")
+            "sft_batch_size", "ppo_epochs", "num_minibatches", "temperature", "collective_timeout_s")
 # Fields that must be >= 0: a coefficient, a rate or a count where 0 means "off" or "never".
 NON_NEGATIVE = ("steps", "kl_coef", "tis_cap", "clip_ratio_c", "eval_every", "format_reward", "clip_ratio",
                 "value_clip", "lr", "entropy_coef", "max_grad_norm", "critic_lr", "sft_lr",

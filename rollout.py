@@ -13,7 +13,7 @@ import random
 import re
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Optional, Protocol
+from typing import Optional
 
 import numpy as np
 import tiktoken
@@ -76,16 +76,17 @@ def run_episodes(engine, task, cfg, prompt_ids, keys, temperature):
     ((step, prompt, sample): sample_seed, a seed a turn). One engine call a turn for the episodes
     still running, each on its ids so far: token ids in and out, nothing re-tokenized (vLLM's
     prefix cache keeps the earlier turns). After a model turn that ended by a stop token, a task
-    with `observe` (Task) gives the ids to append, or None: the episode is over. It also ends
+    with `observe` (ToyTask) gives the ids to append, or None: the episode is over. It also ends
     after max_turns model turns, at a turn cut off by its token budget (max_new_tokens, and
     prompt + episode <= max_model_len), or at an observation that would leave no room for another
     turn: ended whole, never cut. Returns one (response ids, engine logprobs, action mask) per
     prompt: the turns and observations in order; an observation's tokens have logprob 0 and mask
     0 (context, not actions), and the last token is always the model's."""
-    observe = getattr(task, "observe", None)  # a task without it is single-turn
+    observe = getattr(task, "observe", None)
+    turns = cfg.max_turns if observe else 1  # a task without `observe` is single-turn
     episodes = [([], [], []) for _ in prompt_ids]  # (ids, logprobs, action mask)
     running = list(range(len(prompt_ids)))
-    for turn in range(cfg.max_turns if observe else 1):
+    for turn in range(turns):
         contexts = [prompt_ids[k] + episodes[k][0] for k in running]
         budgets = [min(cfg.max_new_tokens, cfg.max_model_len - len(c)) for c in contexts]
         seeds = [sample_seed(cfg.seed, *keys[k], turn) for k in running]
@@ -94,14 +95,16 @@ def run_episodes(engine, task, cfg, prompt_ids, keys, temperature):
         for k, context, (ids, lps) in zip(running, contexts, outs):
             for part, new in zip(episodes[k], (ids, lps, [1] * len(ids))):
                 part += new
-            if turn + 1 == cfg.max_turns or not finished(ids, engine.stop_ids):
+            if turn + 1 == turns or not finished(ids, engine.stop_ids):
                 continue
             observation = observe(ids, context + ids)
-            if observation is None or len(context) + len(ids) + len(observation) >= cfg.max_model_len:
-                continue  # over, or no room for another turn
-            if not all(isinstance(i, int) and 0 <= i < engine.vocab_size for i in observation):
+            valid = isinstance(observation, list) and all(isinstance(i, int) and 0 <= i < engine.vocab_size
+                                                          for i in observation)
+            if observation is not None and not valid:
                 raise TaskError(f"observe() must return a list of token ids in [0, {engine.vocab_size}) or "
                                 f"None, not {str(observation)[:60]}")
+            if observation is None or len(context) + len(ids) + len(observation) >= cfg.max_model_len:
+                continue  # over, or no room for another turn
             n = len(observation)
             for part, new in zip(episodes[k], (observation, [0.0] * n, [0] * n)):  # context, not actions
                 part += new
@@ -283,45 +286,9 @@ def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int, turn
 
 
 # -----------------------------------------------------------------------------
-# Tasks. A task is everything the trainer asks of the data side; the toy task and GSM8K
-# implement the same Protocol, and so does a forker's own task (README, "How to fork").
-
-class Task(Protocol):
-    # ends a response (with generation_config's: stop_token_ids); None = never stop
-    eos_id: Optional[int]
-    # fills the right-padded (b, S) rows; never a loss token
-    pad_id: int
-    # held-out (prompt, answer) pairs for validation, or []
-    val: list
-
-    def prompts(self, start: int, n: int) -> list:
-        """(prompt, answer) pairs start .. start+n-1 of the task's stream (shuffled epochs of a
-        data set), the same on every rank."""
-
-    def encode(self, prompt: str) -> list:
-        """Prompt token ids (chat template applied, if any)."""
-
-    def target(self, answer: str) -> list:
-        """Answer ids + EOS: what the SFT warm-up imitates."""
-
-    def decode(self, ids: list) -> str:
-        """Response text for the reward and the dumps."""
-
-    def reward(self, text: str, answer: str, finished: bool) -> float:
-        """The score of one response (of a whole episode, observations included); finished: it
-        ended by a stop token. Validation counts a greedy response as correct when its reward is
-        at least the task's `solved_at`, an optional attribute (default 1.0, a rule's full
-        reward): a graded task sets its own bar, e.g. solved_at = 10.0 for marks out of 10, or
-        0.9 for a partial credit that counts."""
-
-    # Multi-turn episodes (docs/multiturn.md): a task may also define
-    #     observe(self, turn: list, episode: list) -> Optional[list]
-    # called after each model turn that ended by a stop token, with that turn's ids and the whole
-    # episode so far (prompt + response, ending with the turn). It returns the ids to append (a
-    # tool's output, formatted as its chat template formats a tool message: chat_tool_message), or
-    # None: the episode is over. A task without it is single-turn. It must be deterministic (the
-    # ranks of a vLLM group each run it on the same turn).
-
+# Tasks. A task is everything the trainer asks of the data side: any object with the attributes
+# and methods of ToyTask below, each documented there (the task contract); GSM8KTask has them, and
+# so does a forker's own task (README, "How to fork").
 
 class TaskError(ValueError):
     """Bad task input (file, line, prompt length, tokenizer): one line, exit 2."""
@@ -329,34 +296,52 @@ class TaskError(ValueError):
 
 class ToyTask:
     """`a+b=` with operands 0..4 and the byte tokenizer above; subclass it for a toy task of your
-    own."""
+    own. Its attributes and methods are the task contract: what the trainer asks of any task."""
+
+    facts = TOY_FACTS  # (prompt, answer) pairs
 
     def __init__(self, seed: int):
         self.seed = seed
         self.tok = toy_tokenizer()
-        self.val = []
+        self.val = []  # held-out (prompt, answer) pairs for validation, or []
+        # ends a response (with generation_config's: stop_token_ids); None = never stop
         self.eos_id = self.tok.encode_single_token(EOS)
-        self.pad_id = self.tok.encode_single_token(PAD)
-        self.facts = TOY_FACTS  # (prompt, answer) pairs
+        self.pad_id = self.tok.encode_single_token(PAD)  # fills the right-padded rows; never a loss token
 
     def prompts(self, start, n):
-        """(prompt text, answer text) pairs start .. start+n-1 of the shuffled epochs over the
-        facts."""
+        """(prompt, answer) text pairs start .. start+n-1 of the task's stream (shuffled epochs of
+        a data set, here the facts), the same on every rank."""
         return [self.facts[i] for i in epoch_order(self.seed, len(self.facts), start, n)]
 
     def encode(self, prompt):
+        """Prompt token ids (chat template applied, if any)."""
         return self.tok.encode(prompt)
 
     def target(self, answer):
+        """Answer ids + EOS: what the SFT warm-up imitates."""
         return self.tok.encode(answer) + [self.eos_id]
 
     def decode(self, ids):
+        """Response text for the reward and the dumps."""
         # special tokens and ids the tokenizer does not know (the model's padding rows) are dropped
         return self.tok.decode([i for i in ids if i < 256], errors="replace")
 
     def reward(self, text, answer, finished):
-        """1.0 when the response is exactly the answer and the model stopped (emitted EOS)."""
+        """The score of one response (of a whole episode, observations included); finished: it
+        ended by a stop token. Here 1.0 when the response is exactly the answer and the model
+        stopped (emitted EOS). Validation counts a greedy response as correct when its reward is
+        at least the task's `solved_at`, an optional attribute (default 1.0, a rule's full
+        reward): a graded task sets its own bar, e.g. solved_at = 10.0 for marks out of 10, or
+        0.9 for a partial credit that counts."""
         return float(finished and text.strip() == answer)
+
+    # Multi-turn episodes (docs/multiturn.md): a task may also define
+    #     observe(self, turn: list, episode: list) -> Optional[list]
+    # called after each model turn that ended by a stop token, with that turn's ids and the whole
+    # episode so far (prompt + response, ending with the turn). It returns the ids to append (a
+    # tool's output, formatted as its chat template formats a tool message: chat_tool_message), or
+    # None: the episode is over. A task without it is single-turn. It must be deterministic (the
+    # ranks of a vLLM group each run it on the same turn). ToyToolTask below has one.
 
 
 class ToyToolTask(ToyTask):
@@ -367,9 +352,7 @@ class ToyToolTask(ToyTask):
     text after the last observation (the whole response, without one): 1 for the exact sum, if
     the model stopped. Its SFT target is that whole trace, the tool's output included."""
 
-    def __init__(self, seed: int):
-        super().__init__(seed)
-        self.facts = [(f"{a}+{b}=", str(a + b)) for a in range(10, 100) for b in range(10, 100)]
+    facts = [(f"{a}+{b}=", str(a + b)) for a in range(10, 100) for b in range(10, 100)]
 
     def observe(self, turn, episode):
         if self.decode(turn) != "?":  # an answer: the episode is over
@@ -470,12 +453,11 @@ class GSM8KTask:
 
     def encode(self, question):
         text = question + self.instruction
-        if self.tok.chat_template:
-            chat = [{"role": "user", "content": text}]
-            ids = self.tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
-                                               return_dict=False)
-            return list(ids)
-        return self.tok.encode(text)
+        if not self.tok.chat_template:
+            return self.tok.encode(text)
+        chat = [{"role": "user", "content": text}]
+        return list(self.tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False))
 
     def target(self, answer):
         return self.tok.encode(answer) + [self.eos_id]
@@ -489,7 +471,7 @@ class GSM8KTask:
         return math_reward(text, answer, self.format_reward) if finished else 0.0
 
 
-def sft_examples(task: Task, cfg, step: int, dp_rank: int, dp_size: int):
+def sft_examples(task, cfg, step: int, dp_rank: int, dp_size: int):
     """(prompt ids, answer ids) of dp rank `dp_rank`'s share of SFT step `step`: the first
     sft_steps * sft_batch_size pairs of the task's stream (PPO goes on from there), the reference
     answer (target) as the response. An answer is cut where its row would pass max_model_len (as
@@ -502,7 +484,7 @@ def sft_examples(task: Task, cfg, step: int, dp_rank: int, dp_size: int):
     return prompts, answers
 
 
-def make_task(cfg, model_dir: str, model_vocab_size: Optional[int] = None) -> Task:
+def make_task(cfg, model_dir: str, model_vocab_size: Optional[int] = None):
     """The config's task; model_vocab_size: the checkpoint's (default: its config.json's)."""
     toys = {"toy_add": ToyTask, "toy_tool": ToyToolTask}
     if cfg.task in toys:
@@ -510,7 +492,7 @@ def make_task(cfg, model_dir: str, model_vocab_size: Optional[int] = None) -> Ta
     return GSM8KTask(cfg, model_dir, model_vocab_size or AutoConfig.from_pretrained(model_dir).vocab_size)
 
 
-def validation_accuracy(engine, task: Task, cfg, device: torch.device) -> float:
+def validation_accuracy(engine, task, cfg, device: torch.device) -> float:
     """Collective (every rank): greedy accuracy on the held-out prompts.
 
     The prompts are split over the vLLM groups (rollout_tp_size consecutive ranks pass identical
@@ -520,7 +502,7 @@ def validation_accuracy(engine, task: Task, cfg, device: torch.device) -> float:
     mine = task.val[rank // cfg.rollout_tp_size::groups]
     prompt_ids = [task.encode(q) for q, _ in mine]
     outs = run_episodes(engine, task, cfg, prompt_ids, [(0, 0, 0)] * len(mine), 0.0)  # greedy: no seeds
-    solved = getattr(task, "solved_at", 1.0)  # the reward that counts as correct (Task)
+    solved = getattr(task, "solved_at", 1.0)  # the reward that counts as correct (ToyTask.reward)
     correct = sum(task.reward(task.decode(r), a, finished(r, engine.stop_ids)) >= solved
                   for (r, _, _), (_, a) in zip(outs, mine))
     total = torch.tensor([float(correct)], device=device)
@@ -532,34 +514,8 @@ def validation_accuracy(engine, task: Task, cfg, device: torch.device) -> float:
 # -----------------------------------------------------------------------------
 # Engines. The trainer calls an engine in this order every step: generate, sleep (training
 # runs), then `refit` below: wake_up(["weights"]), load_weights per bucket, finish_refit,
-# wake_up(["kv_cache"]). The HF engine and the vLLM engine implement the same Protocol.
-
-class Engine(Protocol):
-    dtype: torch.dtype  # refit casts the trained weights to this
-    # a response ends at any of these (stop_token_ids): the trainer's `finished` too
-    stop_ids: list
-    vocab_size: int  # the model's: an observation's ids must be below it
-
-    def generate(self, prompt_ids: list, seeds: list, max_new_tokens, temperature: float) -> list:
-        """One (response ids, engine logprob of each sampled token) per prompt. Sample k is drawn
-        with seeds[k] alone, so it does not depend on the batch; temperature 0 = greedy.
-        max_new_tokens: one budget for all, or a list of one a prompt."""
-
-    def sleep(self) -> None:
-        """Training runs now: free what can be freed (GPU memory)."""
-
-    def wake_up(self, tags: list) -> None:
-        """Take the memory of "weights" and/or "kv_cache" back."""
-
-    def load_weights(self, named_tensors: list) -> None:
-        """One refit bucket of (HF name, full tensor)."""
-
-    def finish_refit(self) -> None:
-        """All buckets are in: drop caches made by the old weights."""
-
-    def shutdown(self) -> None:
-        """The end of the run: release the engine; the default process group goes with it."""
-
+# wake_up(["kv_cache"]). The HF engine and the vLLM engine have the same attributes and methods
+# (the engine contract, documented on HFEngine's).
 
 # Sampling on the device, reproducibly per sample. Gumbel-max: argmax_v (log p_v + g_v) with
 # g_v = -log(-log u_v), u_v uniform, is a draw from softmax(log p) (Gumbel 1954; the
@@ -598,18 +554,22 @@ def gumbel_sample(logp, seeds, position):
 class HFEngine:
     def __init__(self, model_dir: str, device: torch.device, stop_ids: list, dtype=torch.float32):
         self.device = device
+        # a response ends at any of these (stop_token_ids): the trainer's `finished` too
         self.stop_ids = stop_ids
-        self.dtype = dtype  # refit casts to this
+        self.dtype = dtype  # refit casts the trained weights to this
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-        self.vocab_size = self.model.config.vocab_size
+        self.vocab_size = self.model.config.vocab_size  # an observation's ids must be below it
         self.params = dict(self.model.named_parameters())  # HF checkpoint names -> tensors
 
     @torch.no_grad()
     def generate(self, prompt_ids, seeds, max_new_tokens, temperature):
-        """Prompts are left-padded so that every row's next token sits in the last column. Every
+        """One (response ids, engine logprob of each sampled token) per prompt. Sample k is drawn
+        with seeds[k] alone, so it does not depend on the batch; temperature 0 = greedy.
+        max_new_tokens: a list, each prompt's budget.
+
+        Prompts are left-padded so that every row's next token sits in the last column. Every
         token is drawn on the device; the one host read a token is the stop check."""
         B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
-        budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * B
         on = dict(device=self.device)
         ids = torch.tensor([[0] * (P - len(p)) + p for p in prompt_ids], **on)  # (B, P) left-padded
         mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompt_ids], **on)  # (B, P) 1 = real
@@ -618,25 +578,25 @@ class HFEngine:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
         seeds = torch.tensor(seeds, **on)  # (B,)
         stop = torch.tensor(self.stop_ids, dtype=torch.long, **on)  # (stop ids,)
-        budget = torch.tensor(budgets, **on)  # (B,)
         tokens, logprobs = [], []  # a (B,) tensor per step, on the device
         done = torch.zeros(B, dtype=torch.bool, **on)  # (B,)
         # A static cache, allocated once for the whole response, with each step's cache slot given
         # (cache_position): transformers then reads nothing back from the device in a decode step
         # (with a growing cache, its mask code checks on the host whether the padding can be
         # ignored, a GPU sync every token)
-        cache = StaticCache(config=self.model.config, max_cache_len=P + max(budgets))
+        cache = StaticCache(config=self.model.config, max_cache_len=P + max(max_new_tokens))
         # the prompt pass: keep only the last position's logits, the cache for the rest
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                          cache_position=torch.arange(P, **on), logits_to_keep=1)
-        for t in range(max(budgets)):
+        # (a row past its budget draws on while others run: cut below)
+        for t in range(max(max_new_tokens)):
             # the trainer's convention: log-softmax of logits / T in fp32 (T = 0: greedy, plain
             # logprobs)
             logp = torch.log_softmax(out.logits[:, -1].float() / (temperature or 1.0), -1)  # (B, V)
             token = logp.argmax(-1) if temperature == 0 else gumbel_sample(logp, seeds, t)  # (B,)
             tokens.append(token)
             logprobs.append(logp.gather(1, token[:, None])[:, 0])  # (B,)
-            done |= torch.isin(token, stop) | (t + 1 >= budget)  # (B,) a row's budget ends it too
+            done |= torch.isin(token, stop)
             if bool(done.all()):  # the one host read a token (a GPU sync)
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # (B, P + t + 1)
@@ -647,28 +607,32 @@ class HFEngine:
         # kept)
         results = []
         rows, row_logprobs = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
-        for row, lps, limit in zip(rows, row_logprobs, budgets):
+        for row, lps, limit in zip(rows, row_logprobs, max_new_tokens):
             end = min(next((k + 1 for k, token in enumerate(row) if token in self.stop_ids), limit), limit)
             results.append((row[:end], lps[:end]))
         return results
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
+        """One refit bucket of (HF name, full tensor)."""
         for name, tensor in named_tensors:
             if name not in self.params:
                 raise KeyError(f"refit: the engine has no parameter named {name!r}")
             self.params[name].copy_(tensor)
 
     def finish_refit(self):
-        """Nothing is cached across calls here (vLLM resets its prefix cache instead)."""
+        """All buckets are in: drop caches made by the old weights. Nothing is cached across calls
+        here (vLLM resets its prefix cache instead)."""
 
     def sleep(self):
-        """The HF engine keeps its memory (it is the CPU / debugging fallback)."""
+        """Training runs now: free what can be freed (GPU memory). The HF engine keeps its memory
+        (it is the CPU / debugging fallback)."""
 
     def wake_up(self, tags):
-        """Nothing was freed."""
+        """Take the memory of "weights" and/or "kv_cache" back. Nothing was freed here."""
 
     def shutdown(self):
+        """The end of the run: release the engine; the default process group goes with it."""
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -754,10 +718,9 @@ class VLLMEngine:
         # one SamplingParams per sample: its seed gives the request its own generator. Without a
         # tokenizer vLLM knows only generation_config's EOS ids: stop_token_ids names the whole set
         # (and keeps the token in the output); an empty set must ignore generation_config's too
-        budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(seeds)
         params = [SamplingParams(seed=s, temperature=temperature, max_tokens=m, logprobs=0,
                                  stop_token_ids=self.stop_ids, ignore_eos=not self.stop_ids, detokenize=False)
-                  for s, m in zip(seeds, budgets)]
+                  for s, m in zip(seeds, max_new_tokens)]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
         with _trainer_state_kept():
             outs = self.llm.generate(prompts, params, use_tqdm=False)  # in prompt order
@@ -816,7 +779,7 @@ class VLLMEngine:
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def make_engine(cfg, model_dir: str, device: torch.device, eos_id) -> Engine:
+def make_engine(cfg, model_dir: str, device: torch.device, eos_id):
     """Collective with vLLM (every rank builds its engine together): the config's engine, stopping
     at the task's EOS and the checkpoint's own (stop_token_ids: the engine's `finished` is ours)."""
     stop_ids = stop_token_ids(model_dir, eos_id)
@@ -837,7 +800,7 @@ def make_engine(cfg, model_dir: str, device: torch.device, eos_id) -> Engine:
 # after the last bucket is gone (vLLM's documented order, also TRL's and verl's): the gathered
 # tensors never coexist with the KV cache.
 
-def refit(engine: Engine, named_full_tensors, bucket_mb: float) -> dict:
+def refit(engine, named_full_tensors, bucket_mb: float) -> dict:
     """Collective (every rank, through named_full_tensors): the trained weights into the engine.
     The tensors must arrive in the engine's dtype: cast before they were gathered
     (iter_full_params(model, engine.dtype)), not here after the gather, which would move twice the

@@ -96,7 +96,9 @@ import rollout  # noqa: E402
 # sequences), so neither dp, cp, packing nor the microbatch size changes them.
 
 def masked_sum(x, mask, dim=None):
-    return (x * mask).sum(dim)  # dim=None: over everything
+    """The sum of x where mask is 1 (dim=None: over everything). Selected, not multiplied: an
+    inf outside the mask (exp of an observation token's log-ratio) must not make 0 * inf = NaN."""
+    return torch.where(mask.bool(), x, 0.0).sum(dim)
 
 
 def ratio_from_log(log_ratio):
@@ -1092,7 +1094,7 @@ def ppo_step(progress, models, engine, task, cfg, mesh, device):
 
 
 def main(cfg, task=None):
-    """Train with PPO. `task`: any rollout.Task (default: the config's toy_add or gsm8k)."""
+    """Train with PPO. `task`: any task (rollout.ToyTask's contract; default: the config's)."""
     cfg.task = cfg.task if task is None else type(task).__name__  # config.json names a fork's task
     device, mesh, model_dir, resume_dir, task = start_run(cfg, task)
     if cfg.sft_steps:

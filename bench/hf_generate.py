@@ -83,8 +83,8 @@ def measure(vocab, batch, new_tokens, repeats, tmp):
     before, after = [], []
     for _ in range(repeats):
         before.append(timed(lambda: generate_before(engine, prompts, seeds, new_tokens, 1.0)))
-        after.append(timed(lambda: engine.generate(prompts, seeds, new_tokens, 1.0)))
-    outs = engine.generate(prompts, seeds, new_tokens, 1.0)
+        after.append(timed(lambda: engine.generate(prompts, seeds, [new_tokens] * len(prompts), 1.0)))
+    outs = engine.generate(prompts, seeds, [new_tokens] * len(prompts), 1.0)
     assert all(len(r) == new_tokens for r, _ in outs), "no stop token: every row runs to the end"
     return statistics.median(before), statistics.median(after)
 

@@ -64,7 +64,7 @@ seeds = [rollout.sample_seed(cfg.seed, group_index, i, 0) for i in range(len(pro
 
 
 def generate(prompt_list, seed_list):
-    return engine.generate(prompt_list, seed_list, MAX_NEW_TOKENS, TEMPERATURE)
+    return engine.generate(prompt_list, seed_list, [MAX_NEW_TOKENS] * len(prompt_list), TEMPERATURE)
 
 
 def rows(outs):
@@ -116,6 +116,29 @@ ids, lens, mask, engine_lp = rows(first)
 measured["diff_before_refit_vs_hf"] = (engine_lp - hf_logprobs(ids, lens))[mask].abs().mean().item()
 measured["n_response_tokens"] = int(mask.sum())
 
+# ---- 2b. multi-turn episodes: vLLM and the HF engine of the same checkpoint build the same ones
+# (greedy), each turn continued from the ids so far. Every id ends a turn here (the random model
+# rarely says EOS), and every finished turn is answered by the same observation, "[7]"
+
+
+class Calculator:
+    def observe(self, turn, episode):
+        return tok.encode("[7]")
+
+
+turns_cfg = Config(seed=7, max_turns=3, max_new_tokens=MAX_NEW_TOKENS, max_model_len=64)
+turn_ends = list(range(engine.vocab_size))
+hf_engine = rollout.HFEngine(path, device, turn_ends)
+engine.stop_ids = turn_ends
+keys = [(0, i, 0) for i in range(len(prompts))]
+episodes = {name: rollout.run_episodes(e, Calculator(), turns_cfg, prompts, keys, 0.0)
+            for name, e in (("vllm", engine), ("hf", hf_engine))}
+engine.stop_ids = stop_ids
+measured["episodes"] = {name: [(ids, mask) for ids, _, mask in eps] for name, eps in episodes.items()}
+measured["episode_logprob_max_diff"] = max(abs(a - b) for (_, la, _), (_, lb, _) in zip(*episodes.values())
+                                           for a, b in zip(la, lb))
+del hf_engine
+
 # ---- 3. train one step (FSDP over both ranks), then refit in small recorded buckets ----------
 engine.sleep()  # as train_ppo.py does around training (a no-op on CPU)
 lp, _ = model_parallel.forward_policy(policy, ids, lens, mesh, cfg, temperature=1.0)  # (b, S)
@@ -166,10 +189,10 @@ measured["refit_back_max_logprob_diff"] = max(abs(a - b)
 
 # ---- 6. a second stop token (Qwen2.5's <|endoftext|> beside <|im_end|>) ends a response too: the
 # greedy response with EOS alone, then with its first new token past position 0 added to the set
-free = tokens(engine.generate(prompts[:1], [0], MAX_NEW_TOKENS, 0.0))[0]
+free = tokens(engine.generate(prompts[:1], [0], [MAX_NEW_TOKENS], 0.0))[0]
 k = next((i for i in range(1, len(free)) if free[i] not in free[:i] + stop_ids), 0)
 engine.stop_ids = stop_ids + [free[k]]
-stopped = tokens(engine.generate(prompts[:1], [0], MAX_NEW_TOKENS, 0.0))[0]
+stopped = tokens(engine.generate(prompts[:1], [0], [MAX_NEW_TOKENS], 0.0))[0]
 measured["second_stop"] = dict(free=free, k=k, stopped=stopped)
 engine.stop_ids = stop_ids
 

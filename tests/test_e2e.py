@@ -4,7 +4,12 @@ One 3-step run at dp=2 generates rollouts; replays of those rollouts at dp=1 and
 must give the same training numbers (mesh invariance), and the generating run's own
 numbers too, since it trained on the same rollouts from the same warmed-up weights. The
 generating run's console is counted too (few lines besides progress, no traceback). The GPU
-recipe replays the same rollouts: bf16 within stated tolerances, the varlen path exactly."""
+recipe replays the same rollouts: bf16 within stated tolerances, the varlen path exactly.
+
+The rollouts are multi-turn episodes (task toy_tool, max_turns=2, vLLM): after a warm-up on its
+traces the policy calls the calculator, so every row holds a model turn, the tool's output
+(context: out of every loss) and a second turn, of lengths that differ by row. A single-turn row
+is the special case of one turn (test_train_loop.py and the rest replay those)."""
 import json
 import math
 import os
@@ -37,7 +42,10 @@ def generated(tmp_path_factory):
     # launched from the user's environment as `make demo` is: torchrun sets OMP_NUM_THREADS=1 for
     # its workers itself (and says so on the console, which the console check must see); no GPU
     env = {k: v for k, v in cpu_env().items() if k != "OMP_NUM_THREADS"}
-    proc = run_cli(2, "--config", "configs/test_tiny.toml", "--steps=3", f"--out_dir={out}", env=env)
+    # a warm-up long enough that the policy calls the tool: 30 steps of 16 traces (measured: every
+    # sample of the 3 steps called it; 5 steps of 8, test_tiny's, gave no call)
+    tool = ["--task=toy_tool", "--max_turns=2", "--sft_steps=30", "--sft_batch_size=16", "--sft_lr=3e-3"]
+    proc = run_cli(2, "--config", "configs/test_tiny.toml", "--steps=3", f"--out_dir={out}", *tool, env=env)
     return out, proc
 
 
@@ -50,13 +58,21 @@ def test_run_writes_metrics_rollouts_plot_and_progress(generated):
             assert k in r and math.isfinite(r[k]), (k, r)
         assert 0.0 <= r["reward_mean"] <= 1.0 and 0.0 <= r["clip_frac"] <= 1.0
     assert "step 3/3" in proc.stdout and "eta" in proc.stdout
+    observations = 0
     for step in range(3):
         with open(os.path.join(out, "rollouts", f"step_{step}.jsonl")) as f:
             samples = [json.loads(line) for line in f]
         assert [s["index"] for s in samples] == list(range(8))  # 4 prompts x 2 samples, both ranks
         for s in samples:
             assert s["prompt"].endswith("=") and s["reward"] in (0.0, 1.0)
-            assert len(s["response_ids"]) == len(s["engine_logprobs"]) >= 1
+            assert len(s["response_ids"]) == len(s["engine_logprobs"]) == len(s["action_mask"]) >= 1
+            # the tool's output: logprob 0, mask 0, between two turns (the last token the model's)
+            gap = [k for k, m in enumerate(s["action_mask"]) if m == 0]
+            assert all(s["engine_logprobs"][k] == 0.0 for k in gap) and s["action_mask"][-1] == 1
+            observations += bool(gap)
+        assert [r["turns_per_episode"] for r in rows][step] == pytest.approx(1 + sum(
+            0 in s["action_mask"] for s in samples) / len(samples))
+    assert observations >= 12  # of 24 episodes: measured 24
     assert os.path.getsize(os.path.join(out, "curves.png")) > 1000
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["steps"] == 3

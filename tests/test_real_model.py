@@ -4,6 +4,7 @@ GSM8K-format JSONL, 2 PPO steps through the CLI with the vLLM engine and validat
 import dataclasses
 import json
 import os
+import re
 import types
 
 import pytest
@@ -83,6 +84,60 @@ def test_task_applies_chat_template_and_checks_inputs(real_model):
     cfg.max_model_len = 20
     with pytest.raises(rollout.TaskError, match="max_model_len"):  # prompt longer than context
         rollout.make_task(cfg, path, model_vocab_size=448)
+
+
+class ScriptedChat:
+    """An engine that samples the script's k-th assistant turn (its text's ids, then <|im_end|>)
+    for a context holding k earlier turns: what a model would sample, made certain."""
+
+    def __init__(self, tok, turns):
+        self.tok, self.turns = tok, turns
+        self.stop_ids, self.vocab_size = [tok.convert_tokens_to_ids("<|im_end|>")], 448
+
+    def generate(self, contexts, seeds, max_new_tokens, temperature):
+        out = []
+        for ids in contexts:
+            # the system's and the user's messages end so too, and each turn and tool message
+            k = (ids.count(self.stop_ids[0]) - 2) // 2
+            out.append((self.tok.encode(self.turns[k]) + self.stop_ids, [-1.0] * 99))
+        return [(ids, lps[:len(ids)]) for ids, lps in out]
+
+
+def test_episode_ids_are_the_chat_templates_rendering_of_the_conversation(real_model):
+    """system, user, assistant (a tool call), tool, assistant: the prompt's ids, then each turn's
+    sampled ids with the tool message between them (rollout.chat_tool_message in the task's
+    observe), are exactly the chat template's rendering of the same conversation, the separators
+    included: ChatML's "\n" after each <|im_end|>, which no turn samples, comes with the tool
+    message. Then a template that writes earlier turns differently once a tool message follows
+    is refused in one line."""
+    _, path = real_model
+    tok = AutoTokenizer.from_pretrained(path)
+    chat = [{"role": "system", "content": "You may call calc(a+b)."},
+            {"role": "user", "content": "What is 3 + 4?"}]
+    turns = ["calc(3+4)", "He has 3 + 4 = 7 apples. #### 7"]
+
+    class CalcTask:
+        def observe(self, turn, episode):
+            a, b = re.fullmatch(r"calc\((\d+)\+(\d+)\)<\|im_end\|>", tok.decode(turn)).groups()
+            return rollout.chat_tool_message(tok, str(int(a) + int(b)))
+
+    prompt = list(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
+    cfg = config.Config(max_turns=2, max_new_tokens=32, max_model_len=256)
+    (response, lps, mask), = rollout.run_episodes(ScriptedChat(tok, turns), CalcTask(), cfg, [prompt],
+                                                  [(0, 0, 0)], 1.0)
+    conversation = chat + [{"role": "assistant", "content": turns[0]}, {"role": "tool", "content": "7"},
+                           {"role": "assistant", "content": turns[1]}]
+    rendered = list(tok.apply_chat_template(conversation, tokenize=True, return_dict=False))
+    episode = prompt + response
+    assert rendered[:len(episode)] == episode
+    assert tok.decode(rendered[len(episode):]) == "\n"  # the template's separator after the last turn
+    observation = [t for t, m in zip(response, mask) if m == 0]
+    assert tok.decode(observation) == "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+    assert sum(mask) == len(tok.encode(turns[0])) + len(tok.encode(turns[1])) + 2
+    # a template that numbers the messages renders every earlier token anew once one is added
+    tok.chat_template = "{{ messages | length }}" + CHAT_TEMPLATE
+    with pytest.raises(rollout.TaskError, match="writes it differently once a tool message follows"):
+        rollout.chat_tool_message(tok, "7")
 
 
 @pytest.mark.slow

@@ -62,8 +62,8 @@ def test_hf_engine_samples_alike_in_any_batch_and_reads_the_host_once_a_token(tm
     engine = rollout.HFEngine(path, torch.device("cpu"), stop_ids=[256])
     prompts, seeds = [[1, 2, 3], [40, 41, 42, 43, 44, 45, 46], [9]], [5, 6, 7]
     with HostReads() as reads:
-        together = engine.generate(prompts, seeds, 12, 1.0)
-    alone = [engine.generate([p], [s], 12, 1.0)[0] for p, s in zip(prompts, seeds)]
+        together = engine.generate(prompts, seeds, [12] * len(prompts), 1.0)
+    alone = [engine.generate([p], [s], [12], 1.0)[0] for p, s in zip(prompts, seeds)]
     assert [r for r, _ in together] == [r for r, _ in alone]
     for (_, a), (_, b) in zip(together, alone):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)

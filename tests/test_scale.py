@@ -145,11 +145,12 @@ def test_the_hf_engine_stops_at_every_stop_token(tmp_path):
     path = two_eos_checkpoint(tmp_path)
     assert rollout.stop_token_ids(path, EOS) == [EOS, SECOND_EOS] and rollout.stop_token_ids(path, None) == []
     prompt = [[ord(c) for c in "3+4="]]
-    free, _ = rollout.HFEngine(path, torch.device("cpu"), [EOS]).generate(prompt, [0], 8, 0.0)[0]
+    free, _ = rollout.HFEngine(path, torch.device("cpu"), [EOS]).generate(prompt, [0], [8], 0.0)[0]
     # a token seen there first
     k = next((i for i in range(1, len(free)) if free[i] not in free[:i] + [EOS]), 0)
     assert free[k] != EOS, free
-    stopped, _ = rollout.HFEngine(path, torch.device("cpu"), [EOS, free[k]]).generate(prompt, [0], 8, 0.0)[0]
+    engine = rollout.HFEngine(path, torch.device("cpu"), [EOS, free[k]])
+    stopped, _ = engine.generate(prompt, [0], [8], 0.0)[0]
     assert stopped == free[:k + 1] and rollout.finished(stopped, [EOS, free[k]])
 
 

@@ -79,6 +79,13 @@ def check_engine(results):
         free, k, stopped = (m["second_stop"][key] for key in ("free", "k", "stopped"))
         # 256: the toy EOS
         assert stopped == free[:k + 1] and free[k] not in free[:k] + [256], m["second_stop"]
+    # multi-turn: vLLM's episodes are the HF engine's, three turns of one token and the same tool
+    # output between them, its logprobs 0 (rollout.run_episodes over each engine, greedy)
+    for m in results:
+        assert m["episodes"]["vllm"] == m["episodes"]["hf"], m["episodes"]
+        for ids, mask in m["episodes"]["vllm"]:
+            assert mask == [1, 0, 0, 0, 1, 0, 0, 0, 1] and ids[1:4] == ids[5:8] == [91, 55, 93]  # "[7]"
+        assert m["episode_logprob_max_diff"] <= 1e-4, m["episode_logprob_max_diff"]
     # the same request gives the same sample on every rank, whichever engine serves it
     assert results[0]["shared_sample"] == results[1]["shared_sample"]
     print({m["rank"]: {k: m[k] for k in ("init_s", "first_generate_s", "diff_before_refit_vs_hf",
