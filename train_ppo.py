@@ -123,11 +123,14 @@ def kl_penalty(logprobs, ref_logprobs, kind="k1"):
 
 def compute_gae(rewards, values, mask, gamma, lam):
     """Generalized advantage estimation (Schulman et al., 2016, eq. 16), right to left:
-        delta_t = r_t + gamma * V_next - V_t,   A_t = delta_t + gamma * lam * A_next
-    where "next" is the next *response* token of the row: positions outside the mask (the
-    prompt, padding, or a gap such as a tool's output) are skipped, and after the last
-    response token the episode ends (V_next = 0, A_next = 0). Returns (advantages, returns)
-    with returns = A + V, both 0 outside the mask."""
+        delta_t = r_t + gamma * V_next(t) - V_t,   A_t = delta_t + gamma * lam * A_next(t)
+    where next(t) is the next *action* of the row, the next position with mask 1: positions
+    outside the mask (the prompt, padding, or an episode's observation, such as a tool's output)
+    are skipped. In a multi-turn episode the state after turn k's last token t is the state
+    before turn k+1's first token t', whose value the critic reads from the hidden state at
+    t' - 1, the observation's end: V_next(t) = V_t', with the observation as its context. After
+    the last action the episode ends (V_next = 0, A_next = 0). Returns (advantages, returns) with
+    returns = A + V, both 0 outside the mask."""
     B, S = rewards.shape
     next_value = torch.zeros(B, dtype=values.dtype, device=values.device)  # (B,)
     next_adv = torch.zeros_like(next_value)  # (B,)

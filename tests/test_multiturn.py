@@ -6,6 +6,9 @@ file's tokenizer); vLLM's episodes against the HF engine's in _vllm_checks.py; r
 mesh in test_e2e.py, whose generating run samples toy_tool episodes."""
 import dataclasses
 import functools
+import json
+import os
+import subprocess
 import types
 
 import pytest
@@ -14,6 +17,7 @@ import torch
 import config
 import rollout
 import train_ppo
+from conftest import ROOT, cpu_env, torchrun_cmd
 from train_ppo import compute_gae
 
 EOS = 256
@@ -220,3 +224,42 @@ def test_observation_tokens_are_in_no_loss_or_statistic(estimator, monkeypatch):
     differ = {"tokens", "turns_per_episode", "tool_calls_per_episode"}  # prompt + response tokens
     assert {k: v for k, v in m_full.items() if k not in differ} == pytest.approx(
         {k: v for k, v in m_cut.items() if k not in differ})
+
+
+@pytest.mark.slow  # a CLI run under torchrun
+def test_recipe_for_your_own_tool_runs_as_written(tmp_path):
+    """The "Your own tool" block of docs/multiturn.md, copied verbatim into a file and launched as
+    its first line says (smaller: test_tiny, 2 steps, the HF engine). Every episode in the dumps
+    follows the checker's rule: each turn but the last ended by EOS with a wrong answer and got
+    "[wrong]"; the last one is right, cut off, or the third."""
+    doc = open(os.path.join(ROOT, "docs", "multiturn.md")).read()
+    section = doc[doc.index("## Your own tool"):]
+    start = section.index("```python\n") + len("```python\n")
+    script = tmp_path / "my_tool.py"
+    script.write_text(section[start:section.index("```\n", start)])
+    proc = subprocess.run(torchrun_cmd(2, "--config", "configs/test_tiny.toml", "--max_turns=3", "--steps=2",
+                                       "--rollout_engine=hf", f"--out_dir={tmp_path / 'out'}",
+                                       script=str(script)),
+                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=cpu_env(PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    task = rollout.ToyTask(0)
+    wrong = task.tok.encode("[wrong]")
+    turns_seen = []
+    for step in range(2):
+        with open(tmp_path / "out" / "rollouts" / f"step_{step}.jsonl") as f:
+            samples = [json.loads(line) for line in f]
+        for s in samples:
+            ids, mask = s["response_ids"], s["action_mask"]
+            turns, observations, k = [], [], 0
+            while k < len(ids):  # split the response into its runs of model and tool tokens
+                run = next((j for j in range(k, len(ids)) if mask[j] != mask[k]), len(ids))
+                (turns if mask[k] else observations).append(ids[k:run])
+                k = run
+            assert len(turns) == len(observations) + 1 <= 3 and all(o == wrong for o in observations)
+            for turn in turns[:-1]:
+                assert turn[-1] == task.eos_id and task.decode(turn) != s["answer"]
+            last = turns[-1]
+            assert task.decode(last) == s["answer"] or last[-1] != task.eos_id or len(turns) == 3
+            assert s["reward"] == float(s["finished"] and task.decode(last) == s["answer"])
+            turns_seen.append(len(turns))
+    assert max(turns_seen) >= 2  # the tool answered at least once (measured: most episodes)
