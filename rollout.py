@@ -3,7 +3,9 @@ engine, and refit (pushing the trained weights into the engine).
 
 Its first section is steps 1-3 of train_ppo.py's step (rollouts), then what they use. Nothing here
 knows about PPO losses: the trainer asks for "these prompts, sampled with these seeds" and gets back
-token ids, the engine's own logprob of each sampled token, and a score per sequence.
+token ids, the engine's own logprob of each sampled token, and a score per sequence. A response may
+be an episode of several model turns with observations (a tool's output) between them
+(run_episodes); its action mask says which tokens were the model's.
 """
 import hashlib
 import json

@@ -48,6 +48,9 @@ OpenRLHF and TRL all use). Prompt "2+3=", response "5<eos>":
 
 ('.' = computed, or 0 where the LM head skips the prompt: never in a loss.) Position 0 has no
 prediction and holds 0, as does every packed sequence start; losses and statistics see the mask.
+In a multi-turn episode (docs/multiturn.md) the response holds model turns and observations (a
+tool's output) between them: the mask is 0 on an observation's tokens, which are context, not
+actions, so they are in no loss or statistic, and GAE steps over them (compute_gae).
 
 Deviations from the paper's PPO, on purpose:
   1. the minibatch split is fixed across epochs (no reshuffle), so that it does not depend on
