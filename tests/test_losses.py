@@ -329,7 +329,8 @@ def test_the_trainer_deals_its_rows_with_balanced_split():
     The hand case above as samples (one prompt token, then the rest): 22 tokens on each rank, where
     contiguous slices would give 34 and 10."""
     lengths = [10, 9, 8, 7, 1, 2, 3, 4]
-    every = {j: dict(prompt_ids=[1], response_ids=[2] * (n - 1), engine_logprobs=[0.0] * (n - 1), reward=0.0)
+    every = {j: dict(prompt_ids=[1], response_ids=[2] * (n - 1), engine_logprobs=[0.0] * (n - 1),
+                     action_mask=[1] * (n - 1), reward=0.0)
              for j, n in enumerate(lengths)}
     cfg = config.Config(prompts_per_step=4, samples_per_prompt=2, num_minibatches=1, packing=True)
     for rank, rows in enumerate([[0, 3, 4, 7], [1, 2, 5, 6]]):
