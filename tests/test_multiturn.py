@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import subprocess
+import sys
 import types
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 import config
 import rollout
 import train_ppo
+from _dist import _free_port
 from conftest import ROOT, cpu_env, torchrun_cmd
 from train_ppo import compute_gae
 
@@ -263,3 +265,37 @@ def test_recipe_for_your_own_tool_runs_as_written(tmp_path):
             assert s["reward"] == float(s["finished"] and task.decode(last) == s["answer"])
             turns_seen.append(len(turns))
     assert max(turns_seen) >= 2  # the tool answered at least once (measured: most episodes)
+
+
+BAD_TOOL = '''import os, sys
+import config, rollout, train_ppo
+
+class BadTool(rollout.ToyTask):
+    def observe(self, turn, episode):
+        return [999]  # an id past the model's vocabulary (262)
+
+if __name__ == "__main__":
+    cfg = config.load(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    train_ppo.main(cfg, task=BadTool(cfg.seed))
+'''
+
+
+@pytest.mark.slow  # a CLI run
+def test_a_bad_observation_stops_the_run_with_one_line_before_the_step_is_trained(tmp_path):
+    """A fork's observe returns an id out of the vocabulary, mid-step: one line, exit 1, no
+    traceback, and nothing of the step trained, logged or dumped (one rank, as the CLI's other
+    bad-input tests run: under torchrun its own failure report follows, as for any rank that
+    exits non-zero)."""
+    script = tmp_path / "bad_tool.py"
+    script.write_text(BAD_TOOL)
+    env = cpu_env(WORLD_SIZE="1", MASTER_PORT=str(_free_port()), PYTHONPATH=ROOT)
+    # test_tiny's warm-up (5 steps) teaches EOS: turns end, and observe is called
+    proc = subprocess.run([sys.executable, str(script), "--config", "configs/test_tiny.toml", "--max_turns=2",
+                           "--rollout_engine=hf", f"--out_dir={tmp_path / 'out'}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    line = "task error: observe() must return a list of token ids in [0, 262) or None, not [999]"
+    assert proc.stderr.strip().splitlines()[-1] == line, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert open(tmp_path / "out" / "metrics.jsonl").read() == ""  # no step logged
+    assert os.listdir(tmp_path / "out" / "rollouts") == []  # none dumped
