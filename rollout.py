@@ -564,10 +564,10 @@ class HFEngine:
         self.params = dict(self.model.named_parameters())  # HF checkpoint names -> tensors
 
     @torch.no_grad()
-    def generate(self, prompt_ids, seeds, max_new_tokens, temperature):
+    def generate(self, prompt_ids, seeds, budgets, temperature):
         """One (response ids, engine logprob of each sampled token) per prompt. Sample k is drawn
         with seeds[k] alone, so it does not depend on the batch; temperature 0 = greedy.
-        max_new_tokens: a list, each prompt's budget.
+        budgets[k]: the most tokens prompt k's response may have (its max_new_tokens).
 
         Prompts are left-padded so that every row's next token sits in the last column. Every
         token is drawn on the device; the one host read a token is the stop check."""
@@ -586,12 +586,12 @@ class HFEngine:
         # (cache_position): transformers then reads nothing back from the device in a decode step
         # (with a growing cache, its mask code checks on the host whether the padding can be
         # ignored, a GPU sync every token)
-        cache = StaticCache(config=self.model.config, max_cache_len=P + max(max_new_tokens))
+        cache = StaticCache(config=self.model.config, max_cache_len=P + max(budgets))
         # the prompt pass: keep only the last position's logits, the cache for the rest
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                          cache_position=torch.arange(P, **on), logits_to_keep=1)
         # (a row past its budget draws on while others run: cut below)
-        for t in range(max(max_new_tokens)):
+        for t in range(max(budgets)):
             # the trainer's convention: log-softmax of logits / T in fp32 (T = 0: greedy, plain
             # logprobs)
             logp = torch.log_softmax(out.logits[:, -1].float() / (temperature or 1.0), -1)  # (B, V)
@@ -609,7 +609,7 @@ class HFEngine:
         # kept)
         results = []
         rows, row_logprobs = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
-        for row, lps, limit in zip(rows, row_logprobs, max_new_tokens):
+        for row, lps, limit in zip(rows, row_logprobs, budgets):
             end = min(next((k + 1 for k, token in enumerate(row) if token in self.stop_ids), limit), limit)
             results.append((row[:end], lps[:end]))
         return results
@@ -714,7 +714,7 @@ class VLLMEngine:
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.reloading = False
 
-    def generate(self, prompt_ids, seeds, max_new_tokens, temperature):
+    def generate(self, prompt_ids, seeds, budgets, temperature):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         # one SamplingParams per sample: its seed gives the request its own generator. Without a
@@ -722,7 +722,7 @@ class VLLMEngine:
         # (and keeps the token in the output); an empty set must ignore generation_config's too
         params = [SamplingParams(seed=s, temperature=temperature, max_tokens=m, logprobs=0,
                                  stop_token_ids=self.stop_ids, ignore_eos=not self.stop_ids, detokenize=False)
-                  for s, m in zip(seeds, max_new_tokens)]
+                  for s, m in zip(seeds, budgets)]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
         with _trainer_state_kept():
             outs = self.llm.generate(prompts, params, use_tqdm=False)  # in prompt order

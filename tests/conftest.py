@@ -42,6 +42,15 @@ def run_cli(nproc, *args, timeout=600, env=None):
     return proc
 
 
+def python_block(path, heading):
+    """The first ```python block after `heading` in the Markdown file ROOT/path: a recipe the docs
+    show, to be run as written."""
+    text = open(os.path.join(ROOT, path)).read()
+    section = text[text.index(heading):]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start:section.index("```\n", start)]
+
+
 def read_metrics(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

@@ -124,10 +124,10 @@ class RecordingEngine(rollout.HFEngine):
         super().__init__(model_dir, device, stop_ids, dtype)
         self.calls, self.generated = [], []
 
-    def generate(self, prompt_ids, seeds, max_new_tokens, temperature):
+    def generate(self, prompt_ids, seeds, budgets, temperature):
         self.calls.append("generate")
         seeds = [s + 1000 * dist.get_rank() for s in seeds]
-        self.generated.append(super().generate(prompt_ids, seeds, max_new_tokens, temperature))
+        self.generated.append(super().generate(prompt_ids, seeds, budgets, temperature))
         return self.generated[-1]
 
     def sleep(self):

@@ -19,7 +19,7 @@ import config
 import rollout
 import train_ppo
 from _dist import _free_port
-from conftest import ROOT, cpu_env, torchrun_cmd
+from conftest import ROOT, cpu_env, python_block, torchrun_cmd
 from train_ppo import compute_gae
 
 EOS = 256
@@ -34,9 +34,9 @@ class ScriptedEngine:
     def __init__(self, script):
         self.script, self.calls = script, []
 
-    def generate(self, prompt_ids, seeds, max_new_tokens, temperature):
-        self.calls.append((prompt_ids, seeds, max_new_tokens))
-        turns = [self.script(ids)[:budget] for ids, budget in zip(prompt_ids, max_new_tokens)]
+    def generate(self, prompt_ids, seeds, budgets, temperature):
+        self.calls.append((prompt_ids, seeds, budgets))
+        turns = [self.script(ids)[:budget] for ids, budget in zip(prompt_ids, budgets)]
         return [(turn, [-0.5] * len(turn)) for turn in turns]
 
 
@@ -234,11 +234,8 @@ def test_recipe_for_your_own_tool_runs_as_written(tmp_path):
     its first line says (smaller: test_tiny, 2 steps, the HF engine). Every episode in the dumps
     follows the checker's rule: each turn but the last ended by EOS with a wrong answer and got
     "[wrong]"; the last one is right, cut off, or the third."""
-    doc = open(os.path.join(ROOT, "docs", "multiturn.md")).read()
-    section = doc[doc.index("## Your own tool"):]
-    start = section.index("```python\n") + len("```python\n")
     script = tmp_path / "my_tool.py"
-    script.write_text(section[start:section.index("```\n", start)])
+    script.write_text(python_block("docs/multiturn.md", "## Your own tool"))
     proc = subprocess.run(torchrun_cmd(2, "--config", "configs/test_tiny.toml", "--max_turns=3", "--steps=2",
                                        "--rollout_engine=hf", f"--out_dir={tmp_path / 'out'}",
                                        script=str(script)),

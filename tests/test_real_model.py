@@ -94,7 +94,7 @@ class ScriptedChat:
         self.tok, self.turns = tok, turns
         self.stop_ids, self.vocab_size = [tok.convert_tokens_to_ids("<|im_end|>")], 448
 
-    def generate(self, contexts, seeds, max_new_tokens, temperature):
+    def generate(self, contexts, seeds, budgets, temperature):
         out = []
         for ids in contexts:
             # the system's and the user's messages end so too, and each turn and tool message

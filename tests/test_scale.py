@@ -158,7 +158,7 @@ class ScriptedEngine:
     """Answers every prompt with "7" and the second EOS."""
     stop_ids = [EOS, SECOND_EOS]
 
-    def generate(self, prompt_ids, seeds, max_new_tokens, temperature):
+    def generate(self, prompt_ids, seeds, budgets, temperature):
         return [([ord("7"), SECOND_EOS], [-0.1, -0.2]) for _ in prompt_ids]
 
 

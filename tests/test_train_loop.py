@@ -24,7 +24,7 @@ import model_parallel
 import rollout
 import train_ppo
 from _dist import run_ranks
-from conftest import ROOT, cpu_env, paired, torchrun_cmd
+from conftest import ROOT, cpu_env, paired, python_block, torchrun_cmd
 
 
 def _grpo_body(rank, world_size):
@@ -377,12 +377,8 @@ def test_gsm8k_reward_needs_the_end_of_text():
 def test_readme_recipe_for_your_own_task_runs_as_written(tmp_path):
     """The "Your own task and reward" block of README.md, copied verbatim into a file and
     launched the way its first line says (smaller: test_tiny, 2 steps)."""
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    section = readme[readme.index("### Your own task and reward"):]
-    start = section.index("```python\n") + len("```python\n")
-    recipe = section[start:section.index("```\n", start)]
     script = tmp_path / "my_task.py"
-    script.write_text(recipe)
+    script.write_text(python_block("README.md", "### Your own task and reward"))
     # (the HF engine: the recipe is the task, vLLM's start would only add a minute)
     proc = subprocess.run(torchrun_cmd(2, "--config", "configs/test_tiny.toml", "--steps=2",
                                        "--rollout_engine=hf", f"--out_dir={tmp_path / 'out'}",
@@ -406,11 +402,8 @@ def test_readme_recipe_for_a_new_loss_term_runs_as_written(tmp_path):
     (smaller: test_tiny, 2 steps), with GRPO and kl_coef=0: the new term is logged by its name
     (that a wrapped term is also trained, its gradient in every backward, is the test of
     policy_loss_terms' own example above), and a run with no kl_loss term logs none and ends."""
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    section = readme[readme.index("### A new loss term"):]
-    start = section.index("```python\n") + len("```python\n")
     script = tmp_path / "my_loss.py"
-    script.write_text(section[start:section.index("```\n", start)])
+    script.write_text(python_block("README.md", "### A new loss term"))
     proc = subprocess.run(torchrun_cmd(2, "--config", "configs/test_tiny.toml", "--steps=2",
                                        "--rollout_engine=hf", "--sft_steps=0",
                                        "--advantage_estimator=grpo", "--kl_coef=0",
