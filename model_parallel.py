@@ -171,6 +171,19 @@ class _GatherSeq(torch.autograd.Function):
         return out.movedim(0, 2), None  # (B, H, S/cp, D)
 
 
+def masked_sdpa(query, key, value, mask, scale):
+    """SDPA with an explicit mask. query: (..., Hq, Lq, D); key, value: (..., Hkv, Lk, D), Hkv
+    dividing Hq (grouped-query attention). Each KV head is copied out to its Hq/Hkv query heads
+    first: on a GPU, flash attention refuses an explicit mask and the memory-efficient kernel
+    refuses fewer KV heads than query heads, so a mask with enable_gqa=True runs the math kernel,
+    O(Lq * Lk) memory a head (torch's sdp_utils). transformers copies them for the same reason
+    (integrations/sdpa_attention.py). The copy is O(Lk) a head, the kernel's saving O(Lq * Lk)."""
+    groups = query.shape[-3] // key.shape[-3]
+    key = key.repeat_interleave(groups, -3)  # (..., Hq, Lk, D)
+    value = value.repeat_interleave(groups, -3)  # (..., Hq, Lk, D)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+
+
 def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale=None, causal=True, window_size=(-1, -1)):
     """flash-attn's `flash_attn_varlen_func` contract in plain PyTorch: the CPU stand-in for the GPU
@@ -191,10 +204,8 @@ def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             visible &= k_pos >= q_pos - window_size[0]
         if not causal and window_size[1] >= 0:
             visible &= k_pos <= q_pos + window_size[1]
-        # enable_gqa: each KV head serves Hq/Hkv query heads without being copied
-        seg = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1),
-                                             v[k0:k1].transpose(0, 1), attn_mask=visible,
-                                             scale=softmax_scale, enable_gqa=True)  # (Hq, Lq, D)
+        seg = masked_sdpa(q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1),
+                          visible, softmax_scale)  # (Hq, Lq, D)
         outs.append(seg.transpose(0, 1))  # (Lq, Hq, D)
     return torch.cat(outs)  # (total_q, Hq, D)
 
@@ -273,8 +284,7 @@ def _masked_attention(query, key, value, scaling, sliding_window, layout):
         # (masking_utils.sliding_window_overlay, kv_idx > q_idx - sliding_window) for Gemma3's
         # local layers and every Mistral layer
         mask &= kv_rows[None, None, :] > q_rows[None, :, None] - sliding_window  # (B, T/cp, T)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], scale=scaling,
-                                         enable_gqa=True)  # (B, Hq/tp, T/cp, D); KV heads not copied
+    out = masked_sdpa(query, key, value, mask[:, None], scaling)  # (B, Hq/tp, T/cp, D)
     return out.transpose(1, 2)  # (B, T/cp, Hq/tp, D)
 
 
@@ -524,7 +534,7 @@ def _build(path, mesh, cfg, critic, frozen=False):
     device = _device(mesh)
     offload = cfg.data_parallel == "fsdp" and (cfg.cpu_offload or frozen)
     if cfg.data_parallel == "fsdp":
-        _shard_fsdp(model, mesh.dp_cp, cfg, offload)
+        _shard_fsdp(model, mesh.dp_cp, cfg, offload, frozen)
     elif mesh.dp_cp.size() > 1:  # ddp (on one rank: a plain module)
         _replicate_ddp(model, mesh.dp_cp.get_group())
     _allocate(model, device, offload)
@@ -553,11 +563,10 @@ def _on_meta(config, critic, dtype):
 def _tie_embeddings(model):
     """The LM head shares the embedding's weight, as a tied checkpoint stores it (once). HF's own
     accessors find both, whatever the family calls them."""
-    if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    model.get_output_embeddings().weight = model.get_input_embeddings().weight  # (a no-op if tied)
 
 
-def _shard_fsdp(model, mesh, cfg, offload):
+def _shard_fsdp(model, mesh, cfg, offload, frozen):
     """FSDP2 over `mesh` (dp x cp): the embedding, each decoder layer (one all-gather in flight at a
     time), the final norm with the head, then the root (torchtitan's units). In one root unit, an
     untied 7B's embedding and head (1.09B parameters at tp=1) would stay gathered through forward
@@ -574,8 +583,11 @@ def _shard_fsdp(model, mesh, cfg, offload):
     # reshard_after_forward=False: a gathered layer stays gathered until its backward (or, in
     # no-grad passes, until the next explicit reshard: every microbatch of a pass reuses it)
     host = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    # A frozen model (a reward model) stays gathered through its one pass of every microbatch and
+    # is resharded after it (train_ppo.score): resharding after each microbatch's forward would
+    # copy every offloaded shard from host to GPU again in the next
     fsdp = dict(mesh=mesh, offload_policy=host if offload else OffloadPolicy(),
-                reshard_after_forward=cfg.reshard_after_forward)
+                reshard_after_forward=cfg.reshard_after_forward and not frozen)
     # the units, found by what HF says they are (no family's module names): the embedding and the
     # head (get_*_embeddings), each decoder layer (its class is in _no_split_modules, the blocks
     # that accelerate keeps whole), and the final norm, which Llama's families call `norm` (one
@@ -677,9 +689,7 @@ def score_head(path):
     """The score head (1, hidden) of a `*ForSequenceClassification` checkpoint with one label (a
     reward model), or None. It is small: every rank reads it whole."""
     from safetensors import safe_open
-    for name in sorted(os.listdir(path)):
-        if not name.endswith(".safetensors"):
-            continue
+    for name in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
         with safe_open(os.path.join(path, name), framework="pt") as f:
             if "score.weight" in f.keys():
                 weight = f.get_tensor("score.weight").float()

@@ -245,3 +245,45 @@ def test_vllm_engine_sleep_mode_calls(on_gpu):
     on_gpu_calls = ["sleep level=2", "wake_up ['weights']", "load ['a', 'b']", "finish_refit",
                     "wake_up ['kv_cache']"]
     assert calls == (on_gpu_calls if on_gpu else ["load ['a', 'b']", "finish_refit"])
+
+
+class CudaRng:
+    """A recording stand-in for torch.cuda's RNG calls on a machine with `visible` GPUs, this
+    process's current device `current`. It keeps torch's rule (torch/cuda/random.py): state i of
+    set_rng_state_all goes to device i, so a saved state for a device that is not visible is an
+    IndexError."""
+
+    def __init__(self, visible, current):
+        self.current = current
+        self.states = [torch.full((8,), d, dtype=torch.uint8) for d in range(visible)]  # one a GPU
+
+    def get_rng_state(self, device="cuda"):
+        return self.states[self.current if device == "cuda" else device].clone()
+
+    def get_rng_state_all(self):
+        return [state.clone() for state in self.states]
+
+    def set_rng_state(self, state, device="cuda"):
+        self.states[self.current if device == "cuda" else device] = state.clone()
+
+    def set_rng_state_all(self, states):
+        for device, state in enumerate(states):
+            self.set_rng_state(state, device)
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        for name in ("get_rng_state", "get_rng_state_all", "set_rng_state", "set_rng_state_all"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+
+
+def test_a_checkpoint_saved_with_8_visible_gpus_resumes_with_1(monkeypatch, tmp_path):
+    """Rank 3 of a node with 8 GPUs saves its RNG states as the trainer's checkpoint does
+    (torch.save of rollout.rng_states()); a resume sees one GPU (SLURM binding one a task, or a
+    smaller node) and gets, on its device, the generator state of the device rank 3 drew from."""
+    saving = CudaRng(visible=8, current=3)
+    saving.install(monkeypatch)
+    torch.save(rollout.rng_states(), tmp_path / "trainer_state_rank3.pt")
+    resuming = CudaRng(visible=1, current=0)
+    resuming.install(monkeypatch)
+    rollout.set_rng_states(torch.load(tmp_path / "trainer_state_rank3.pt", weights_only=False))
+    assert torch.equal(resuming.states[0], torch.full((8,), 3, dtype=torch.uint8))

@@ -8,6 +8,7 @@ One spawn per world size runs many cases, so the suite stays within a few minute
 """
 import inspect
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -487,3 +488,34 @@ def test_embedding_and_head_are_fsdp_units_of_their_own(root):
     """Issue 28: in one root unit, an untied 7B's embedding and head (1.09B parameters at tp=1) stay
     gathered through forward and backward, and reduce-scatter last with nothing to overlap."""
     run_ranks(_fsdp_units_body, 2, root)
+
+
+def test_a_mask_never_meets_fewer_kv_heads_than_query_heads(monkeypatch):
+    """On a GPU, SDPA given an explicit mask and fewer KV heads than query heads (enable_gqa) runs
+    its math kernel, O(T^2) memory: flash attention refuses a mask, the memory-efficient kernel
+    refuses grouped-query attention. Every SDPA call of the masked path and of the varlen stand-in
+    (which an fp32 run on a GPU uses) is recorded: a mask always comes with as many KV heads as
+    query heads. Their output is grouped-query causal attention written out by hand."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, value, attn_mask=None, **kwargs):
+        calls.append((query.shape[-3], key.shape[-3], attn_mask is not None, kwargs.get("enable_gqa")))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+    monkeypatch.setattr(mp.F, "scaled_dot_product_attention", recording)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 8, generator=g)  # (B, Hq, T, D)
+    k, v = torch.randn(2, 2, 2, 6, 8, generator=g)  # (B, Hkv, T, D) each: query heads 0, 1 read KV head 0
+    rows, docs = torch.arange(6), torch.zeros(2, 6, dtype=torch.long)
+    layout = SimpleNamespace(q_rows=rows, kv_rows=rows, q_docs=docs, kv_docs=docs)
+    masked = mp._masked_attention(q, k, v, 0.5, None, layout).transpose(1, 2)  # (B, Hq, T, D)
+    scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.5  # (B, Hq, T, T)
+    future = torch.ones(6, 6, dtype=torch.bool).triu(1)  # (T, T)
+    expected = scores.masked_fill(future, float("-inf")).softmax(-1) @ v.repeat_interleave(2, 1)
+    torch.testing.assert_close(masked, expected)
+    cu = torch.tensor([0, 6, 12], dtype=torch.int32)  # the two rows as two segments
+    flat = [x.transpose(1, 2).flatten(0, 1) for x in (q, k, v)]  # (B*T, H, D) each
+    varlen = mp.varlen_attention_reference(*flat, cu, cu, 6, 6, softmax_scale=0.5)  # (B*T, Hq, D)
+    torch.testing.assert_close(varlen.view(2, 6, 4, 8).transpose(1, 2), expected)
+    assert len(calls) == 3 and all(masked for _, _, masked, _ in calls)
+    assert all(hq == hkv and not gqa for hq, hkv, _, gqa in calls), calls
