@@ -29,10 +29,12 @@ one process): its figures mean nothing, it only keeps this script from rotting b
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,7 +63,11 @@ def step_figures(out, nproc, peak_tflops):
     first step left out (warm-up): {} if no step after the first finished. Also the first step's
     time (first_step_s) and the attention path and dtype that ran."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        every = [json.loads(line) for line in f]
+        lines = f.read().splitlines()
+    try:
+        every = [json.loads(line) for line in lines]
+    except json.JSONDecodeError:  # a run stopped while writing: its last row is cut off
+        every = [json.loads(line) for line in lines[:-1]]
     rows = every[1:]
     if not rows:
         return {}
@@ -87,16 +93,74 @@ def step_figures(out, nproc, peak_tflops):
 
 
 def run_trainer(config_file, nproc, steps, out, extra, env, timeout=None):
-    """torchrun train_ppo.py into `out` (kept); returns its exit code (None: stopped at timeout).
-    One process runs without torchrun (train_ppo.py sets up a world of one itself)."""
+    """torchrun train_ppo.py into `out` (kept); returns its exit code (None: stopped at timeout,
+    workers and all: run_capped). One process runs without torchrun (train_ppo.py sets up a world
+    of one itself)."""
     torchrun = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
                 f"--nproc_per_node={nproc}"]
     cmd = [*(torchrun if nproc > 1 else [sys.executable]), "train_ppo.py", *config_file,
            f"--steps={steps}", f"--out_dir={out}", "--save_every=0", "--export_hf=false", *extra]
+    return run_capped(cmd, timeout, cwd=ROOT, env=env)
+
+
+def run_capped(cmd, timeout=None, grace=3, **popen):
+    """subprocess.Popen(cmd, **popen) in a session of its own, waited for at most `timeout` seconds;
+    then (or when this process is interrupted, or once it exits) its whole tree is stopped
+    (stop_tree). Returns its exit code, None when the cap stopped it."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen)
     try:
-        return subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout).returncode
+        return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         return None
+    finally:
+        stop_tree(proc, grace)
+
+
+def stop_tree(proc, grace):
+    """SIGTERM to proc's process group and to every process in it or below proc, SIGKILL to those
+    left after `grace` seconds, then reap proc. The tree is found by parent links, not by the
+    group alone: torchrun starts its workers in sessions of their own, and once torchrun is gone
+    they would live on (tests/test_cuda.py runs the CLI under torchrun)."""
+    tree = process_tree(proc.pid, descendants=proc.poll() is None)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for kill, pid in [(os.killpg, proc.pid), *((os.kill, pid) for pid in tree)]:
+            try:
+                kill(pid, sig)
+            except (ProcessLookupError, PermissionError):  # gone already
+                pass
+        deadline = time.monotonic() + grace
+        while sig == signal.SIGTERM and time.monotonic() < deadline and any(map(alive, tree)):
+            time.sleep(0.1)
+        tree = set(filter(alive, tree))
+    proc.wait()
+
+
+def process_tree(root, descendants):
+    """pids in process group `root`, and with `descendants` every process below pid `root` (only
+    while root is not yet reaped is that pid surely still root's), read from /proc."""
+    parents, groups = {}, {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # state, parent pid, process group, ...
+        except OSError:  # it ended meanwhile
+            continue
+        parents[int(name)], groups[int(name)] = int(fields[1]), int(fields[2])
+    tree = {pid for pid, group in groups.items() if group == root}
+    frontier = {root} if descendants else set()
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - tree
+        tree |= frontier
+    return tree - {os.getpid()}
+
+
+def alive(pid):
+    """pid still runs (a zombie has ended: only its parent's wait is missing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def main():
