@@ -135,9 +135,12 @@ class Config:
     prompts_per_step: int = 16  # global: distinct prompts per step
     samples_per_prompt: int = 4  # responses sampled per prompt
     max_new_tokens: int = 6  # per response (per model turn, in an episode of several)
-    # model turns per episode, for a task with observations (a tool's output) between them; the
-    # episode (prompt + turns + observations) stays within max_model_len (docs/multiturn.md)
-    max_turns: int = 1
+    # model turns per episode at most, for a task with observations (a tool's output) between
+    # them; the episode (prompt + turns + observations) stays within max_model_len, which bounds
+    # it anyway (docs/multiturn.md). Many by default, as TRL (no limit) and NeMo-RL (999,999): 1
+    # would end every episode at its first tool call, silently. A task without observe() is
+    # single-turn whatever this says; max_turns=1 takes a task's tool away
+    max_turns: int = 1000
     # sampling temperature; the trainer divides its logits by it too
     temperature: float = 1.0
     # vLLM tensor-parallel size (ranks that share one engine)
@@ -343,7 +346,7 @@ def _coerce(key: str, value, typ):
         return value
     default = Config.__dataclass_fields__[key].default
     example = str(default).lower() if typ is bool else default
-    raise ConfigError(f"{key}={value!r} is not a {typ.__name__}: write it like --{key}={example}")
+    raise ConfigError(f"{key}={value!r} is not of type {typ.__name__}: write it like --{key}={example}")
 
 
 def parse_args(argv: list) -> Config:

@@ -21,7 +21,7 @@ import numpy as np
 import tiktoken
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
+from transformers import AutoConfig, AutoModelForCausalLM
 
 
 # -----------------------------------------------------------------------------
@@ -100,11 +100,12 @@ def run_episodes(engine, task, cfg, prompt_ids, keys, temperature):
             if turn + 1 == turns or not finished(ids, engine.stop_ids):
                 continue
             observation = observe(ids, context + ids)
-            valid = isinstance(observation, list) and all(isinstance(i, int) and 0 <= i < engine.vocab_size
-                                                          for i in observation)
+            # an empty list would merge two turns into one run of 1s: a turn the metrics lose
+            valid = isinstance(observation, list) and len(observation) > 0 and all(
+                isinstance(i, int) and 0 <= i < engine.vocab_size for i in observation)
             if observation is not None and not valid:
-                raise TaskError(f"observe() must return a list of token ids in [0, {engine.vocab_size}) or "
-                                f"None, not {str(observation)[:60]}")
+                raise TaskError(f"observe() must return a list of token ids in [0, {engine.vocab_size}), not "
+                                f"empty, or None, not {str(observation)[:60]}")
             if observation is None or len(context) + len(ids) + len(observation) >= cfg.max_model_len:
                 continue  # over, or no room for another turn
             n = len(observation)
@@ -519,13 +520,21 @@ def validation_accuracy(engine, task, cfg, device: torch.device) -> float:
 # wake_up(["kv_cache"]). The HF engine and the vLLM engine have the same attributes and methods
 # (the engine contract, documented on HFEngine's).
 
-# Sampling on the device, reproducibly per sample. Gumbel-max: argmax_v (log p_v + g_v) with
-# g_v = -log(-log u_v), u_v uniform, is a draw from softmax(log p) (Gumbel 1954; the
-# exponential race vLLM's sampler uses is the same draw). u comes from a counter-based hash of
-# (the sample's seed, the token's position in the response, v) rather than from a generator
-# object: a sample does not depend on the batch it is drawn in, nor on the device, and the
-# whole (B, V) step never leaves the device (a host copy of it was 311 MB a token at B=512 with
-# Qwen's 151,936 ids).
+# Sampling on the device, reproducibly per sample, by inverse transform sampling: one uniform u
+# a row, and the token is the first id whose cumulative probability exceeds u (Devroye,
+# "Non-Uniform Random Variate Generation", 1986, ch. 2; FlashInfer's sampling_from_probs kernels,
+# which vLLM calls for top-k/top-p, draw the same way: a uniform against a prefix sum, Xing et
+# al., "Sorting-Free GPU Kernels for LLM Sampling", 2025). u comes from a counter-based hash of
+# (the sample's seed, the token's position in the response) rather than from a generator object,
+# and the cumulative sum is of integers (the probabilities in fixed point), which is exact in any
+# order: a float cumsum on CUDA changes its order of summation with the batch's shape (a row
+# alone, cub's scan; many rows, narrower blocks), and a u near an interval's edge would then draw
+# the neighbour. So a sample's token depends on its logits, seed and position alone, in any batch
+# and on any device, and the whole (B, V) step never leaves the device (a host copy of it was
+# 311 MB a token at B=512 with Qwen's 151,936 ids). One uniform a row, not one a vocab id: the
+# Gumbel-max sampler this replaced hashed every (row, id) pair, 19 (B, V) tensors a token (12 of
+# them int64), about 20 GB of memory traffic a token at B=512 with Qwen's vocab; this step makes
+# 3 at most.
 
 def _mix32(x):
     """lowbias32 (C. Wellons, "Hash function prospector", 2018): a bijective mix of 32-bit
@@ -538,15 +547,34 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-def gumbel_sample(logp, seeds, position):
-    """One token per row of logp (B, V), log-probabilities, drawn by Gumbel-max with noise from
-    a hash of (seeds[b], position, v). 23 bits of u: the noise lies in [-2.8, 16.6], so a token
-    more than 19 nats below the row's best (p < 4e-9 in every case) is never drawn."""
-    vocab = torch.arange(logp.shape[-1], device=logp.device)  # (V,)
-    row = _mix32(_mix32(seeds) ^ position)  # (B,) one key per sample and position
-    bits = _mix32(row[:, None] ^ _mix32(vocab + 0x9E3779B9)[None])  # (B, V)
-    u = ((bits >> 9).float() + 0.5) / 2**23  # (B, V) uniform in (0, 1), exact in fp32
-    return (logp - torch.log(-torch.log(u))).argmax(-1)  # (B,)
+def sample(logits, seeds, position, temperature):
+    """One decoding step from the model's last-position logits (B, V), any dtype: (tokens (B,),
+    their logprobs (B,)). The logprob is the trainer's convention, log-softmax of logits / T in
+    fp32 (T = 0: greedy argmax, plain log-softmax). Row b's token depends only on its logits,
+    seeds[b] and `position` (the token's index in the response), exactly.
+
+    fp32 logits are divided by T in place (`.float()` returns the tensor itself): the engine
+    passes its own out.logits, dropped after the step; a caller that keeps its logits passes a
+    copy. Three new (B, V) tensors a step at most, the memory traffic that bounds it on a GPU: the
+    fp32 copy (bf16 logits only), the probabilities, their fixed-point cumulative sum.
+
+    Precision: each probability is taken relative to the row's most likely token (exactly 1) and
+    rounded down to a multiple of 2**-29 of it: a token less likely than 1.9e-9 times the best is
+    never drawn (the Gumbel-max sampler this replaced never drew one 19 nats below the best,
+    5.6e-9 times), and u has 32 bits. V up to 2**24 keeps every sum exact in int64 and the
+    target exact in fp64."""
+    x = logits.float().div_(temperature or 1.0)  # (B, V) a copy for bf16 logits; fp32: themselves
+    x.sub_(x.amax(-1, keepdim=True))  # (B, V) the log-softmax + a constant a row: the largest is 0
+    p = x.exp()  # (B, V) probabilities up to a factor a row, the largest exactly 1
+    total = p.sum(-1, keepdim=True)  # (B, 1) that factor
+    token = x.argmax(-1, keepdim=True)  # (B, 1) greedy, unless a temperature asks for a draw:
+    if temperature:
+        cdf = p.mul_(2**29).long().cumsum_(-1)  # (B, V) int64, in units of 2**-29 of the best
+        u = _mix32(_mix32(seeds) ^ position)[:, None].double() / 2**32  # (B, 1) uniform in [0, 1)
+        # the first id whose cdf exceeds u of the row's total; right=True: an id rounded to 0 is
+        # never drawn. The target is below the total whatever the rounding (u <= 1 - 2**-32)
+        token = torch.searchsorted(cdf, (u * cdf[:, -1:]).long(), right=True)  # (B, 1)
+    return token[:, 0], (x.gather(1, token) - total.log())[:, 0]
 
 
 # The HF engine: a plain (unsharded) transformers model on each rank with a hand-written sampling
@@ -570,7 +598,8 @@ class HFEngine:
         budgets[k]: the most tokens prompt k's response may have (its max_new_tokens).
 
         Prompts are left-padded so that every row's next token sits in the last column. Every
-        token is drawn on the device; the one host read a token is the stop check."""
+        token is drawn on the device (`sample`); two host reads a token: the stop check, and
+        transformers' padding check (see below: on a GPU it costs about nothing)."""
         B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
         on = dict(device=self.device)
         ids = torch.tensor([[0] * (P - len(p)) + p for p in prompt_ids], **on)  # (B, P) left-padded
@@ -580,39 +609,43 @@ class HFEngine:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
         seeds = torch.tensor(seeds, **on)  # (B,)
         stop = torch.tensor(self.stop_ids, dtype=torch.long, **on)  # (stop ids,)
-        tokens, logprobs = [], []  # a (B,) tensor per step, on the device
+        drawn = []  # (tokens (B,), logprobs (B,)) per step, on the device
         done = torch.zeros(B, dtype=torch.bool, **on)  # (B,)
-        # A static cache, allocated once for the whole response, with each step's cache slot given
-        # (cache_position): transformers then reads nothing back from the device in a decode step
-        # (with a growing cache, its mask code checks on the host whether the padding can be
-        # ignored, a GPU sync every token)
-        cache = StaticCache(config=self.model.config, max_cache_len=P + max(budgets))
-        # the prompt pass: keep only the last position's logits, the cache for the rest
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                         cache_position=torch.arange(P, **on), logits_to_keep=1)
+        # The cache is transformers' default, a DynamicCache (use_cache=True: whatever the
+        # checkpoint's config says), which grows by a column a step: a step attends over the tokens
+        # there are. (A StaticCache sized for the longest response made every step attend over
+        # all of it, and since a mask is passed, SDPA's path copies K and V out to the query
+        # heads, repeat_kv, over that whole length; transformers 5.19 ignores cache_position=,
+        # the slot is StaticLayer.cumulative_length. On CPU, B=64, 64 tokens, tiny Llama, that
+        # engine took 1.15x this one's time at V=262, 2.6x at V=32,000 with its Gumbel-max.)
+        # The prompt pass keeps only the last position's logits, the cache for the rest.
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         logits_to_keep=1)
         # (a row past its budget draws on while others run: cut below)
         for t in range(max(budgets)):
-            # the trainer's convention: log-softmax of logits / T in fp32 (T = 0: greedy, plain
-            # logprobs)
-            logp = torch.log_softmax(out.logits[:, -1].float() / (temperature or 1.0), -1)  # (B, V)
-            token = logp.argmax(-1) if temperature == 0 else gumbel_sample(logp, seeds, t)  # (B,)
-            tokens.append(token)
-            logprobs.append(logp.gather(1, token[:, None])[:, 0])  # (B,)
+            token, logprob = sample(out.logits[:, -1], seeds, t, temperature)  # (B,), (B,)
+            drawn.append((token, logprob))
             done |= torch.isin(token, stop)
-            if bool(done.all()):  # the one host read a token (a GPU sync)
+            # the last token needs no stop check, nor a forward pass after it
+            if t + 1 == max(budgets) or bool(done.all()):  # the stop check: a host read (a GPU sync)
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # (B, P + t + 1)
             pos = pos[:, -1:] + 1  # (B, 1)
+            # A second host read a token, in transformers' mask code (masking_utils,
+            # _ignore_causal_mask_sdpa: with one query, no padding lets SDPA run without a mask,
+            # checked with a bool() of a sum of the mask). On a GPU it costs about nothing: it
+            # comes right after the stop check's sync, with the device idle, and waits only for
+            # the few small kernels queued since (this cat, pos, the embedding lookup, the sum);
+            # a read the model's mask code makes cannot be avoided without building the 4D mask
+            # here, which only SDPA reads as such (eager attention would add it as a bias).
             out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=pos,
-                             past_key_values=cache, cache_position=torch.arange(P + t, P + t + 1, **on))
+                             past_key_values=out.past_key_values, use_cache=True)
         # each response ends at its first stop token or its budget (what came after was drawn, not
         # kept)
-        results = []
-        rows, row_logprobs = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
-        for row, lps, limit in zip(rows, row_logprobs, budgets):
-            end = min(next((k + 1 for k, token in enumerate(row) if token in self.stop_ids), limit), limit)
-            results.append((row[:end], lps[:end]))
-        return results
+        rows, row_logprobs = (torch.stack(column, 1).tolist() for column in zip(*drawn))  # (B, steps) each
+        ends = [next((k + 1 for k, token in enumerate(row[:limit]) if token in self.stop_ids), limit)
+                for row, limit in zip(rows, budgets)]
+        return [(row[:end], lps[:end]) for row, lps, end in zip(rows, row_logprobs, ends)]
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
@@ -645,9 +678,13 @@ class HFEngine:
 # each of its calls, which reseed and consume the global generators.
 
 def rng_states():
-    """Every RNG the run draws from (also kept around vLLM's calls, which reseed them)."""
+    """Every RNG the run draws from (also kept around vLLM's calls, which reseed them). On a GPU,
+    the generator of this rank's own device only: get_rng_state_all() would keep one state per
+    visible device (8 under torchrun on a node), and set_rng_state_all needs that many visible to
+    put them back, so a resume on fewer (a 4-GPU node, SLURM binding one GPU a task) would fail
+    (IndexError in torch/cuda/random.py). A rank draws from no other device's generator."""
     return dict(torch=torch.get_rng_state(), python=random.getstate(), numpy=np.random.get_state(),
-                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+                cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
 
 
 def set_rng_states(state):
@@ -655,7 +692,7 @@ def set_rng_states(state):
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])  # onto the current device: this rank's
 
 
 @contextmanager

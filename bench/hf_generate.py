@@ -1,20 +1,31 @@
-"""The HF engine's generation: sampling on the device against sampling on the host, row by row.
+"""The HF engine's generation against the loop it replaced, and its sampler's (B, V) tensors.
 
     .venv/bin/python bench/hf_generate.py            # B=64, 64 new tokens, V=262 and V=32000
     .venv/bin/python bench/hf_generate.py --smoke    # B=4, 4 tokens, V=262 (seconds)
 
-`rollout.HFEngine.generate` draws every token on the device: per-sample noise from a hash of
-(seed, position, token id), then Gumbel-max (rollout.gumbel_sample), the whole step's (B, V)
-never leaving the device and one host read per token (the stop check). Its peer here, `before`,
-is the loop it replaced, kept verbatim below: the (B, V) logits copied to the host every token,
-one torch.multinomial per row with that row's generator, and three .item() per row per token.
+`rollout.HFEngine.generate` draws every token on the device: one uniform a row from a hash of
+(seed, position), then inverse transform sampling against the integer cumulative sum of the row's
+probabilities (rollout.sample), the whole step's (B, V) never leaving the device and one host
+read per token for the stop check (plus transformers' padding check, see rollout.py). Its cache
+is transformers' growing DynamicCache, and no forward pass follows the last token. Its peer
+here, `before`, is the loop of c103464, kept verbatim below: the same growing cache, but the
+(B, V) logits copied to the host every token, one torch.multinomial per row with that row's
+generator, and three .item() per row per token.
 Both run the same model (a tiny Llama, random weights, hidden 256, 2 layers, with a vocab of
 262 and of 32,000), the same prompts (B of 4-12 tokens) and no stop token, so both generate
 every token; one thread, fp32, CPU. Each pair is timed --repeats times interleaved (before,
 after, before, ...), the median kept. On a GPU the host copy grows with B x V (311 MB a token
 at B=512 with Qwen's 151,936 ids) and every .item() waits for the device: not measured here.
+
+What bounds the sampler on a GPU is memory traffic: the full (B, V) tensors a token. They are
+counted (tests/conftest.NewTensors: op outputs of B x V elements in new storage) on one call of
+rollout.sample at the bench's B and largest V, with fp32 logits (this engine's) and bf16 logits
+(a GPU engine's: one more, the fp32 copy), and on the step it replaced (log-softmax, then
+Gumbel-max over a hash of every (row, id): conftest.gumbel_step), which makes 21 with fp32
+logits, 19 of them in gumbel_sample.
 Last line: RESULT hf_generate_s_before=... hf_generate_s_after=... (V=262) and the same with
-_32k for V=32000 (left out by --smoke), plus speedup ratios.
+_32k for V=32000 (left out by --smoke), speedup ratios, and sampler_bv_tensors=N (the larger
+count, bf16's).
 """
 import argparse
 import os
@@ -24,12 +35,13 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import torch  # noqa: E402
 
 import model_parallel  # noqa: E402
 import rollout  # noqa: E402
+from conftest import NewTensors, gumbel_step  # noqa: E402
 
 
 @torch.no_grad()
@@ -89,6 +101,15 @@ def measure(vocab, batch, new_tokens, repeats, tmp):
     return statistics.median(before), statistics.median(after)
 
 
+def sampler_tensors(step, batch, vocab, dtype):
+    """The new (B, V) tensors one sampled token makes (step: rollout.sample or the one it
+    replaced, at temperature 0.7)."""
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0)).to(dtype)  # (B, V)
+    with NewTensors(batch * vocab) as new:
+        step(logits, torch.arange(batch), 0, 0.7)
+    return new.count
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=3)
@@ -106,6 +127,13 @@ def main():
             figures[f"speedup{suffix}"] = before / after
             print(f"V={vocab}: B={batch}, {new_tokens} new tokens: before {before:.3f} s, "
                   f"after {after:.3f} s ({before / after:.2f}x)", flush=True)
+    vocab = cases[-1][0]
+    counts = [sampler_tensors(rollout.sample, batch, vocab, dtype)
+              for dtype in (torch.float32, torch.bfloat16)]
+    old = sampler_tensors(gumbel_step, batch, vocab, torch.float32)
+    print(f"sampler: {counts[0]} new (B, V) tensors a token with fp32 logits, {counts[1]} with bf16 "
+          f"(B={batch}, V={vocab}); the Gumbel-max step it replaced: {old} (fp32)", flush=True)
+    figures["sampler_bv_tensors"] = max(counts)
     print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in figures.items()))
 
 

@@ -14,6 +14,8 @@ import traceback
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -192,6 +194,52 @@ class HostReads(TorchFunctionMode):
 
 def _holds_list(index):
     return isinstance(index, list) or (isinstance(index, tuple) and any(isinstance(i, list) for i in index))
+
+
+# ---- new full-size tensors: the memory traffic of a step that is bound by it (the sampler)
+
+class NewTensors(TorchDispatchMode):
+    """Counts the tensors of `numel` elements that the ops inside the block allocate: op outputs
+    whose storage is not an input's (a view, or an in-place or out= result, allocates nothing).
+    Seen at the dispatcher, after autograd and composite ops are broken down, so `x / t` and
+    `x.float()` count and `x.div_(t)` does not. `ops` keeps the op of each, to show what to fix.
+    (bench/hf_generate.py counts rollout.sample's (B, V) tensors with it; tests/test_sampling.py
+    bounds them.)"""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel = numel
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = tree_leaves((args, kwargs))
+        inputs = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() == self.numel \
+                    and t.untyped_storage().data_ptr() not in inputs:
+                self.ops.append(str(func))
+        return out
+
+    @property
+    def count(self):
+        return len(self.ops)
+
+
+def gumbel_step(logits, seeds, position, temperature):
+    """The sampling step rollout.sample replaced (rollout.py at 48acdf0: log-softmax, then
+    gumbel_sample's Gumbel-max over a hash of every (row, id)), kept as the reference that
+    NewTensors must catch (21 (B, V) tensors with fp32 logits, 19 of them in gumbel_sample) and
+    that tests/test_cuda.py times."""
+    import rollout
+
+    logp = torch.log_softmax(logits.float() / (temperature or 1.0), -1)  # (B, V)
+    vocab = torch.arange(logp.shape[-1], device=logp.device)  # (V,)
+    row = rollout._mix32(rollout._mix32(seeds) ^ position)  # (B,)
+    bits = rollout._mix32(row[:, None] ^ rollout._mix32(vocab + 0x9E3779B9)[None])  # (B, V)
+    u = ((bits >> 9).float() + 0.5) / 2**23  # (B, V) uniform in (0, 1)
+    token = (logp - torch.log(-torch.log(u))).argmax(-1)  # (B,)
+    return token, logp.gather(1, token[:, None])[:, 0]
 
 
 def paired(a, b, n):

@@ -9,7 +9,11 @@ recipe replays the same rollouts: bf16 within stated tolerances, the varlen path
 The rollouts are multi-turn episodes (task toy_tool, max_turns=2, vLLM): after a warm-up on its
 traces the policy calls the calculator, so every row holds a model turn, the tool's output
 (context: out of every loss) and a second turn, of lengths that differ by row. A single-turn row
-is the special case of one turn (test_train_loop.py and the rest replay those)."""
+is the special case of one turn (test_train_loop.py and the rest replay those). These replays and
+the run they are compared with all read the same action masks, so they cannot tell whether the
+masks are obeyed (and with test_tiny's gamma = lam = 1 a GAE that stepped through the
+observations would give the same advantages): test_multiturn.py's
+test_replayed_episodes_train_as_their_cut_rows checks that, against the episodes' cut rows."""
 import json
 import math
 import os

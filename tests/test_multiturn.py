@@ -1,7 +1,8 @@
 """Multi-turn episodes (docs/multiturn.md): the episode loop (rollout.run_episodes) with a scripted
 engine and with the HF engine, GAE over turns by hand, the action mask (no observation token in
-any loss or statistic, checked against the same episodes with their observations cut out), and
-the bad inputs a task can give. The ChatML template test is in test_real_model.py (it needs that
+any loss, gradient or statistic, in every loss mode, with GSPO, and through a replayed ppo_step,
+checked against the same episodes with their observations cut out), and the bad inputs a task
+can give. The ChatML template test is in test_real_model.py (it needs that
 file's tokenizer); vLLM's episodes against the HF engine's in _vllm_checks.py; replay on every
 mesh in test_e2e.py, whose generating run samples toy_tool episodes."""
 import dataclasses
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 import config
+import model_parallel
 import rollout
 import train_ppo
 from _dist import _free_port
@@ -143,14 +145,9 @@ def test_gae_over_two_turns_by_hand():
     torch.testing.assert_close(ret, (expected + values) * mask)
 
 
-def _batches(estimator):
-    """The same 3 episodes twice: with their observations (whose trainer-side numbers are garbage)
-    and with the observations cut out (single-turn rows of the model's tokens alone). Prompt
-    lengths 3, 2, 4; episode 0 has two turns, episode 2 three."""
-    g = torch.Generator().manual_seed(0)
-    prompts = [[5, 6, 7], [5, 6], [5, 6, 7, 8]]
-    turns = [[[1, 2], [3, 4, 5]], [[1, 2, 3]], [[1], [2, 3], [4, EOS]]]
-    observations = [[[40, 41]], [], [[42], [43, 44, 45]]]
+def _episodes(turns, observations):
+    """Responses, action masks and the model's tokens alone, of episodes given as their turns and
+    the observations after them."""
     responses, masks, kept = [], [], []
     for episode, seen in zip(turns, observations):
         ids, mask = [], []
@@ -163,69 +160,253 @@ def _batches(estimator):
         responses.append(ids)
         masks.append(mask)
         kept.append([t for turn in episode for t in turn])
-    lps = [torch.randn(len(r), generator=g).tolist() for r in responses]
-    full = train_ppo.make_batch(prompts, responses, 0, lps, action_masks=masks)
+    return responses, masks, kept
+
+
+MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+# What the trainer holds outside the mask (an observation's tokens, and the prompt and padding) of
+# the episodes with observations in the test below: wild numbers, another in each field, so that no
+# two cancel (KL = old - ref, the ratio = new - old, the TIS weight = old - engine) and any one let
+# into a loss, a gradient or a statistic shows. The old policy's is -7 plus noise. The cut rows hold
+# 0 there (ZEROS): a computation that read outside the mask would then differ between the two.
+OFF_MASK = dict(engine_lp=-2.0, ref_lp=3.0, lp=-0.5, entropy=9.0, values=50.0, new_values=-30.0,
+                advantages=5.0, returns=-40.0, tis=1.7)
+ZEROS = dict.fromkeys(OFF_MASK, 0.0)
+
+
+def _spread(batch, on_actions, off):
+    """A (b, S) tensor: `on_actions` on the model's tokens (row-major), `off` (a number, or a
+    (b, S) tensor) everywhere else."""
+    out = torch.full(batch.ids.shape, off) if isinstance(off, float) else off.clone()
+    out[batch.mask.bool()] = on_actions
+    return out
+
+
+def _batches(estimator, **overrides):
+    """The same 3 episodes twice: with their observations (where every trainer-side number is
+    OFF_MASK's) and with the observations cut out (single-turn rows of the model's tokens alone,
+    0 outside the mask).
+    Prompt lengths 3, 2, 4; episode 0 has two turns, episode 2 three. Also returns, per model
+    token (row-major, the same order in both), how far the new policy's logprob, entropy and the
+    new values lie from the old ones."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [[5, 6, 7], [5, 6], [5, 6, 7, 8]]
+    turns = [[[1, 2], [3, 4, 5]], [[1, 2, 3]], [[1], [2, 3], [4, EOS]]]
+    responses, masks, kept = _episodes(turns, [[[40, 41]], [], [[42], [43, 44, 45]]])
+    engine = [[x if m else OFF_MASK["engine_lp"] for x, m in zip(torch.randn(len(mask), generator=g).tolist(),
+                                                                 mask)] for mask in masks]
+    full = train_ppo.make_batch(prompts, responses, 0, engine, action_masks=masks)
     cut = train_ppo.make_batch(prompts, kept, 0, [[x for x, m in zip(lp, mask) if m] for lp, mask in
-                                                  zip(lps, masks)])
+                                                  zip(engine, masks)])
+    n = int(cut.mask.sum())  # the model's tokens
+    assert int(full.mask.sum()) == n, "the batch's mask must be the action mask (1 on the model's tokens)"
+    numbers = {name: torch.randn(n, generator=g) for name in ("old_lp", "ref_lp", "entropy", "values")}
+    moves = dict(lp=0.3 * torch.randn(n, generator=g), entropy=torch.randn(n, generator=g),
+                 values=0.3 * torch.randn(n, generator=g))
 
-    names = ("old_lp", "ref_lp", "entropy", "values")
-    numbers = {name: torch.randn(int(full.mask.sum()), generator=g) for name in names}
-
-    def fields(batch, garbage):
-        """Trainer-side tensors: `numbers` on the model's tokens (row-major: the same order in both
-        batches), `garbage` on an observation's."""
-        out = {}
-        for name in names:
-            out[name] = torch.full(batch.ids.shape, garbage)
-            out[name][batch.mask.bool()] = numbers[name]
+    def fields(batch, off):
+        out = {name: _spread(batch, numbers[name], off.get(name, 0.0)) for name in numbers}
+        if off is OFF_MASK:  # -7 plus noise
+            noise = torch.randn(batch.ids.shape, generator=g)
+            out["old_lp"] = _spread(batch, numbers["old_lp"], -7.0 + noise)
         return out
 
     shared = dict(index=[0, 1, 2], scores=torch.tensor([1.0, 0.0, 0.5]))
-    full = dataclasses.replace(full, **shared, **fields(full, 1e3))
-    cut = dataclasses.replace(cut, **shared, **fields(cut, 0.0))
-    cfg = config.Config(advantage_estimator=estimator, samples_per_prompt=3, tis_cap=2.0, entropy_coef=0.01,
-                        kl_coef=0.1, loss_agg_mode="seq-mean-token-mean")
-    return full, cut, cfg
+    full = dataclasses.replace(full, **shared, **fields(full, OFF_MASK))
+    cut = dataclasses.replace(cut, **shared, **fields(cut, ZEROS))
+    cfg = config.Config(**{**dict(advantage_estimator=estimator, samples_per_prompt=3, tis_cap=2.0,
+                                  entropy_coef=0.01, kl_coef=0.1, gamma=0.9, lam=0.8, gspo_clip_ratio=0.2,
+                                  gspo_clip_ratio_high=0.2), **overrides})
+    return full, cut, cfg, moves
 
 
-@pytest.mark.parametrize("estimator", ["gae", "grpo"])
-def test_observation_tokens_are_in_no_loss_or_statistic(estimator, monkeypatch):
-    """The episodes with observations (garbage logprobs, values, entropy there) give every
-    advantage, loss term and metric that the same episodes with the observations cut out give:
-    an independent computation, since GAE's "next action", the token means, whitening, KL and
-    every statistic then see plain single-turn rows."""
+@pytest.mark.parametrize("ratio", ["ppo", "gspo"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])  # the KL as a per-token reward; as a loss term
+def test_observation_tokens_are_in_no_loss_gradient_or_statistic(estimator, mode, ratio, monkeypatch):
+    """The episodes with observations, whose every trainer-side number there is wild and its own
+    (OFF_MASK: old, reference, new and engine logprobs, entropy, old and new values, and, as the
+    losses' inputs, advantages, returns and TIS weights), give every advantage, loss term, gradient
+    (w.r.t. the new logprobs, entropy and values) and metric that the same episodes with the
+    observations cut out give, in every loss_agg_mode, with the token's ratio and GSPO's: an
+    independent computation, since GAE's "next action", the token and sequence means (GSPO's
+    included), whitening, KL and every statistic then see plain single-turn rows."""
     monkeypatch.setattr(train_ppo, "dp_sum", lambda tensor, mesh: tensor)  # one rank
     mesh = {"dp": types.SimpleNamespace(get_group=lambda: None)}  # masked_whiten: no all-reduce
-    torch.manual_seed(0)
-    full, cut, cfg = _batches(estimator)
+    full, cut, cfg, moves = _batches(estimator, loss_agg_mode=mode, policy_loss_mode=ratio)
     results = []
-    for batch in (full, cut):
-        scores = batch.scores  # (the global batch is this one)
-        batch = dataclasses.replace(batch, **train_ppo.compute_advantages(batch, scores, cfg, mesh))
+    for batch, off in ((full, OFF_MASK), (cut, ZEROS)):
+        on = batch.mask.bool()
+        batch = dataclasses.replace(batch, **train_ppo.compute_advantages(batch, batch.scores, cfg, mesh))
+        computed = {name: getattr(batch, name) for name in ("advantages", "returns", "tis")
+                    if getattr(batch, name) is not None}
+        # the losses' inputs: wild numbers off the mask instead of compute_advantages' zeros there
+        inputs = dataclasses.replace(batch, **{name: torch.where(on, x, off[name])
+                                               for name, x in computed.items()})
+        # the new policy's logprobs and entropy, the critic's new values: leaves, for the gradients
+        new = dict(lp=_spread(batch, batch.old_lp[on] + moves["lp"], off["lp"]),
+                   entropy=_spread(batch, moves["entropy"], off["entropy"]),
+                   values=_spread(batch, batch.values[on] + moves["values"], off["new_values"]))
+        for leaf in new.values():
+            leaf.requires_grad_()
         aggregate = functools.partial(train_ppo.aggregate_loss, mode=cfg.loss_agg_mode,
-                                      num_tokens=batch.mask.sum(), num_seqs=3)  # one rank's = global
-        lp = batch.old_lp + 0.3 * batch.mask  # a policy that moved: ratios away from 1
-        rows = torch.arange(3)
-        terms, clipped = train_ppo.policy_loss_terms(lp, batch.entropy, batch, rows, aggregate, cfg)
-        if batch.returns is not None:  # the critic's loss, on values that moved
-            moved = train_ppo.value_loss(batch.values + 0.3, batch.values, batch.returns, 0.2)
-            terms["value_loss"] = aggregate(moved, batch.mask)
-        sums = (terms, {"clipped_tokens": clipped}, {"grad_norm": 1.0})
+                                      num_tokens=batch.mask.sum(), num_seqs=3, norm=8)  # one rank's = global
+        terms, clipped = train_ppo.policy_loss_terms(new["lp"], new["entropy"], inputs, torch.arange(3),
+                                                     aggregate, cfg)
+        if batch.returns is not None:  # the critic's loss
+            per_token = train_ppo.value_loss(new["values"], inputs.values, inputs.returns, 0.2)
+            terms["value_loss"] = aggregate(per_token, batch.mask)
+        sum(terms.values()).backward()
+        grads = {name: leaf.grad for name, leaf in new.items() if leaf.grad is not None}
+        sums = ({name: term.detach() for name, term in terms.items()}, {"clipped_tokens": clipped},
+                {"grad_norm": 1.0})
         metrics = train_ppo.step_metrics(batch, sums, cfg, mesh)
-        on_actions = {name: getattr(batch, name)[batch.mask.bool()]
-                      for name in ("advantages", "returns", "tis") if getattr(batch, name) is not None}
-        results.append((on_actions, terms, metrics))
-    (adv_full, terms_full, m_full), (adv_cut, terms_cut, m_cut) = results
-    for name in adv_cut:
-        torch.testing.assert_close(adv_full[name], adv_cut[name])
-    assert set(terms_full) == set(terms_cut) and len(terms_full) >= 3  # surrogate, entropy, KL or not
-    for name in terms_cut:
-        torch.testing.assert_close(terms_full[name], terms_cut[name])
+        results.append(dict(on=on, computed=computed, terms=sums[0], grads=grads, metrics=metrics))
+    full, cut = results
+    for name in cut["computed"]:  # on the actions; 0 elsewhere (step_metrics sums returns unmasked)
+        torch.testing.assert_close(full["computed"][name][full["on"]], cut["computed"][name][cut["on"]],
+                                   msg=lambda text: f"{name}: {text}")
+        assert not full["computed"][name][~full["on"]].any(), name
+    # surrogate, entropy, and the critic's loss (gae) or the KL term (grpo)
+    assert set(full["terms"]) == set(cut["terms"]) and len(cut["terms"]) == 3
+    for name in cut["terms"]:
+        torch.testing.assert_close(full["terms"][name], cut["terms"][name],
+                                   msg=lambda text: f"{name}: {text}")
+    learned = {"lp", "entropy", "values"} if estimator == "gae" else {"lp", "entropy"}
+    assert set(full["grads"]) == set(cut["grads"]) == learned
+    for name, grad in full["grads"].items():
+        label = f"the gradient w.r.t. the new {name}"
+        torch.testing.assert_close(grad[full["on"]], cut["grads"][name][cut["on"]],
+                                   msg=lambda text: f"{label}, on actions: {text}")
+        torch.testing.assert_close(grad[~full["on"]], torch.zeros((~full["on"]).sum()),
+                                   msg=lambda text: f"{label}, elsewhere: {text}")  # none outside the mask
+    assert cut["grads"]["lp"].abs().sum() > 0.1  # some tokens (GSPO: sequences) unclipped
+    m_full, m_cut = full["metrics"], cut["metrics"]
     assert m_full["turns_per_episode"] == pytest.approx(6 / 3) and m_full["tool_calls_per_episode"] == 1.0
     assert m_cut["turns_per_episode"] == 1.0  # the cut rows are single-turn
     differ = {"tokens", "turns_per_episode", "tool_calls_per_episode"}  # prompt + response tokens
     assert {k: v for k, v in m_full.items() if k not in differ} == pytest.approx(
         {k: v for k, v in m_cut.items() if k not in differ})
+
+
+class TokenTable(torch.nn.Module):
+    """A stand-in for the policy or the critic: the numbers at position i are row x_i of `table`
+    (logprob and entropy, or value), the token's alone, so that a model token gets the same
+    numbers with or without the observations before it. Its gradients and AdamW steps are real."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = torch.nn.Parameter(table)  # (vocab, columns)
+
+
+def table_policy(model, ids, lens, mesh, cfg, temperature=1.0, with_entropy=False, unscored=0):
+    rows = model.table[ids]  # (b, S, 2)
+    return rows[..., 0], rows[..., 1] if with_entropy else None
+
+
+def table_critic(critic, ids, lens, mesh, cfg, shift=True):
+    return critic.table[ids][..., 0]  # (b, S)
+
+
+OBSERVATION_IDS = list(range(40, 46))
+
+
+def _stand_in_models(estimator):
+    """Models of TokenTable stand-ins (seeded: the same each call). The policy's logprobs of the
+    observation ids are -7 plus noise, their entropy 9; the reference's logprobs there are +3; the
+    critic's values 50. On the other ids, the reference's logprobs differ from the policy's."""
+    g = torch.Generator().manual_seed(1)
+    policy = torch.stack([-1.5 + 0.3 * torch.randn(262, generator=g),  # logprob
+                          1.0 + 0.1 * torch.rand(262, generator=g)], 1)  # entropy
+    reference = policy.clone()
+    reference[:, 0] += 0.2 * torch.randn(262, generator=g)
+    critic = torch.randn(262, 1, generator=g)
+    policy[OBSERVATION_IDS] = torch.stack([-7.0 + torch.randn(6, generator=g), torch.full((6,), 9.0)], 1)
+    reference[OBSERVATION_IDS, 0] = 3.0
+    critic[OBSERVATION_IDS] = 50.0
+    parts = {}
+    for name, table, lr in (("policy", policy, 0.05), ("critic", critic, 0.05)):
+        if name == "critic" and estimator != "gae":
+            continue
+        model = TokenTable(table)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        parts[name] = train_ppo.Part(model, optimizer, schedule)
+    reference = model_parallel.snapshot_weights(TokenTable(reference))
+    return train_ppo.Models(parts, reference, None)
+
+
+def _dump(path, prompts, responses, masks, rewards, engine_lps):
+    """A step's samples as a run dumps them (rollouts/step_0.jsonl), for replay_rollouts."""
+    os.makedirs(path)
+    with open(os.path.join(path, "step_0.jsonl"), "w") as f:
+        for j, sample in enumerate(zip(prompts, responses, masks, rewards, engine_lps)):
+            names = ("prompt_ids", "response_ids", "action_mask", "reward", "engine_logprobs")
+            f.write(json.dumps(dict(index=j, **dict(zip(names, sample)))) + "\n")
+
+
+@pytest.mark.parametrize("estimator, mode, ratio", [("gae", "token-mean", "ppo"),
+                                                    ("grpo", "seq-mean-token-mean", "gspo")])
+def test_replayed_episodes_train_as_their_cut_rows(estimator, mode, ratio, tmp_path, monkeypatch):
+    """A replayed step of 4 episodes (a dump's step_0.jsonl, through train_ppo.ppo_step on a
+    one-rank gloo mesh: make_batch with the action masks, score, GAE, whitening, update() with its
+    own token counts over 2 minibatches x 2 epochs x microbatches of one row, AdamW, step_metrics)
+    against the same episodes with their observations cut out, dumped as single-turn rows.
+    The policy and critic are TokenTable stand-ins (the real model's numbers depend on the
+    context, which the cut changes), wild on the observation ids. Both runs must log the same
+    losses, KL, entropy, grad norms and statistics, and leave the same weights. With gamma 0.9 and
+    lam 0.8, a GAE that stepped through the observations would discount across them; with the
+    mask ignored, the observations' numbers would enter everything."""
+    prompts = [[5, 6, 7], [5, 6], [5, 6, 7, 8], [6, 7]]
+    turns = [[[1, 2], [3, 4, EOS]], [[1, 2, 3, EOS]], [[1], [2, 3], [4, EOS]], [[2, EOS], [1, EOS]]]
+    observations = [[[40, 41]], [], [[42], [43, 44, 45]], [[45, 40, 41]]]
+    responses, masks, kept = _episodes(turns, observations)
+    rewards = [1.0, 0.0, 0.5, 1.0]  # groups (0, 1) and (2, 3) differ within: GRPO's advantages are not 0
+    g = torch.Generator().manual_seed(2)
+    engine = [[-1.5 + 0.3 * torch.randn((), generator=g).item() if m else 0.0 for m in mask]  # 0: as dumped
+              for mask in masks]
+    _dump(tmp_path / "full", prompts, responses, masks, rewards, engine)
+    _dump(tmp_path / "cut", prompts, kept, [[1] * len(r) for r in kept], rewards,
+          [[x for x, m in zip(lp, mask) if m] for lp, mask in zip(engine, masks)])
+    monkeypatch.setattr(model_parallel, "forward_policy", table_policy)
+    monkeypatch.setattr(model_parallel, "forward_critic", table_critic)
+    monkeypatch.setattr(rollout, "dump_rollouts", lambda *args: None)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    mesh, runs = None, {}
+    try:
+        mesh = model_parallel.make_mesh(1, 1, 1, "cpu")
+        for name in ("full", "cut"):
+            cfg = config.Config(advantage_estimator=estimator, loss_agg_mode=mode, policy_loss_mode=ratio,
+                                prompts_per_step=2, samples_per_prompt=2, num_minibatches=2,
+                                micro_batch_size=1, ppo_epochs=2, entropy_coef=0.01, kl_coef=0.1, tis_cap=2.0,
+                                gamma=0.9, lam=0.8, gspo_clip_ratio=0.2, gspo_clip_ratio_high=0.2,
+                                max_new_tokens=4,
+                                replay_rollouts=str(tmp_path / name), out_dir=str(tmp_path / "out"))
+            models = _stand_in_models(estimator)
+            metrics, _ = train_ppo.ppo_step({"step": 0, "prompts_drawn": 0}, models, None,
+                                            types.SimpleNamespace(pad_id=0), cfg, mesh, "cpu")
+            weights = {part: models.parts[part].model.table.detach() for part in models.parts}
+            runs[name] = metrics, weights
+    finally:
+        torch.distributed.destroy_process_group()
+        if mesh is not None:
+            model_parallel.release_mesh(mesh)
+    (m_full, w_full), (m_cut, w_cut) = runs["full"], runs["cut"]
+    differ = {"tokens", "turns_per_episode", "tool_calls_per_episode", "tokens_per_s", "mem_used_gb"}
+    same = {k: v for k, v in m_cut.items() if k not in differ and not k.startswith("time_")}
+    assert {k: m_full[k] for k in same} == pytest.approx(same, rel=1e-5, abs=1e-7)
+    initial = _stand_in_models(estimator).parts
+    for part in w_cut:
+        torch.testing.assert_close(w_full[part], w_cut[part], rtol=1e-5, atol=1e-7,
+                                   msg=lambda text: f"{part}'s weights: {text}")
+        assert not torch.equal(w_cut[part], initial[part].model.table.detach())  # it trained
+    # the check has something to see: episodes of 2 turns on average, and no loss term is 0
+    assert m_full["turns_per_episode"] == pytest.approx(8 / 4) and m_cut["turns_per_episode"] == 1.0
+    losses = ("policy_loss", "entropy_loss", "value_loss" if estimator == "gae" else "kl_loss")
+    assert all(same[k] != 0 for k in losses + ("kl", "grad_norm")), same
 
 
 @pytest.mark.slow  # a CLI run under torchrun
@@ -291,7 +472,7 @@ def test_a_bad_observation_stops_the_run_with_one_line_before_the_step_is_traine
                            "--rollout_engine=hf", f"--out_dir={tmp_path / 'out'}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    line = "task error: observe() must return a list of token ids in [0, 262) or None, not [999]"
+    line = "task error: observe() must return a list of token ids in [0, 262), not empty, or None, not [999]"
     assert proc.stderr.strip().splitlines()[-1] == line, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert open(tmp_path / "out" / "metrics.jsonl").read() == ""  # no step logged
