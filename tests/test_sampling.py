@@ -122,3 +122,24 @@ def test_hf_engine_samples_alike_in_any_batch_and_reads_the_host_twice_a_token(t
     ours = [w for w in reads.where if w[1].startswith("rollout.py")]
     assert len(ours) <= 11 + 2, reads.where
     assert len(reads.where) - len(ours) <= 11 + 2, reads.where
+
+
+def test_hf_engine_attends_over_the_tokens_there_are(tmp_path, monkeypatch):
+    """Each decode step's attention gets the keys drawn so far, one more a step: the prompt pass
+    5 (the longest prompt), then 6, 7, 8. A static cache sized for the response (5 + 4) made
+    every step attend over all of it, with K and V copied out to the query heads over that whole
+    length (transformers' SDPA path repeats them when a mask is passed)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    seen = []  # (queries, keys) of each attention call, each layer
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        seen.append((query.shape[-2], key.shape[-2]))
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", recording)
+    path = model_parallel.materialize_tiny_model("tiny-llama", str(tmp_path), seed=1)
+    engine = rollout.HFEngine(path, torch.device("cpu"), stop_ids=[])
+    assert engine.model.config._attn_implementation == "sdpa"
+    engine.generate([[1, 2, 3], [4, 5, 6, 7, 8]], [1, 2], [4, 4], 1.0)
+    layers = engine.model.config.num_hidden_layers
+    assert seen == [(q, k) for q, k in [(5, 5), (1, 6), (1, 7), (1, 8)] for _ in range(layers)], seen
