@@ -64,6 +64,40 @@ def root(tmp_path_factory):
     return root
 
 
+def _gathered_once_a_pass(world_size, root):
+    """The reward model lives in host memory between its passes (FSDP2's CPU offload). A pass of 4
+    microbatches all-gathers (copies from host onto the GPU) each unit once, as a pass of one
+    microbatch does: not once a microbatch. Its scores are HF's."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+    gathered = []  # the parameters of each FSDP all-gather (under offload: each a host -> GPU copy)
+    all_gather = _fsdp_param_group.foreach_all_gather
+
+    def recording(fsdp_params, *args, **kwargs):
+        gathered.append(len(fsdp_params))
+        return all_gather(fsdp_params, *args, **kwargs)
+    _fsdp_param_group.foreach_all_gather = recording
+    mesh = mp.make_mesh(world_size, 1, 1, "cpu")
+    cfg = config.Config(micro_batch_size=1, dtype="fp32", attention="masked")  # a microbatch a row
+    reward_model = mp.load_reward_model(os.path.join(root, "tiny-llama-rm"), mesh, cfg)
+    ids, _, _ = toy_batch(LENS, prompt_len=3)
+    rows = [row[:n].tolist() for row, n in zip(ids, LENS)]
+    passes = {}
+    for n_rows in (1, len(LENS)):
+        batch = train_ppo.make_batch([r[:3] for r in rows[:n_rows]], [r[3:] for r in rows[:n_rows]], 0)
+        gathered.clear()
+        with torch.no_grad():
+            outputs, = train_ppo.forward_batch(mp.forward_reward_model, reward_model, batch, cfg, mesh)
+        mp.reshard(reward_model)  # as train_ppo.score does after the pass
+        passes[n_rows] = list(gathered)
+        last = torch.tensor(LENS[:n_rows]) - 1
+        expected = hf_scores(os.path.join(root, "tiny-llama-rm"), ids[:n_rows], LENS[:n_rows])
+        torch.testing.assert_close(outputs[torch.arange(n_rows), last], expected, atol=1e-5, rtol=1e-5)
+    # every unit gathered once for the pass, however many microbatches it has
+    assert passes[1] and passes[len(LENS)] == passes[1], passes
+    mp.release_mesh(mesh)
+    _fsdp_param_group.foreach_all_gather = all_gather
+
+
 def _mesh_body(rank, world_size, root):
     ids, _, _ = toy_batch(LENS, prompt_len=3)
     last = torch.tensor(LENS) - 1
@@ -83,12 +117,15 @@ def _mesh_body(rank, world_size, root):
                 torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-5,
                                            msg=lambda m: f"{preset} {(dp, cp, tp)} packing={packing}: {m}")
             mp.release_mesh(mesh)
+    if world_size == 2:  # dp=2: FSDP2 shards it
+        _gathered_once_a_pass(world_size, root)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_reward_model_scores_equal_hf_on_every_mesh(root, world_size):
     """Llama, Qwen2 and Qwen3 reward models at (1,1,1), (2,1,1), (1,1,2), (1,2,1), (2,1,2), (1,2,2),
-    padded and packed: the score at each row's last token is HF's logits to 1e-5."""
+    padded and packed: the score at each row's last token is HF's logits to 1e-5. At dp=2, a pass
+    of 4 microbatches gathers each FSDP unit once (_gathered_once_a_pass)."""
     run_ranks(_mesh_body, world_size, root)
 
 
@@ -207,40 +244,3 @@ def test_toy_pairs_cover_every_failure_and_train_a_reward_model(tmp_path):
     assert float(result["pairwise_accuracy"]) > 0.6 and float(result["loss"]) < 0.69, result
     assert mp.score_head(str(tmp_path / "rm")).shape == (1, 256)
     mp.check_hf_dir(str(tmp_path / "rm"), tp_size=1)
-
-
-def _gathers_body(rank, world_size, root):
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
-    gathered = []  # the parameters of each FSDP all-gather (under offload: each a host -> GPU copy)
-    all_gather = _fsdp_param_group.foreach_all_gather
-
-    def recording(fsdp_params, *args, **kwargs):
-        gathered.append(len(fsdp_params))
-        return all_gather(fsdp_params, *args, **kwargs)
-    _fsdp_param_group.foreach_all_gather = recording
-    mesh = mp.make_mesh(world_size, 1, 1, "cpu")
-    cfg = config.Config(micro_batch_size=1, dtype="fp32", attention="masked")  # a microbatch a row
-    reward_model = mp.load_reward_model(os.path.join(root, "tiny-llama-rm"), mesh, cfg)
-    ids, _, _ = toy_batch(LENS, prompt_len=3)
-    rows = [row[:n].tolist() for row, n in zip(ids, LENS)]
-    passes = {}
-    for n_rows in (1, len(LENS)):
-        batch = train_ppo.make_batch([r[:3] for r in rows[:n_rows]], [r[3:] for r in rows[:n_rows]], 0)
-        gathered.clear()
-        with torch.no_grad():
-            outputs, = train_ppo.forward_batch(mp.forward_reward_model, reward_model, batch, cfg, mesh)
-        mp.reshard(reward_model)  # as train_ppo.score does after the pass
-        passes[n_rows] = list(gathered)
-        last = torch.tensor(LENS[:n_rows]) - 1
-        expected = hf_scores(os.path.join(root, "tiny-llama-rm"), ids[:n_rows], LENS[:n_rows])
-        torch.testing.assert_close(outputs[torch.arange(n_rows), last], expected, atol=1e-5, rtol=1e-5)
-    # every unit gathered once for the pass, however many microbatches it has
-    assert passes[1] and passes[len(LENS)] == passes[1], passes
-    mp.release_mesh(mesh)
-
-
-def test_an_offloaded_reward_model_is_gathered_once_a_pass(root):
-    """The reward model lives in host memory between its passes (FSDP2's CPU offload; dp=2). A pass
-    of 4 microbatches all-gathers (copies from host onto the GPU) each unit once, as a pass of one
-    microbatch does: not once a microbatch. Its scores are HF's."""
-    run_ranks(_gathers_body, 2, root)
