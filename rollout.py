@@ -615,9 +615,9 @@ class HFEngine:
         # checkpoint's config says), which grows by a column a step: a step attends over the tokens
         # there are. (A StaticCache sized for the longest response made every step attend over
         # all of it, and since a mask is passed, SDPA's path copies K and V out to the query
-        # heads, repeat_kv, over that whole length; transformers 5.19 ignores cache_position=,
-        # the slot is StaticLayer.cumulative_length. On CPU, B=64, 64 tokens, tiny Llama, that
-        # engine took 1.15x this one's time at V=262, 2.6x at V=32,000 with its Gumbel-max.)
+        # heads, repeat_kv, over that whole length; and transformers 5.19 ignores cache_position=:
+        # the slot is StaticLayer.cumulative_length, so a reused cache would append after what it
+        # holds. bench/hf_generate.py times this engine against the loop before device sampling.)
         # The prompt pass keeps only the last position's logits, the cache for the rest.
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                          logits_to_keep=1)
