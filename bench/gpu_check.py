@@ -47,7 +47,7 @@ The stages, in order, with their caps (CAPS below; measured on one H200, 2026-11
                      measured: writing took 11-14 s on 2 CPU cores; ~10 s to generate
 
 Besides the caps: 3 s a stage for its processes to end after SIGTERM, and 25 s for this process's
-start and the 358M model it writes in fp32 (8 s on 2 CPU cores): 540 s in all, asserted below.
+start and the 358M model it writes in fp32 (8 s on 2 CPU cores): 535 s in all (<= 540, asserted).
 Needs only what tests/test_cuda.py needs (torch with CUDA, transformers at the lock's version and
 its tokenizers, tiktoken, pytest): docs/gpus.md says what to bring to a machine without network.
 """
