@@ -12,7 +12,8 @@ launch runs every check in sequence, in the order a PPO step would:
 1. sample twice with the same per-sample seeds (and with the batch reversed, other seeds);
 2. the engine's logprobs against a plain single-process HF model of the same checkpoint;
 3. one AdamW step of the FSDP policy, then rollout.refit in small buckets (each recorded);
-4. sample again: the engine's logprobs against the trainer's forward_policy on the same ids;
+4. sample again: the engine's logprobs against the trainer's forward_policy on the same ids,
+   single-turn, then on sampled episodes of multi-token turns (their model tokens only);
 5. refit the original weights back: the first samples must come back.
 
 Every rank writes what it measured; rank 0 gathers it into DIR/results.json.
@@ -30,6 +31,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 import model_parallel
 import rollout
+import train_ppo
 from config import Config
 from conftest import plain_logprobs  # the tests' shared reference (tests/, this script's dir, is on sys.path)
 
@@ -178,6 +180,43 @@ measured["diff_after_refit_vs_trainer"] = (engine_lp - trainer_lp)[mask].abs().m
 measured["diff_trained_vs_initial"] = (trainer_lp - hf_logprobs(ids, lens))[mask].abs().mean().item()
 measured["samples_changed_by_refit"] = sum(a != b for a, b in zip(tokens(after), tokens(first)))
 
+# ---- 4b. sampled episodes of multi-token turns on the trainer's weights: each turn's seeds and
+# context, and the engine's logprobs of the model's tokens against forward_policy on the rows
+# train_ppo.training_batch would build (make_batch with the action masks). A turn ends at an id
+# divisible by 3 (measured: 1 to 11 tokens, 2 to 3 on average, 3 in 5 of 2 or more); "[7]" answers
+# each finished turn. max_model_len 20: where turns are long, no room is left for a third turn, so
+# that a turn's call serves only the episodes still running (seen with tiny-llama)
+calls, engine_generate, engine_stop_ids = [], engine.generate, engine.stop_ids
+
+
+def recording_generate(prompt_list, seed_list, budgets, temperature):
+    calls.append(dict(contexts=[list(p) for p in prompt_list], seeds=list(seed_list)))
+    return engine_generate(prompt_list, seed_list, budgets, temperature)
+
+
+episode_cfg = Config(seed=cfg.seed, max_turns=3, max_new_tokens=MAX_NEW_TOKENS, max_model_len=20)
+episode_keys = [(group_index, i, 0) for i in range(len(prompts))]  # turn 0's seeds are `seeds`
+engine.generate, engine.stop_ids = recording_generate, [i for i in range(engine.vocab_size) if i % 3 == 0]
+t0 = time.perf_counter()
+try:
+    sampled = rollout.run_episodes(engine, Calculator(), episode_cfg, prompts, episode_keys, TEMPERATURE)
+finally:
+    engine.generate, engine.stop_ids = engine_generate, engine_stop_ids
+batch = train_ppo.make_batch(prompts, [r for r, _, _ in sampled], tok.encode_single_token(rollout.PAD),
+                             [lps for _, lps, _ in sampled], action_masks=[a for _, _, a in sampled])
+with torch.no_grad():
+    trainer_lp, _ = model_parallel.forward_policy(policy, batch.ids, batch.lens, mesh, cfg,
+                                                  temperature=TEMPERATURE)  # (b, S)
+response = train_ppo.make_batch(prompts, [r for r, _, _ in sampled], 0).mask.bool()  # (b, S) every token
+measured["sampled_episodes"] = dict(
+    prompts=prompts, episodes=[(ids, mask) for ids, _, mask in sampled], calls=calls,
+    single_turn=tokens(after),  # step 4's samples: the same seeds as turn 0, one stop token
+    expected_seeds=[[rollout.sample_seed(cfg.seed, *key, t) for t in range(3)] for key in episode_keys],
+    # mean |engine - trainer| on the model's tokens (action mask 1), and on every response token
+    diff_vs_trainer=(batch.engine_lp - trainer_lp)[batch.mask.bool()].abs().mean().item(),
+    diff_all_response_tokens=(batch.engine_lp - trainer_lp)[response].abs().mean().item(),
+    seconds=time.perf_counter() - t0)
+
 # ---- 5. refit the initial weights (the plain model's, named as in the checkpoint), in buckets
 # smaller than the largest tensors: those must travel alone, and every fused layer is split
 measured["refit_back"] = recorded_refit(plain.named_parameters(), SMALL_BUCKET_MB)
@@ -203,7 +242,8 @@ if rank == 0:
     with open(os.path.join(args.dir, "results.json"), "w") as f:
         json.dump(gathered, f, indent=1)
     for m in gathered:
-        summary = {k: v for k, v in m.items() if k not in ("refit", "refit_back", "param_bytes")}
+        long = ("refit", "refit_back", "param_bytes", "sampled_episodes")
+        summary = {k: v for k, v in m.items() if k not in long}
         print(json.dumps(summary), flush=True)
 dist.barrier()
 engine.shutdown()

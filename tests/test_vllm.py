@@ -50,6 +50,49 @@ def check_buckets(refit, param_bytes):
     return sizes
 
 
+def turn_runs(mask):
+    """(start, length) of each run of 1s in an action mask: the model's turns."""
+    runs = []
+    for i, action in enumerate(mask):
+        if action and (i == 0 or not mask[i - 1]):
+            runs.append([i, 0])
+        if action:
+            runs[-1][1] += 1
+    return runs
+
+
+def check_sampled_episodes(e):
+    """Episodes sampled after refit, a turn ending at every id divisible by 3, "[7]" after each
+    finished turn, 3 turns at most: turn t of sample k has the seed sample_seed(..., k's key, t) and
+    continues k's ids so far (one engine call a turn); turn 0 starts as the single-turn sample of
+    its seed does; the engine's logprobs of the model's tokens are the trainer's (forward_policy on
+    make_batch's rows), and the mask must select them: the observations' are 0 in the engine's list.
+    Returns what the episodes were like: turn lengths and turns per episode."""
+    episodes = [(ids, turn_runs(mask), mask) for ids, mask in e["episodes"]]
+    turns = [len(runs) for _, runs, _ in episodes]
+    assert len(e["calls"]) == max(turns), (len(e["calls"]), turns)
+    for t, call in enumerate(e["calls"]):  # the episodes still running at turn t
+        running = [k for k, n in enumerate(turns) if n > t]
+        assert call["seeds"] == [e["expected_seeds"][k][t] for k in running], t
+        contexts = [e["prompts"][k] + episodes[k][0][:episodes[k][1][t][0]] for k in running]
+        assert call["contexts"] == contexts, t
+    assert not set(e["calls"][0]["seeds"]) & set(e["calls"][1]["seeds"]), "turn 1 must have its own seeds"
+    for (ids, runs, mask), single in zip(episodes, e["single_turn"]):
+        first = ids[:runs[0][1]]
+        assert first[:len(single)] == single[:len(first)], (first, single)  # one starts the other
+        for (start, n), (following, _) in zip(runs, runs[1:]):  # a finished turn, then "[7]"
+            assert ids[start + n - 1] % 3 == 0 and ids[start + n:following] == [91, 55, 93], ids
+        assert mask[-1] == 1
+    lengths = [n for _, runs, _ in episodes for _, n in runs]
+    # multi-turn, multi-token: turns of 2+ tokens continued by another turn, and observations
+    assert 3 in turns and any(n >= 2 for _, runs, _ in episodes for _, n in runs[:-1]), episodes
+    assert sum(mask.count(0) for _, _, mask in episodes) > 0
+    assert e["diff_vs_trainer"] <= TOLERANCE, e["diff_vs_trainer"]
+    assert e["diff_all_response_tokens"] > 100 * TOLERANCE, e["diff_all_response_tokens"]
+    return dict(turn_lengths=lengths, turns=turns, diff=e["diff_vs_trainer"],
+                diff_unmasked=e["diff_all_response_tokens"], seconds=e["seconds"])
+
+
 def check_engine(results):
     for m in results:
         n = m["n_samples"]
@@ -65,6 +108,7 @@ def check_engine(results):
         assert m["diff_trained_vs_initial"] > 10 * TOLERANCE, \
             "the update must move logprobs far beyond the tolerance"
         assert m["diff_after_refit_vs_trainer"] <= TOLERANCE, m["diff_after_refit_vs_trainer"]
+        m["episodes_summary"] = check_sampled_episodes(m["sampled_episodes"])  # the same, on episodes
         # the same seeds sample something else after refit (without refit they repeat exactly).
         # The update made these very samples likelier, so many stay the same (one of 6 changed in
         # the tp=2 case): one is enough to show that sampling uses the new weights
@@ -89,7 +133,8 @@ def check_engine(results):
     # the same request gives the same sample on every rank, whichever engine serves it
     assert results[0]["shared_sample"] == results[1]["shared_sample"]
     print({m["rank"]: {k: m[k] for k in ("init_s", "first_generate_s", "diff_before_refit_vs_hf",
-                                          "diff_after_refit_vs_trainer")} | {"refit_s": m["refit"]["seconds"]}
+                                          "diff_after_refit_vs_trainer", "episodes_summary")}
+           | {"refit_s": m["refit"]["seconds"]}
            for m in results})
 
 
@@ -98,6 +143,9 @@ def test_vllm_one_engine_per_rank_dp2(tmp_path):
     check_engine(results)
     # each dp rank's engine sampled its own prompts
     assert results[0]["group_samples"] != results[1]["group_samples"]
+    # some episodes end before the third turn: its call serves the others only, and the seed check
+    # above shows that each keeps its own key's seeds
+    assert any(min(m["episodes_summary"]["turns"]) < 3 for m in results)
 
 
 def test_vllm_one_engine_across_ranks_tp2(tmp_path):
