@@ -87,12 +87,13 @@ def test_task_applies_chat_template_and_checks_inputs(real_model):
 
 
 class ScriptedChat:
-    """An engine that samples the script's k-th assistant turn (its text's ids, then <|im_end|>)
-    for a context holding k earlier turns: what a model would sample, made certain."""
+    """An engine that samples the script's k-th assistant turn (its text's ids, then the tokenizer's
+    EOS: ChatML's <|im_end|>, Llama 3's <|eot_id|>) for a context holding k earlier turns: what a
+    model would sample, made certain."""
 
     def __init__(self, tok, turns):
         self.tok, self.turns = tok, turns
-        self.stop_ids, self.vocab_size = [tok.convert_tokens_to_ids("<|im_end|>")], 448
+        self.stop_ids, self.vocab_size = [tok.eos_token_id], 448
 
     def generate(self, contexts, seeds, budgets, temperature):
         out = []
@@ -138,6 +139,142 @@ def test_episode_ids_are_the_chat_templates_rendering_of_the_conversation(real_m
     tok.chat_template = "{{ messages | length }}" + CHAT_TEMPLATE
     with pytest.raises(rollout.TaskError, match="writes it differently once a tool message follows"):
         rollout.chat_tool_message(tok, "7")
+
+
+# Templates written here that render tool calls and tool messages as Qwen2.5's and Llama 3.1's
+# do (not their text: the same layout, on the tiny tokenizer). Qwen2.5-like: ChatML, a tool
+# message is a *user* turn holding <tool_response> blocks (consecutive tool messages share one),
+# an assistant's tool calls are <tool_call> blocks of JSON after its content.
+QWEN_LIKE_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}"
+    "{% if loop.first or loop.previtem['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or loop.nextitem['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') }}"
+    "{% for c in m['tool_calls'] or [] %}"
+    "{% if m['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{% set call = {'name': c['function']['name'], 'arguments': c['function']['arguments']} %}"
+    "{{ '<tool_call>\\n' + (call | tojson) + '\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# Llama 3.1-like: the BOS once, each message under a header and ended by <|eot_id|> (the EOS), no
+# separator between turns, a tool's output under the role "ipython", an assistant's tool call
+# as its whole content: one JSON object of the name and "parameters".
+LLAMA_LIKE_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% set role = 'ipython' if m['role'] in ['tool', 'ipython'] else m['role'] %}"
+    "{{ '<|start_header_id|>' + role + '<|end_header_id|>\\n\\n' }}"
+    "{% if m['tool_calls'] %}"
+    "{% set c = m['tool_calls'][0]['function'] %}"
+    "{{ {'name': c['name'], 'parameters': c['arguments']} | tojson }}"
+    "{% else %}{{ m['content'] }}{% endif %}"
+    "{{ '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+CALC_CALL = {"type": "function", "function": {"name": "calc", "arguments": {"a": 3, "b": 4}}}
+
+
+def calc_episode(tok, turns, read_call, role):
+    """The episode of the scripted `turns` (a call to calc, then an answer) after a system and a
+    user message, rendered by `tok`'s chat template: the task's observe reads the call's operands
+    from the first turn's text (`read_call`) and answers their sum in a `role` message with
+    rollout.chat_tool_message. Returns the conversation before the turns, the prompt's ids, and
+    the response's ids and action mask."""
+    chat = [{"role": "system", "content": "You may call calc(a, b)."},
+            {"role": "user", "content": "What is 3 + 4?"}]
+
+    class CalcTask:
+        def observe(self, turn, episode):
+            a, b = read_call(tok.decode(turn, skip_special_tokens=True))
+            return rollout.chat_tool_message(tok, str(a + b), role=role)
+
+    prompt = list(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
+    cfg = config.Config(max_turns=2, max_new_tokens=64, max_model_len=256)
+    (response, _, mask), = rollout.run_episodes(ScriptedChat(tok, turns), CalcTask(), cfg, [prompt],
+                                                [(0, 0, 0)], 1.0)
+    assert sum(mask) == sum(len(tok.encode(t)) + 1 for t in turns)  # both turns, each with its EOS
+    return chat, prompt, response, mask
+
+
+def test_tool_message_as_qwen25s_template_renders_it(real_model):
+    """Qwen2.5's layout: the model's tool call is a <tool_call> block of JSON, the tool's answer a
+    user turn of <tool_response>. The episode's ids (prompt, call, tool message, answer) are the
+    template's rendering of the conversation with the call as the assistant's `tool_calls` and the
+    answer as a `tool` message, up to ChatML's "\n" after the last turn, which no turn samples; and
+    the appended ids are that user turn and the next assistant turn's opening, as text."""
+    _, path = real_model
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = QWEN_LIKE_TEMPLATE
+    call_text = '<tool_call>\n{"name": "calc", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
+    turns = [call_text, "3 + 4 = 7. #### 7"]
+
+    def read_call(text):
+        args = json.loads(re.fullmatch(r"<tool_call>\n(.*)\n</tool_call>", text).group(1))["arguments"]
+        return args["a"], args["b"]
+
+    chat, prompt, response, mask = calc_episode(tok, turns, read_call, role="tool")
+    conversation = chat + [{"role": "assistant", "content": "", "tool_calls": [CALC_CALL]},
+                           {"role": "tool", "content": "7"}, {"role": "assistant", "content": turns[1]}]
+    rendered = list(tok.apply_chat_template(conversation, tokenize=True, return_dict=False))
+    assert tok.decode(rendered) == (
+        "<|im_start|>system\nYou may call calc(a, b).<|im_end|>\n<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n"
+        f"<|im_start|>assistant\n{call_text}<|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n3 + 4 = 7. #### 7<|im_end|>\n")
+    episode = prompt + response
+    assert rendered[:len(episode)] == episode
+    assert tok.decode(rendered[len(episode):]) == "\n"  # the template's separator after the last turn
+    observation = [t for t, m in zip(response, mask) if m == 0]
+    assert tok.decode(observation) == (
+        "\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    # the template is Qwen2.5's in this too: consecutive tool messages (answers to one turn's
+    # calls) share one user turn
+    two = [{"role": "tool", "content": "7"}, {"role": "tool", "content": "8"}]
+    assert tok.apply_chat_template(two, tokenize=False) == (
+        "<|im_start|>user\n<tool_response>\n7\n</tool_response>\n<tool_response>\n8\n</tool_response>"
+        "<|im_end|>\n")
+
+
+def test_tool_message_as_llama31s_template_renders_it(real_model):
+    """Llama 3.1's layout, on a copy of the tiny tokenizer given its special tokens (<|eot_id|> the
+    EOS, ids 400 to 403: under the model's 448): the model's tool call is a JSON object ended by
+    <|eot_id|>, the tool's answer an `ipython` message. The episode's ids are the template's
+    rendering of the conversation, all of it (no separator after <|eot_id|>), and the appended
+    ids are the ipython message and the next assistant header, as text."""
+    _, path = real_model
+    tok = AutoTokenizer.from_pretrained(path)
+    specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    tok.add_special_tokens({"additional_special_tokens": specials, "bos_token": "<|begin_of_text|>",
+                           "eos_token": "<|eot_id|>"})
+    tok.chat_template = LLAMA_LIKE_TEMPLATE
+    assert tok.eos_token_id == tok.convert_tokens_to_ids("<|eot_id|>") and max(
+        tok.convert_tokens_to_ids(specials)) < ScriptedChat(tok, []).vocab_size
+    call_text = '{"name": "calc", "parameters": {"a": 3, "b": 4}}'
+    turns = [call_text, "3 + 4 = 7. #### 7"]
+
+    def read_call(text):
+        args = json.loads(text)["parameters"]
+        return args["a"], args["b"]
+
+    chat, prompt, response, mask = calc_episode(tok, turns, read_call, role="ipython")
+    conversation = chat + [{"role": "assistant", "content": "", "tool_calls": [CALC_CALL]},
+                           {"role": "ipython", "content": "7"}, {"role": "assistant", "content": turns[1]}]
+    rendered = list(tok.apply_chat_template(conversation, tokenize=True, return_dict=False))
+    header = "<|start_header_id|>{}<|end_header_id|>\n\n"
+    assert tok.decode(rendered) == (
+        "<|begin_of_text|>" + header.format("system") + "You may call calc(a, b).<|eot_id|>"
+        + header.format("user") + "What is 3 + 4?<|eot_id|>" + header.format("assistant") + call_text
+        + "<|eot_id|>" + header.format("ipython") + "7<|eot_id|>" + header.format("assistant")
+        + "3 + 4 = 7. #### 7<|eot_id|>")
+    assert prompt + response == rendered
+    observation = [t for t, m in zip(response, mask) if m == 0]
+    assert tok.decode(observation) == header.format("ipython") + "7<|eot_id|>" + header.format("assistant")
 
 
 @pytest.mark.slow
