@@ -530,11 +530,11 @@ def validation_accuracy(engine, task, cfg, device: torch.device) -> float:
 # order: a float cumsum on CUDA changes its order of summation with the batch's shape (a row
 # alone, cub's scan; many rows, narrower blocks), and a u near an interval's edge would then draw
 # the neighbour. So a sample's token depends on its logits, seed and position alone, in any batch
-# and on any device, and the whole (B, V) step never leaves the device (a host copy of it was
-# 311 MB a token at B=512 with Qwen's 151,936 ids). One uniform a row, not one a vocab id: the
-# Gumbel-max sampler this replaced hashed every (row, id) pair, 19 (B, V) tensors a token (12 of
-# them int64), about 20 GB of memory traffic a token at B=512 with Qwen's vocab; this step makes
-# 3 at most.
+# (and on any device, up to how its exp rounds), and the whole (B, V) step never leaves the
+# device (a host copy of it was 311 MB a token at B=512 with Qwen's 151,936 ids). One uniform a
+# row, not one a vocab id: the Gumbel-max sampler this replaced hashed every (row, id) pair, 19
+# (B, V) tensors a token (12 of them int64), about 20 GB of memory traffic a token at B=512 with
+# Qwen's vocab; this step makes 3 at most.
 
 def _mix32(x):
     """lowbias32 (C. Wellons, "Hash function prospector", 2018): a bijective mix of 32-bit
