@@ -264,12 +264,11 @@ def aggregate_loss(per_token, mask, mode="token-mean", num_tokens=None, num_seqs
     rows (the logprobs are gathered over cp) and packed rows are unpacked before any loss. The
     last mode divides each token sum by a constant (Dr. GRPO's code: max_new_tokens), then
     averages over responses."""
-    # selected, not multiplied (as masked_sum): GSPO's log pi - (log pi).detach() is NaN where a
-    # trainer logprob on an observation is -inf, and NaN * 0 is NaN
-    masked = torch.where(mask.bool(), per_token, 0.0)  # (B, S)
+    # masked_sum selects, not multiplies: GSPO's log pi - (log pi).detach() is NaN where a trainer
+    # logprob on an observation is -inf, and NaN * 0 is NaN
     if mode == "token-mean":
-        return masked.sum() / (mask.sum() if num_tokens is None else num_tokens)
-    per_seq = masked.sum(-1)  # (B,) each response's token sum
+        return masked_sum(per_token, mask) / (mask.sum() if num_tokens is None else num_tokens)
+    per_seq = masked_sum(per_token, mask, -1)  # (B,) each response's token sum
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / mask.sum(-1).clamp(min=1)  # (B,) its token mean
     elif mode == "seq-mean-token-sum-norm":
