@@ -61,15 +61,27 @@ def generate_share(engine, task, cfg, step, start):
     by_index = dict(zip(wanted, outs))
     samples = []
     for j in generated_by(n, rank, world_size):
-        response, lps, action_mask = by_index[j]
+        response, lps, action_mask, calls, ended = by_index[j]
         prompt, answer = prompts[j // K]
-        text = task.decode(response)  # the whole episode, observations included
-        ended = finished(response, engine.stop_ids)
-        # action_mask: 1 on the model's tokens, 0 on observations (its runs of 1 are the turns)
-        samples.append(dict(index=j, prompt=prompt, response=text, answer=answer,
+        # action_mask: 1 on the model's tokens, 0 on observations (its runs of 1 are the turns).
+        # The dump shows the whole episode; the reward reads the model's last turn, its answer
+        # (not a number a tool returned)
+        answered = task.decode(last_turn(response, action_mask))
+        samples.append(dict(index=j, prompt=prompt, response=task.decode(response), answer=answer,
                             prompt_ids=prompt_ids[j // K], response_ids=response, engine_logprobs=lps,
-                            action_mask=action_mask, finished=ended, reward=task.reward(text, answer, ended)))
+                            action_mask=action_mask, calls=calls, ended=ended, finished=ended == "stop",
+                            reward=task.reward(answered, answer, ended)))
     return samples, len(wanted)
+
+
+# Why an episode ended (a sample's `ended`, logged as rates: episode_metrics), as NeMo-RL logs
+# truncation_rate and max_turns_reached_rate:
+#   stop       the model's last turn ended by a stop token, and no tool call followed (the task's
+#              observe returned None, or the task has none): a natural end
+#   length     the last turn was cut off by its token budget (max_new_tokens, or max_model_len)
+#   max_turns  the last turn was a tool call on the last allowed turn: its output never came
+#   context    a tool call whose output would leave no room for another turn in max_model_len
+ENDINGS = ("stop", "length", "max_turns", "context")
 
 
 def run_episodes(engine, task, cfg, prompt_ids, keys, temperature):
@@ -78,42 +90,88 @@ def run_episodes(engine, task, cfg, prompt_ids, keys, temperature):
     ((step, prompt, sample): sample_seed, a seed a turn). One engine call a turn for the episodes
     still running, each on its ids so far: token ids in and out, nothing re-tokenized (vLLM's
     prefix cache keeps the earlier turns). After a model turn that ended by a stop token, a task
-    with `observe` (ToyTask) gives the ids to append, or None: the episode is over. It also ends
-    after max_turns model turns, at a turn cut off by its token budget (max_new_tokens, and
-    prompt + episode <= max_model_len), or at an observation that would leave no room for another
-    turn: ended whole, never cut. Returns one (response ids, engine logprobs, action mask) per
-    prompt: the turns and observations in order; an observation's tokens have logprob 0 and mask
-    0 (context, not actions), and the last token is always the model's."""
+    with `observe` (ToyTask) gives the ids to append (a tool call's output), or None: the episode
+    is over. It also ends at a turn cut off by its token budget (max_new_tokens, and prompt +
+    episode <= max_model_len), or at a call on the last of max_turns turns, or at a call whose
+    output would leave no room for another turn: appended whole, never cut. Returns one (response
+    ids, engine logprobs, action mask, tool calls, how it ended: ENDINGS) per prompt: the turns
+    and observations in order; an observation's tokens have logprob 0 and mask 0 (context, not
+    actions), and the last token is always the model's. A prompt that leaves no room for a token
+    is refused (TaskError): raise max_model_len."""
     observe = getattr(task, "observe", None)
     turns = cfg.max_turns if observe else 1  # a task without `observe` is single-turn
-    episodes = [([], [], []) for _ in prompt_ids]  # (ids, logprobs, action mask)
+    too_long = [len(p) for p in prompt_ids if len(p) >= cfg.max_model_len]
+    if too_long:
+        raise TaskError(f"a prompt of {too_long[0]} tokens leaves no room for a response within "
+                        f"max_model_len={cfg.max_model_len}: raise max_model_len")
+    episodes = [dict(ids=[], logprobs=[], mask=[], calls=0, ended=None) for _ in prompt_ids]
     running = list(range(len(prompt_ids)))
     for turn in range(turns):
-        contexts = [prompt_ids[k] + episodes[k][0] for k in running]
+        contexts = [prompt_ids[k] + episodes[k]["ids"] for k in running]
         budgets = [min(cfg.max_new_tokens, cfg.max_model_len - len(c)) for c in contexts]
         seeds = [sample_seed(cfg.seed, *keys[k], turn) for k in running]
         outs = engine.generate(contexts, seeds, budgets, temperature) if running else []
         still = []
         for k, context, (ids, lps) in zip(running, contexts, outs):
-            for part, new in zip(episodes[k], (ids, lps, [1] * len(ids))):
-                part += new
-            if turn + 1 == turns or not finished(ids, engine.stop_ids):
+            episode = episodes[k]
+            episode["ids"] += ids
+            episode["logprobs"] += lps
+            episode["mask"] += [1] * len(ids)
+            if not finished(ids, engine.stop_ids):
+                episode["ended"] = "length"
                 continue
-            observation = observe(ids, context + ids)
+            observation = observe(ids, context + ids) if observe else None
             # an empty list would merge two turns into one run of 1s: a turn the metrics lose
             valid = isinstance(observation, list) and len(observation) > 0 and all(
                 isinstance(i, int) and 0 <= i < engine.vocab_size for i in observation)
             if observation is not None and not valid:
                 raise TaskError(f"observe() must return a list of token ids in [0, {engine.vocab_size}), not "
                                 f"empty, or None, not {str(observation)[:60]}")
-            if observation is None or len(context) + len(ids) + len(observation) >= cfg.max_model_len:
-                continue  # over, or no room for another turn
-            n = len(observation)
-            for part, new in zip(episodes[k], (observation, [0.0] * n, [0] * n)):  # context, not actions
-                part += new
+            if observation is None:  # the model's answer: a natural end
+                episode["ended"] = "stop"
+                continue
+            episode["calls"] += 1  # a call, answered or not
+            room = len(context) + len(ids) + len(observation) < cfg.max_model_len
+            if turn + 1 == turns or not room:
+                episode["ended"] = "max_turns" if turn + 1 == turns else "context"
+                continue
+            episode["ids"] += observation
+            episode["logprobs"] += [0.0] * len(observation)
+            episode["mask"] += [0] * len(observation)  # context, not actions
             still.append(k)
         running = still
-    return episodes
+    return [(e["ids"], e["logprobs"], e["mask"], e["calls"], e["ended"]) for e in episodes]
+
+
+def last_turn(ids, action_mask):
+    """The model's last turn of an episode (its whole response if single-turn): the ids after the
+    last observation token (run_episodes ends an episode on a model token)."""
+    return ids[len(action_mask) - action_mask[::-1].index(0):] if 0 in action_mask else ids
+
+
+def episode_metrics(samples) -> dict:
+    """The step's episodes in numbers (docs/metrics.md): model turns and tool calls per episode,
+    and the rate of each way an episode ended (ENDINGS). `samples`: every sample of the step."""
+    n = len(samples)
+    # an episode's turns: its runs of the model's tokens (observations lie between them)
+    turns = sum(1 + sum(a < b for a, b in zip(s["action_mask"], s["action_mask"][1:])) for s in samples)
+    calls = sum(s["calls"] for s in samples)
+    ends = [s["ended"] for s in samples]
+    rates = {f"ended_{name}_rate": ends.count(name) / n for name in ENDINGS}
+    return dict(turns_per_episode=turns / n, tool_calls_per_episode=calls / n, **rates)
+
+
+def gather_or_stop(share, what):
+    """Collective (every rank). Every rank's `share`, on every rank. A share that is a str is an
+    error its rank met (a bad observation, a prompt with no room): every rank must hear of it, or
+    the next collective would hang. Then every rank stops here, rank 0 with one line `what:
+    error`, before anything of the step is trained or written."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, share)
+    errors = [s for s in gathered if isinstance(s, str)]
+    if errors:
+        raise SystemExit(f"{what}: {errors[0]}" if dist.get_rank() == 0 else 1)
+    return gathered
 
 
 def rollouts(engine, task, cfg, step, start):
@@ -123,18 +181,17 @@ def rollouts(engine, task, cfg, step, start):
     slice must not mix copies); one all-gather hands every rank the whole batch, whose lengths
     then decide the update's split over dp ranks. replay_rollouts: a dumped step's samples
     instead."""
-    if cfg.replay_rollouts:  # every rank reads the whole step
-        return load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl")), 0
+    if cfg.replay_rollouts:  # every rank reads the whole step (and refuses a bad dump alike)
+        try:
+            return load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl")), 0
+        except TaskError as e:
+            raise SystemExit(f"replay error: {e}" if dist.get_rank() == 0 else 1) from None
     try:
         mine, generated = generate_share(engine, task, cfg, step, start)
-    except TaskError as e:  # a bad observation: every rank must hear of it, or the gather would hang
+    except TaskError as e:  # a bad observation, a prompt with no room
         mine, generated = str(e), 0
     engine.sleep()  # GPU: vLLM frees its memory for training
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)  # collective: every rank's share on every rank
-    errors = [share for share in gathered if isinstance(share, str)]
-    if errors:  # every rank stops here, before anything of the step is trained or written
-        raise SystemExit(f"task error: {errors[0]}" if dist.get_rank() == 0 else 1)
+    gathered = gather_or_stop(mine, "task error")  # collective: every rank's share on every rank
     every = {s["index"]: s for share in gathered for s in share}
     return every, generated
 
@@ -321,7 +378,10 @@ class ToyTask:
         return self.tok.encode(prompt)
 
     def target(self, answer):
-        """Answer ids + EOS: what the SFT warm-up imitates."""
+        """Answer ids + EOS: what the SFT warm-up imitates. A multi-turn target (a tool-use trace)
+        returns (ids, action mask) instead: mask 1 on the model's tokens, 0 on an observation's,
+        and the warm-up trains on the 1s alone (ToyToolTask): the model learns to call the tool,
+        not to predict its output."""
         return self.tok.encode(answer) + [self.eos_id]
 
     def decode(self, ids):
@@ -329,18 +389,22 @@ class ToyTask:
         # special tokens and ids the tokenizer does not know (the model's padding rows) are dropped
         return self.tok.decode([i for i in ids if i < 256], errors="replace")
 
-    def reward(self, text, answer, finished):
-        """The score of one response (of a whole episode, observations included); finished: it
-        ended by a stop token. Here 1.0 when the response is exactly the answer and the model
-        stopped (emitted EOS). Validation counts a greedy response as correct when its reward is
-        at least the task's `solved_at`, an optional attribute (default 1.0, a rule's full
-        reward): a graded task sets its own bar, e.g. solved_at = 10.0 for marks out of 10, or
-        0.9 for a partial credit that counts."""
-        return float(finished and text.strip() == answer)
+    def reward(self, text, answer, ended):
+        """The score of one response: `text` is the model's answer (in an episode, its last turn:
+        earlier turns and the observations are the way there, and a number a tool returned is
+        not the model's answer; the dumps show the whole episode), `ended`
+        how the episode ended (run_episodes' ENDINGS: "stop" is a natural end by a stop token,
+        "length" a response cut off by its budget). Here 1.0 when the response is exactly the
+        answer and the model stopped (emitted EOS). Validation counts a greedy response as
+        correct when its reward is at least the task's `solved_at`, an optional attribute
+        (default 1.0, a rule's full reward): a graded task sets its own bar, e.g. solved_at =
+        10.0 for marks out of 10, or 0.9 for a partial credit that counts."""
+        return float(ended == "stop" and text.strip() == answer)
 
     # Multi-turn episodes (docs/multiturn.md): a task may also define
     #     observe(self, turn: list, episode: list) -> Optional[list]
-    # called after each model turn that ended by a stop token, with that turn's ids and the whole
+    # called after each model turn that ended by a stop token (the last allowed one too: a call
+    # there is counted, and ends the episode as "max_turns"), with that turn's ids and the whole
     # episode so far (prompt + response, ending with the turn). It returns the ids to append (a
     # tool's output, formatted as its chat template formats a tool message: chat_tool_message), or
     # None: the episode is over. A task without it is single-turn. It must be deterministic (the
@@ -351,11 +415,17 @@ class ToyToolTask(ToyTask):
     """A task where a tool is the difference (docs/multiturn.md): sums of two-digit numbers,
     "23+45=", which the toy model cannot learn to add in minutes, and a calculator it can call.
     A turn "?" (then EOS) calls it on the prompt's sum; the observation is its result in brackets,
-    "[68]", and the model's next turn should copy it: "?<eos>[68]68<eos>". The reward reads the
-    text after the last observation (the whole response, without one): 1 for the exact sum, if
-    the model stopped. Its SFT target is that whole trace, the tool's output included."""
+    "[68]", and the model's next turn should copy it: "?<eos>[68]68<eos>". The reward (ToyTask's)
+    reads the last turn: 1 for the exact sum, if the model stopped. Its SFT target is that whole
+    trace, the tool's output masked. With tool=False (max_turns=1: the tool taken away) the target
+    is the direct answer instead, "68<eos>", so that the comparison is against a model taught to
+    answer, not one taught to call a missing tool."""
 
     facts = [(f"{a}+{b}=", str(a + b)) for a in range(10, 100) for b in range(10, 100)]
+
+    def __init__(self, seed: int, tool: bool = True):
+        super().__init__(seed)
+        self.tool = tool
 
     def observe(self, turn, episode):
         if self.decode(turn) != "?":  # an answer: the episode is over
@@ -364,27 +434,37 @@ class ToyToolTask(ToyTask):
         return self.tok.encode(f"[{int(a) + int(b)}]")
 
     def target(self, answer):
-        return self.tok.encode("?") + [self.eos_id] + self.tok.encode(f"[{answer}]{answer}") + [self.eos_id]
+        if not self.tool:
+            return super().target(answer)
+        call, observation = self.tok.encode("?") + [self.eos_id], self.tok.encode(f"[{answer}]")
+        ids = call + observation + self.tok.encode(answer) + [self.eos_id]
+        return ids, [1] * len(call) + [0] * len(observation) + [1] * (len(answer) + 1)
 
-    def reward(self, text, answer, finished):
-        return float(finished and text.rsplit("]", 1)[-1] == answer)
 
-
-def chat_tool_message(tok, content: str, role: str = "tool") -> list:
-    """The ids to append after a model turn (ended by the tokenizer's EOS) for a tool message
-    `content`, up to the opening of the assistant's next turn, as the tokenizer's chat template
-    writes them: the difference of two renderings of one conversation, without and with the
-    message (TRL's way). What the template puts after the turn's stop token (ChatML's "\n")
-    comes with it, so the episode's ids are the template's rendering of the whole conversation.
-    Refused (TaskError) where the template writes the earlier turns differently once the message
-    follows (e.g. one that drops past reasoning): no appended ids could match it."""
-    chat = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+def chat_tool_message(tok, content: str, role: str = "tool", stop_ids=None, name: str = "tool") -> list:
+    """The ids to append after a model turn (ended by a stop token: `stop_ids`, default the
+    tokenizer's EOS; Llama 3 ends a turn with <|eot_id|>, or <|eom_id|> after a call) for a tool
+    message `content`, up to the opening of the assistant's next turn, as the tokenizer's chat
+    template writes them: the difference of two renderings of one conversation, without and with
+    the message (TRL's way). The conversation's assistant turn carries a call of the tool `name`,
+    as a real one would: some templates write the tool message's header from the call (TRL notes
+    it), or refuse a tool message that answers none. What
+    the template puts after the turn's stop token (ChatML's "\n") comes with it, so the episode's
+    ids are the template's rendering of the whole conversation. The role is the template's: "tool"
+    (Qwen2.5 wraps it in <tool_response> tags inside a user turn), "ipython" (Llama 3.1). Refused
+    (TaskError) where the template writes the earlier turns differently once the message follows
+    (e.g. one that drops past reasoning): no appended ids could match it."""
+    call = {"type": "function", "function": {"name": name, "arguments": {}}}
+    chat = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2", "tool_calls": [call]}]
+    message = {"role": role, "content": content, "name": name}
     before = list(tok.apply_chat_template(chat, tokenize=True, return_dict=False))
-    after = list(tok.apply_chat_template(chat + [{"role": role, "content": content}], tokenize=True,
-                                         add_generation_prompt=True, return_dict=False))
-    ends = [i + 1 for i, t in enumerate(before) if t == tok.eos_token_id]  # after a turn's stop token
+    after = list(tok.apply_chat_template(chat + [message], tokenize=True, add_generation_prompt=True,
+                                         return_dict=False))
+    stops = [tok.eos_token_id] if stop_ids is None else stop_ids
+    ends = [i + 1 for i, t in enumerate(before) if t in stops]  # after a turn's stop token
     if not ends or after[:ends[-1]] != before[:ends[-1]]:
-        raise TaskError("the chat template does not end an assistant turn with the tokenizer's EOS, or "
+        raise TaskError(f"the chat template does not end an assistant turn with a stop token ({stops}: "
+                        "pass the turn's stop_ids), or "
                         f"writes it differently once a {role} message follows: observations cannot be "
                         "appended to the sampled ids (render the episode yourself in observe)")
     return after[ends[-1]:]
@@ -468,50 +548,58 @@ class GSM8KTask:
     def decode(self, ids):
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def reward(self, text, answer, finished):
+    def reward(self, text, answer, ended):
         # a response cut off by max_new_tokens scores 0: otherwise a truncated chain of thought
         # whose last number happens to be the answer would earn the full reward
-        return math_reward(text, answer, self.format_reward) if finished else 0.0
+        return math_reward(text, answer, self.format_reward) if ended == "stop" else 0.0
 
 
 def sft_examples(task, cfg, step: int, dp_rank: int, dp_size: int):
-    """(prompt ids, answer ids) of dp rank `dp_rank`'s share of SFT step `step`: the first
-    sft_steps * sft_batch_size pairs of the task's stream (PPO goes on from there), the reference
-    answer (target) as the response. An answer is cut where its row would pass max_model_len (as
-    SFT trainers' max_length): a packed row holds max_model_len tokens (config.validate), and no
-    row may be longer."""
+    """(prompt ids, answer ids, answer masks) of dp rank `dp_rank`'s share of SFT step `step`: the
+    first sft_steps * sft_batch_size pairs of the task's stream (PPO goes on from there), the
+    reference answer (target) as the response, trained on where its mask is 1 (the model's
+    tokens; a target without a mask is all the model's). An answer is cut where its row would
+    pass max_model_len (as SFT trainers' max_length): a packed row holds max_model_len tokens
+    (config.validate), and no row may be longer."""
     per_rank = cfg.sft_batch_size // dp_size
     pairs = task.prompts(step * cfg.sft_batch_size, cfg.sft_batch_size)[dp_rank * per_rank:][:per_rank]
     prompts = [task.encode(p) for p, _ in pairs]
-    answers = [task.target(a)[:max(0, cfg.max_model_len - len(p))] for p, (_, a) in zip(prompts, pairs)]
-    return prompts, answers
+    targets = [task.target(a) for _, a in pairs]
+    targets = [t if isinstance(t, tuple) else (t, [1] * len(t)) for t in targets]  # (ids, mask)
+    room = [max(0, cfg.max_model_len - len(p)) for p in prompts]  # the tokens each row can hold
+    answers = [ids[:n] for (ids, _), n in zip(targets, room)]
+    return prompts, answers, [mask[:n] for (_, mask), n in zip(targets, room)]
 
 
 def make_task(cfg, model_dir: str, model_vocab_size: Optional[int] = None):
     """The config's task; model_vocab_size: the checkpoint's (default: its config.json's)."""
-    toys = {"toy_add": ToyTask, "toy_tool": ToyToolTask}
-    if cfg.task in toys:
-        return toys[cfg.task](cfg.seed)
+    if cfg.task == "toy_add":
+        return ToyTask(cfg.seed)
+    if cfg.task == "toy_tool":  # max_turns=1: no tool, and no tool in the warm-up's targets
+        return ToyToolTask(cfg.seed, tool=cfg.max_turns > 1)
     return GSM8KTask(cfg, model_dir, model_vocab_size or AutoConfig.from_pretrained(model_dir).vocab_size)
 
 
-def validation_accuracy(engine, task, cfg, device: torch.device) -> float:
+def validation_accuracy(engine, task, cfg) -> float:
     """Collective (every rank): greedy accuracy on the held-out prompts.
 
     The prompts are split over the vLLM groups (rollout_tp_size consecutive ranks pass identical
-    requests), the count summed."""
+    requests), the count summed. A bad observation stops every rank with one line
+    (gather_or_stop)."""
     rank = dist.get_rank()
     groups = dist.get_world_size() // cfg.rollout_tp_size
     mine = task.val[rank // cfg.rollout_tp_size::groups]
-    prompt_ids = [task.encode(q) for q, _ in mine]
-    outs = run_episodes(engine, task, cfg, prompt_ids, [(0, 0, 0)] * len(mine), 0.0)  # greedy: no seeds
     solved = getattr(task, "solved_at", 1.0)  # the reward that counts as correct (ToyTask.reward)
-    correct = sum(task.reward(task.decode(r), a, finished(r, engine.stop_ids)) >= solved
-                  for (r, _, _), (_, a) in zip(outs, mine))
-    total = torch.tensor([float(correct)], device=device)
+    try:
+        outs = run_episodes(engine, task, cfg, [task.encode(q) for q, _ in mine], [(0, 0, 0)] * len(mine),
+                            0.0)  # greedy: no seeds
+        # (the reward reads the model's last turn, as in training: generate_share)
+        correct = sum(task.reward(task.decode(last_turn(ids, mask)), a, ended) >= solved
+                      for (ids, _, mask, _, ended), (_, a) in zip(outs, mine))
+    except TaskError as e:
+        correct = str(e)
     # every member of a vLLM group counted the same prompts: divide by the group size
-    dist.all_reduce(total)
-    return total.item() / cfg.rollout_tp_size / len(task.val)
+    return sum(gather_or_stop(correct, "task error")) / cfg.rollout_tp_size / len(task.val)
 
 
 # -----------------------------------------------------------------------------
@@ -926,9 +1014,27 @@ def _write_jsonl(path: str, samples: list) -> None:
     os.replace(path + ".tmp", path)
 
 
+# what training on a dumped sample reads (replay_rollouts)
+DUMP_KEYS = ("index", "prompt_ids", "response_ids", "engine_logprobs", "action_mask", "calls", "ended",
+             "reward")
+
+
 def load_rollouts(path: str) -> dict:
-    """{global index: sample} of a dumped step, for replay."""
+    """{global index: sample} of a dumped step, for replay. A dump this trainer cannot train on
+    is refused (TaskError), naming the line and what is wrong with it."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"replay_rollouts: {path} is missing (did the run have this step?)")
+        raise TaskError(f"{path} is missing (did the run have this step?)")
+    samples = {}
     with open(path) as f:
-        return {s["index"]: s for s in map(json.loads, f)}
+        for number, line in enumerate(f, 1):
+            sample = json.loads(line)
+            missing = [key for key in DUMP_KEYS if key not in sample]
+            if missing:
+                raise TaskError(f"{path}:{number}: the sample has no {', '.join(missing)}: a dump of an "
+                                "older version of this trainer; generate the rollouts again")
+            # the score sits on the last token, which must be an action (run_episodes ends so)
+            if sample["action_mask"][-1:] != [1]:
+                raise TaskError(f"{path}:{number}: the response's last token is not the model's "
+                                "(action_mask ends in 0): its score would land on no action")
+            samples[sample["index"]] = sample
+    return samples

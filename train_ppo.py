@@ -465,11 +465,15 @@ def start_run(cfg, task):
     task)."""
     try:
         device, mesh, model_dir, kernel = model_parallel.setup(cfg)
+        task = rollout.make_task(cfg, model_dir) if task is None else task
+        # Dr. GRPO's constant is the longest response (verl: its response length): in an episode of
+        # turns, up to max_model_len tokens, not one turn's max_new_tokens (docs/losses.md)
+        if getattr(task, "observe", None) and cfg.max_turns > 1 and not cfg.loss_agg_norm:
+            cfg.loss_agg_norm = cfg.max_model_len
         if dist.get_rank() == 0:
             os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
             config.save(cfg, os.path.join(cfg.out_dir, "config.json"))
         resume_dir = rank0_decides(find_checkpoint(cfg.resume, cfg.out_dir))
-        task = rollout.make_task(cfg, model_dir) if task is None else task
     except (rollout.TaskError, model_parallel.CheckpointError) as e:
         print0(f"input error: {e}")
         sys.exit(2)
@@ -490,8 +494,10 @@ def sft_warmup(model_dir, task, cfg, mesh):
     policy = model_parallel.load_policy(model_dir, mesh, cfg)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft_lr, weight_decay=0.0, fused=True)
     for it in range(cfg.sft_steps):
-        prompts, answers = rollout.sft_examples(task, cfg, it, mesh["dp"].get_local_rank(), mesh["dp"].size())
-        batch = make_batch(prompts, answers, task.pad_id, device=mesh.device_type)
+        prompts, answers, masks = rollout.sft_examples(task, cfg, it, mesh["dp"].get_local_rank(),
+                                                       mesh["dp"].size())
+        # the mask: the model's tokens of each answer (a tool's output in a trace is not trained on)
+        batch = make_batch(prompts, answers, task.pad_id, device=mesh.device_type, action_masks=masks)
         num_tokens = dp_sum(batch.mask.sum(), mesh)  # global answer tokens
 
         def nll(idx, lens):
@@ -794,9 +800,7 @@ def step_metrics(batch, update_sums, cfg, mesh):
     mask, scores = batch.mask, batch.scores  # (b, S), (b,)
     kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
     mismatch = (batch.old_lp - batch.engine_lp).abs()  # (b, S)
-    # an episode's turns: its runs of the model's tokens (observations lie between them)
     shares = dict(tokens=mask.sum(), sequences=len(batch.lens), all_tokens=sum(batch.lens),
-                  turns=(mask.diff(dim=-1) > 0).sum(),
                   reward=scores.sum(), reward_sq=(scores ** 2).sum(), kl=masked_sum(kl, mask),
                   mismatch=masked_sum(mismatch, mask), mult_prob_error=masked_sum(torch.exp(mismatch), mask))
     if batch.entropy is not None:  # none with old_logprobs=engine or log_entropy=false
@@ -825,9 +829,7 @@ def step_metrics(batch, update_sums, cfg, mesh):
              token_mult_prob_error=s["mult_prob_error"] / n_tok,
              # each epoch's update sees all n_tok tokens again
              clip_frac=s.get("clipped_tokens", 0.0) / (n_tok * cfg.ppo_epochs),
-             skipped_updates=int(s.get("skipped_updates", 0)), turns_per_episode=s["turns"] / n_seq,
-             # each observation follows a model turn and precedes another
-             tool_calls_per_episode=s["turns"] / n_seq - 1)
+             skipped_updates=int(s.get("skipped_updates", 0)))
     if "entropy" in s:
         m["entropy"] = s["entropy"] / n_tok
     if "task_score" in s:  # the task's rule, beside a reward model's score (reward_mean)
@@ -1074,10 +1076,11 @@ def ppo_step(progress, models, engine, task, cfg, mesh, device):
     metrics = {"step": step}  # and each phase's wall time (timed)
     with timed(metrics, "time_step_s"):
         if evaluate and step % cfg.eval_every == 0:  # before the step's update
-            metrics["val_accuracy"] = rollout.validation_accuracy(engine, task, cfg, device)
+            metrics["val_accuracy"] = rollout.validation_accuracy(engine, task, cfg)
         with timed(metrics, "time_rollout_s"):  # 1-3. prompts, rollout, reward
             start = progress["prompts_drawn"]  # the prompt stream's position
             every, metrics["rollout_samples"] = rollout.rollouts(engine, task, cfg, step, start)
+            metrics.update(rollout.episode_metrics(every.values()))  # turns, tool calls, endings
             batch = training_batch(every, cfg, mesh, task.pad_id, device)
         with timed(metrics, "time_logprobs_s"), torch.no_grad():  # 4-6. forward passes, rewards, advantages
             batch = replace(batch, **score(models, batch, cfg, mesh))
@@ -1094,7 +1097,7 @@ def ppo_step(progress, models, engine, task, cfg, mesh, device):
                 full_params = model_parallel.iter_full_params(models.parts["policy"].model, engine.dtype)
                 metrics.update(rollout.refit(engine, full_params, cfg.refit_bucket_mb))
         if evaluate and step + 1 == cfg.steps:  # the policy that is exported: after the last update
-            metrics["final_val_accuracy"] = rollout.validation_accuracy(engine, task, cfg, device)
+            metrics["final_val_accuracy"] = rollout.validation_accuracy(engine, task, cfg)
         named = step_metrics(batch, update_sums, cfg, mesh)  # 10. one all-reduce, then named means
     metrics.update(named, tokens_per_s=named["tokens"] / metrics["time_step_s"])
     return metrics, list(update_sums[0])

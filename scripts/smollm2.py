@@ -106,8 +106,8 @@ def greedy_accuracy(model_dir: str, cfg, batch_size: int = 32) -> float:
         for row, (_, answer) in zip(out[:, width:].tolist(), batch):
             ends = [j for j, t in enumerate(row) if t in stop_ids]
             response = row[:ends[0] + 1] if ends else row  # generate pads the rows that stopped early
-            finished = rollout.finished(response, stop_ids)
-            correct += task.reward(task.decode(response), answer, finished) == 1.0
+            ended = "stop" if rollout.finished(response, stop_ids) else "length"
+            correct += task.reward(task.decode(response), answer, ended) == 1.0
     return correct / len(task.val)
 
 

@@ -133,7 +133,7 @@ turn_ends = list(range(engine.vocab_size))
 hf_engine = rollout.HFEngine(path, device, turn_ends)
 engine.stop_ids = turn_ends
 keys = [(0, i, 0) for i in range(len(prompts))]
-episodes = {name: rollout.run_episodes(e, Calculator(), turns_cfg, prompts, keys, 0.0)
+episodes = {name: [e[:3] for e in rollout.run_episodes(e, Calculator(), turns_cfg, prompts, keys, 0.0)]
             for name, e in (("vllm", engine), ("hf", hf_engine))}
 engine.stop_ids = stop_ids
 measured["episodes"] = {name: [(ids, mask) for ids, _, mask in eps] for name, eps in episodes.items()}
@@ -199,7 +199,9 @@ episode_keys = [(group_index, i, 0) for i in range(len(prompts))]  # turn 0's se
 engine.generate, engine.stop_ids = recording_generate, [i for i in range(engine.vocab_size) if i % 3 == 0]
 t0 = time.perf_counter()
 try:
-    sampled = rollout.run_episodes(engine, Calculator(), episode_cfg, prompts, episode_keys, TEMPERATURE)
+    # (ids, engine logprobs, action mask) of each episode
+    sampled = [e[:3] for e in rollout.run_episodes(engine, Calculator(), episode_cfg, prompts, episode_keys,
+                                                   TEMPERATURE)]
 finally:
     engine.generate, engine.stop_ids = engine_generate, engine_stop_ids
 batch = train_ppo.make_batch(prompts, [r for r, _, _ in sampled], tok.encode_single_token(rollout.PAD),

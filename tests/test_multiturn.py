@@ -60,8 +60,10 @@ def cfg_of(**kwargs):
 def test_episode_of_turns_and_observations_with_masks_logprobs_and_seeds():
     engine = ScriptedEngine(lambda ids: [7, EOS])  # every turn: one token and the stop
     task = Echo([40, 41, 42])
-    (ids, lps, mask), = rollout.run_episodes(engine, task, cfg_of(), [[1, 2]], [(3, 4, 5)], 1.0)
+    (ids, lps, mask, calls, ended), = rollout.run_episodes(engine, task, cfg_of(), [[1, 2]], [(3, 4, 5)], 1.0)
     assert ids == [7, EOS, 40, 41, 42, 7, EOS, 40, 41, 42, 7, EOS]  # 3 turns, the last one's end
+    # the third turn is a call too, on the last allowed turn: counted, never answered
+    assert calls == 3 and ended == "max_turns"
     assert mask == [1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 1, 1]
     assert lps == [-0.5, -0.5, 0.0, 0.0, 0.0] * 2 + [-0.5, -0.5]  # an observation's logprob is 0
     # each turn is generated on the ids so far (no re-tokenizing), with the turn's own seed
@@ -70,39 +72,51 @@ def test_episode_of_turns_and_observations_with_masks_logprobs_and_seeds():
     assert [call[1][0] for call in engine.calls] == [rollout.sample_seed(5, 3, 4, 5, t) for t in range(3)]
     assert rollout.sample_seed(5, 3, 4, 5, 0) == rollout.sample_seed(5, 3, 4, 5)  # single-turn's seed
     assert len(set(call[1][0] for call in engine.calls)) == 3
-    # observe saw each finished turn but the last (max_turns), with the episode so far
-    assert task.seen == [([7, EOS], [1, 2, 7, EOS]), ([7, EOS], [1, 2, *ids[:7]])]
+    # observe saw each finished turn, the last one too, with the episode so far
+    assert task.seen == [([7, EOS], [1, 2, 7, EOS]), ([7, EOS], [1, 2, *ids[:7]]), ([7, EOS], [1, 2, *ids])]
 
 
 def test_episode_ends_at_none_at_a_cut_turn_and_before_an_observation_that_would_not_fit():
     # observe says None: over after one turn
-    ids, _, mask = rollout.run_episodes(ScriptedEngine(lambda ids: [7, EOS]), Echo(None), cfg_of(),
-                                        [[1]], [(0, 0, 0)], 1.0)[0]
-    assert ids == [7, EOS] and mask == [1, 1]
+    ids, _, mask, calls, ended = rollout.run_episodes(ScriptedEngine(lambda ids: [7, EOS]), Echo(None),
+                                                      cfg_of(), [[1]], [(0, 0, 0)], 1.0)[0]
+    assert ids == [7, EOS] and mask == [1, 1] and (calls, ended) == (0, "stop")
+    # a call answered, then the answer: a natural end after one call
+    replies = iter([[40], None])
+    task = Echo(None)
+    task.observe = lambda turn, episode: next(replies)
+    ids, _, mask, calls, ended = rollout.run_episodes(ScriptedEngine(lambda ids: [7, EOS]), task, cfg_of(),
+                                                      [[1]], [(0, 0, 0)], 1.0)[0]
+    assert mask == [1, 1, 0, 1, 1] and (calls, ended) == (1, "stop")
     # a turn cut off by its budget (no stop token) is not observed: the episode is over
     engine = ScriptedEngine(lambda ids: [7, 7, 7, 7, 7, EOS])
-    ids, _, _ = rollout.run_episodes(engine, Echo([40]), cfg_of(), [[1]], [(0, 0, 0)], 1.0)[0]
-    assert ids == [7, 7, 7, 7] and engine.calls[0][2] == [4]
+    ids, _, _, calls, ended = rollout.run_episodes(engine, Echo([40]), cfg_of(), [[1]], [(0, 0, 0)], 1.0)[0]
+    assert ids == [7, 7, 7, 7] and engine.calls[0][2] == [4] and (calls, ended) == (0, "length")
     # max_model_len 12: prompt 2 + turn 2 + observation 8 = 12 leaves no room for a turn: the
     # observation is not cut, the episode ends before it
     cfg = cfg_of(max_model_len=12)
-    ids, _, _ = rollout.run_episodes(ScriptedEngine(lambda ids: [7, EOS]), Echo([40] * 8), cfg,
-                                     [[1, 2]], [(0, 0, 0)], 1.0)[0]
-    assert ids == [7, EOS]
+    ids, _, _, calls, ended = rollout.run_episodes(ScriptedEngine(lambda ids: [7, EOS]), Echo([40] * 8), cfg,
+                                                   [[1, 2]], [(0, 0, 0)], 1.0)[0]
+    assert ids == [7, EOS] and (calls, ended) == (1, "context")  # a call whose output did not fit
     # with 7 observation ids one token of room is left: the next turn's budget is 1
     engine = ScriptedEngine(lambda ids: [7, EOS])
-    ids, _, mask = rollout.run_episodes(engine, Echo([40] * 7), cfg, [[1, 2]], [(0, 0, 0)], 1.0)[0]
+    ids, _, mask, calls, ended = rollout.run_episodes(engine, Echo([40] * 7), cfg, [[1, 2]], [(0, 0, 0)],
+                                                      1.0)[0]
     assert ids == [7, EOS, *[40] * 7, 7] and engine.calls[1][2] == [1] and len(ids) + 2 == 12
+    assert (calls, ended) == (1, "length")
 
 
 def test_a_task_that_never_ends_is_bounded_by_max_turns_and_single_turn_tasks_make_one_call():
     engine = ScriptedEngine(lambda ids: [7, EOS])
     episodes = rollout.run_episodes(engine, Echo([40]), cfg_of(max_turns=5), [[1], [2, 3]],
                                     [(0, 0, 0), (0, 0, 1)], 1.0)
-    assert [sum(mask) for _, _, mask in episodes] == [10, 10] and len(engine.calls) == 5
+    assert [sum(mask) for _, _, mask, _, _ in episodes] == [10, 10] and len(engine.calls) == 5
+    assert [(calls, ended) for *_, calls, ended in episodes] == [(5, "max_turns")] * 2
     engine = ScriptedEngine(lambda ids: [7, EOS])
-    (ids, _, mask), = rollout.run_episodes(engine, rollout.ToyTask(0), cfg_of(), [[1]], [(0, 0, 0)], 1.0)
+    (ids, _, mask, calls, ended), = rollout.run_episodes(engine, rollout.ToyTask(0), cfg_of(), [[1]],
+                                                         [(0, 0, 0)], 1.0)
     assert ids == [7, EOS] and mask == [1, 1] and len(engine.calls) == 1  # no observe: one turn
+    assert (calls, ended) == (0, "stop")
 
 
 @pytest.mark.parametrize("observation", ["7", 7, [1.0], [262], [-1]])  # text, an id, a float, out of vocab
@@ -121,12 +135,22 @@ def test_toy_tool_task_calls_the_calculator_and_rewards_the_last_turn():
     observation = task.observe(call, task.encode(prompt) + call)
     assert task.decode(observation) == f"[{a + b}]"
     assert task.observe(task.tok.encode(answer) + [task.eos_id], []) is None  # an answer ends it
-    trace = task.target(answer)
+    trace, mask = task.target(answer)
     assert trace == call + observation + task.tok.encode(answer) + [task.eos_id]
-    assert task.reward(task.decode(trace), answer, True) == 1.0
-    assert task.reward(task.decode(trace), answer, False) == 0.0  # cut off
-    assert task.reward(f"?[{a + b}]{a + b + 1}", answer, True) == 0.0  # copied wrong
-    assert task.reward(answer, answer, True) == 1.0  # a direct answer counts too (max_turns=1)
+    # the warm-up trains on the call and the answer, not on the tool's output
+    assert mask == [1, 1] + [0] * len(observation) + [1] * (len(answer) + 1)
+    # the reward reads the model's last turn, its answer, not the tool's output before it
+    answered = rollout.last_turn(trace, mask)
+    assert answered == task.tok.encode(answer) + [task.eos_id]
+    assert task.reward(task.decode(answered), answer, "stop") == 1.0
+    for ended in ("length", "max_turns", "context"):  # cut off, or a call never answered
+        assert task.reward(task.decode(answered), answer, ended) == 0.0
+    assert task.reward(str(a + b + 1), answer, "stop") == 0.0  # copied wrong
+    assert task.reward("?", answer, "max_turns") == 0.0  # a call on the last turn
+    assert task.reward(answer, answer, "stop") == 1.0  # a direct answer counts too (max_turns=1)
+    assert rollout.last_turn([1, 2], [1, 1]) == [1, 2]  # single-turn: the whole response
+    # without the tool (max_turns=1) the warm-up teaches the direct answer, with no call
+    assert rollout.ToyToolTask(seed=1, tool=False).target(answer) == task.tok.encode(answer) + [task.eos_id]
 
 
 def test_gae_over_two_turns_by_hand():
@@ -283,11 +307,9 @@ def test_observation_tokens_are_in_no_loss_gradient_or_statistic(estimator, mode
                                    msg=lambda text: f"{label}, elsewhere: {text}")  # none outside the mask
     assert cut["grads"]["lp"].abs().sum() > 0.1  # some tokens (GSPO: sequences) unclipped
     m_full, m_cut = full["metrics"], cut["metrics"]
-    assert m_full["turns_per_episode"] == pytest.approx(6 / 3) and m_full["tool_calls_per_episode"] == 1.0
-    assert m_cut["turns_per_episode"] == 1.0  # the cut rows are single-turn
-    differ = {"tokens", "turns_per_episode", "tool_calls_per_episode"}  # prompt + response tokens
-    assert {k: v for k, v in m_full.items() if k not in differ} == pytest.approx(
-        {k: v for k, v in m_cut.items() if k not in differ})
+    assert m_full["tokens"] > m_cut["tokens"]  # prompt + response tokens: the observations too
+    assert {k: v for k, v in m_full.items() if k != "tokens"} == pytest.approx(
+        {k: v for k, v in m_cut.items() if k != "tokens"})
 
 
 class TokenTable(torch.nn.Module):
@@ -338,12 +360,14 @@ def _stand_in_models(estimator):
 
 
 def _dump(path, prompts, responses, masks, rewards, engine_lps):
-    """A step's samples as a run dumps them (rollouts/step_0.jsonl), for replay_rollouts."""
+    """A step's samples as a run dumps them (rollouts/step_0.jsonl), for replay_rollouts: each
+    observation answered a call, and each episode ended naturally."""
     os.makedirs(path)
     with open(os.path.join(path, "step_0.jsonl"), "w") as f:
         for j, sample in enumerate(zip(prompts, responses, masks, rewards, engine_lps)):
             names = ("prompt_ids", "response_ids", "action_mask", "reward", "engine_logprobs")
-            f.write(json.dumps(dict(index=j, **dict(zip(names, sample)))) + "\n")
+            calls = sum(a > b for a, b in zip(sample[2], sample[2][1:]))  # observations
+            f.write(json.dumps(dict(index=j, calls=calls, ended="stop", **dict(zip(names, sample)))) + "\n")
 
 
 @pytest.mark.parametrize("estimator, mode, ratio", [("gae", "token-mean", "ppo"),
@@ -487,9 +511,10 @@ def test_a_tool_task_gets_turns_by_default():
     the default config, an episode whose task keeps observing runs until the context is full
     (max_model_len 16: prompt 1 + (turn 2 + observation 1) x 5)."""
     cfg = config.Config(max_new_tokens=4, max_model_len=16)
-    (ids, _, mask), = rollout.run_episodes(ScriptedEngine(lambda ids: [7, EOS]), Echo([40]), cfg, [[1]],
-                                           [(0, 0, 0)], 1.0)
+    engine = ScriptedEngine(lambda ids: [7, EOS])
+    (ids, _, mask, calls, ended), = rollout.run_episodes(engine, Echo([40]), cfg, [[1]], [(0, 0, 0)], 1.0)
     assert mask == [1, 1, 0] * 4 + [1, 1]  # 5 turns: a 6th would start at 16, max_model_len
+    assert (calls, ended) == (5, "context")  # the 5th call's output left no room for a turn
     # a task without observe() is single-turn whatever max_turns says
     engine = ScriptedEngine(lambda ids: [7, EOS])
     rollout.run_episodes(engine, rollout.ToyTask(0), cfg, [[1]], [(0, 0, 0)], 1.0)
@@ -530,3 +555,123 @@ def test_a_value_of_the_wrong_type_reads_as_english():
     with pytest.raises(config.ConfigError, match=r"max_turns='x' is not of type int: write it like "
                                                  r"--max_turns=1000"):
         config.parse_args(["--max_turns=x"])
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """A one-rank gloo process group and its (1, 1, 1) mesh, released after the test."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    mesh = None
+    try:
+        mesh = model_parallel.make_mesh(1, 1, 1, "cpu")
+        yield mesh
+    finally:
+        torch.distributed.destroy_process_group()
+        if mesh is not None:
+            model_parallel.release_mesh(mesh)
+
+
+def test_the_warm_up_trains_on_the_models_tokens_of_a_tool_trace(one_rank, tmp_path, monkeypatch):
+    """The SFT warm-up on toy_tool's traces "?<eos>[68]68<eos>" (train_ppo.sft_warmup, one rank,
+    a TokenTable policy whose AdamW steps are real): the rows of the call's and the answer's ids
+    move, the brackets', which only the tool writes, never do. Trained on the whole trace, the
+    model would be taught to predict the tool's output."""
+    task = rollout.ToyToolTask(seed=1)
+    policy = TokenTable(torch.full((262, 2), -1.0))
+    monkeypatch.setattr(model_parallel, "load_policy", lambda *args: policy)
+    monkeypatch.setattr(model_parallel, "forward_policy", table_policy)
+    monkeypatch.setattr(model_parallel, "save_hf", lambda *args, **kwargs: None)
+    cfg = config.Config(task="toy_tool", sft_steps=2, sft_batch_size=4, sft_lr=0.1, micro_batch_size=4,
+                        max_model_len=32, out_dir=str(tmp_path))
+    train_ppo.sft_warmup("unused", task, cfg, one_rank)
+    moved = set((policy.table[:, 0] != -1.0).nonzero().flatten().tolist())
+    answers = [a for _, a in task.prompts(0, 8)]  # the warm-up's 2 x 4 examples
+    said = set(task.tok.encode("?" + "".join(answers))) | {task.eos_id}  # the model's tokens
+    assert moved == said
+    assert not moved & set(task.tok.encode("[]"))
+
+
+def test_episode_metrics_count_turns_calls_and_endings():
+    """Three episodes by hand: two turns around an answered call that ended naturally; a call on
+    the last turn (counted, never answered); a response cut off by its budget."""
+    samples = [dict(action_mask=[1, 1, 0, 0, 1, 1], calls=1, ended="stop"),
+               dict(action_mask=[1, 1], calls=1, ended="max_turns"),
+               dict(action_mask=[1, 1, 1], calls=0, ended="length")]
+    assert rollout.episode_metrics(samples) == pytest.approx(dict(
+        turns_per_episode=4 / 3, tool_calls_per_episode=2 / 3, ended_stop_rate=1 / 3, ended_length_rate=1 / 3,
+        ended_max_turns_rate=1 / 3, ended_context_rate=0.0))
+
+
+def test_a_prompt_that_leaves_no_room_is_one_clear_error():
+    """max_model_len=6 and a 6-token prompt: no token of room. The engine (as vLLM: "max_tokens
+    must be at least 1") is never asked for one."""
+    class Strict(ScriptedEngine):
+        def generate(self, prompt_ids, seeds, budgets, temperature):
+            assert min(budgets) >= 1, f"a budget of {min(budgets)} tokens reached the engine"
+            return super().generate(prompt_ids, seeds, budgets, temperature)
+    task = rollout.ToyToolTask(seed=1)
+    prompt = task.encode("23+45=")
+    with pytest.raises(rollout.TaskError, match="a prompt of 6 tokens leaves no room for a response within "
+                                                "max_model_len=6: raise max_model_len"):
+        rollout.run_episodes(Strict(lambda ids: [7, EOS]), task, cfg_of(max_model_len=6), [prompt],
+                             [(0, 0, 0)], 1.0)
+    (ids, *_), = rollout.run_episodes(Strict(lambda ids: [7, EOS]), task, cfg_of(max_model_len=7), [prompt],
+                                      [(0, 0, 0)], 1.0)
+    assert ids == [7]  # one token of room: cut off
+
+
+def test_a_bad_observation_in_validation_stops_every_rank_with_one_line(one_rank):
+    task = Echo([999])
+    task.val, task.encode = [("1+1=", "2")], lambda q: [1]
+    with pytest.raises(SystemExit, match=r"^task error: observe\(\) must return a list of token ids in"):
+        rollout.validation_accuracy(ScriptedEngine(lambda ids: [7, EOS]), task, cfg_of())
+
+
+def test_the_tool_is_taken_away_with_max_turns_1_from_the_warm_up_too(tmp_path):
+    """max_turns=1: toy_tool's warm-up teaches the direct answer, so that the one-turn run is a
+    model taught to answer, not one taught to call a tool that never answers."""
+    for turns, tool in ((1, False), (2, True), (1000, True)):
+        task = rollout.make_task(config.Config(task="toy_tool", max_turns=turns), str(tmp_path))
+        assert task.tool is tool
+        assert isinstance(task.target("68"), tuple) is tool  # (ids, mask) with the tool
+
+
+def test_dr_grpos_constant_is_the_episodes_longest_response(one_rank, tmp_path, monkeypatch):
+    """seq-mean-token-sum-norm divides token sums by a constant. A multi-turn episode can hold
+    up to max_model_len response tokens, not one turn's max_new_tokens (verl: its response
+    length): start_run sets it so for a task with turns, and config.json records it."""
+    monkeypatch.setattr(model_parallel, "setup",
+                        lambda cfg: (torch.device("cpu"), one_rank, str(tmp_path), "masked"))
+    for task, turns, norm in (("toy_tool", 1000, 32), ("toy_tool", 1, 0), ("toy_add", 1000, 0)):
+        cfg = config.Config(task=task, max_turns=turns, max_model_len=32, max_new_tokens=4,
+                            out_dir=str(tmp_path / f"{task}{turns}"))
+        train_ppo.start_run(cfg, None)
+        assert cfg.loss_agg_norm == norm, (task, turns)
+        assert json.load(open(tmp_path / f"{task}{turns}" / "config.json"))["loss_agg_norm"] == norm
+
+
+def _write_dump(path, samples):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(s) + "\n" for s in samples)
+
+
+def test_a_dump_the_trainer_cannot_train_on_is_refused_in_one_line(one_rank, tmp_path):
+    """Replaying a dump of an older version (no action_mask) gave a KeyError traceback; a dump whose
+    last token is an observation would silently lose its score."""
+    good = dict(index=0, prompt_ids=[1], response_ids=[7, EOS], engine_logprobs=[-1.0, -1.0],
+                action_mask=[1, 1], calls=0, ended="stop", reward=1.0)
+    cfg = config.Config(replay_rollouts=str(tmp_path))
+    _write_dump(tmp_path / "step_0.jsonl", [good])
+    assert rollout.rollouts(None, None, cfg, 0, 0) == ({0: good}, 0)
+    old = {k: v for k, v in good.items() if k not in ("action_mask", "calls", "ended")}
+    _write_dump(tmp_path / "step_0.jsonl", [good, old])
+    with pytest.raises(SystemExit, match=rf"^replay error: {tmp_path}/step_0.jsonl:2: the sample has no "
+                                         "action_mask, calls, ended: a dump of an older version"):
+        rollout.rollouts(None, None, cfg, 0, 0)
+    _write_dump(tmp_path / "step_0.jsonl", [dict(good, response_ids=[7, 40], action_mask=[1, 0])])
+    with pytest.raises(SystemExit, match=r"step_0.jsonl:1: the response's last token is not the model's"):
+        rollout.rollouts(None, None, cfg, 0, 0)
+    with pytest.raises(SystemExit, match=r"step_1.jsonl is missing"):
+        rollout.rollouts(None, None, cfg, 1, 0)

@@ -74,7 +74,7 @@ def test_task_applies_chat_template_and_checks_inputs(real_model):
     text = tok.decode(ids)
     assert text.startswith("<|im_start|>user\nTom has 3 apples") and text.endswith("<|im_start|>assistant\n")
     assert task.eos_id == tok.convert_tokens_to_ids("<|im_end|>")
-    assert task.reward("3 + 4 = 7 #### 7", PROBLEMS[0][1], True) == 1.0
+    assert task.reward("3 + 4 = 7 #### 7", PROBLEMS[0][1], "stop") == 1.0
     stream = task.prompts(0, 2 * len(task.train))  # two epochs, each a permutation of the prompts file
     assert sorted(stream[:len(task.train)]) == sorted(stream[len(task.train):]) == sorted(task.train)
     assert task.prompts(3, 4) == stream[3:7]  # a resumed position draws what the straight run drew
@@ -119,13 +119,16 @@ def test_episode_ids_are_the_chat_templates_rendering_of_the_conversation(real_m
 
     class CalcTask:
         def observe(self, turn, episode):
-            a, b = re.fullmatch(r"calc\((\d+)\+(\d+)\)<\|im_end\|>", tok.decode(turn)).groups()
-            return rollout.chat_tool_message(tok, str(int(a) + int(b)))
+            call = re.fullmatch(r"calc\((\d+)\+(\d+)\)<\|im_end\|>", tok.decode(turn))
+            if call is None:  # the answer: the episode is over
+                return None
+            return rollout.chat_tool_message(tok, str(int(call[1]) + int(call[2])))
 
     prompt = list(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
     cfg = config.Config(max_turns=2, max_new_tokens=32, max_model_len=256)
-    (response, lps, mask), = rollout.run_episodes(ScriptedChat(tok, turns), CalcTask(), cfg, [prompt],
-                                                  [(0, 0, 0)], 1.0)
+    (response, lps, mask, calls, ended), = rollout.run_episodes(ScriptedChat(tok, turns), CalcTask(), cfg,
+                                                                [prompt], [(0, 0, 0)], 1.0)
+    assert (calls, ended) == (1, "stop")
     conversation = chat + [{"role": "assistant", "content": turns[0]}, {"role": "tool", "content": "7"},
                            {"role": "assistant", "content": turns[1]}]
     rendered = list(tok.apply_chat_template(conversation, tokenize=True, return_dict=False))
@@ -191,13 +194,17 @@ def calc_episode(tok, turns, read_call, role):
 
     class CalcTask:
         def observe(self, turn, episode):
-            a, b = read_call(tok.decode(turn, skip_special_tokens=True))
+            text = tok.decode(turn, skip_special_tokens=True)
+            if text == turns[-1]:  # the answer: the episode is over
+                return None
+            a, b = read_call(text)
             return rollout.chat_tool_message(tok, str(a + b), role=role)
 
     prompt = list(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
     cfg = config.Config(max_turns=2, max_new_tokens=64, max_model_len=256)
-    (response, _, mask), = rollout.run_episodes(ScriptedChat(tok, turns), CalcTask(), cfg, [prompt],
-                                                [(0, 0, 0)], 1.0)
+    (response, _, mask, calls, ended), = rollout.run_episodes(ScriptedChat(tok, turns), CalcTask(), cfg,
+                                                              [prompt], [(0, 0, 0)], 1.0)
+    assert (calls, ended) == (1, "stop")
     assert sum(mask) == sum(len(tok.encode(t)) + 1 for t in turns)  # both turns, each with its EOS
     return chat, prompt, response, mask
 
@@ -338,6 +345,50 @@ def test_sums_task_rewards_only_a_finished_right_answer(real_model, tmp_path):
     stop_ids = rollout.stop_token_ids(path, task.eos_id)
     cut_off, ended = task.tok.encode("3 + 4 = 7"), task.tok.encode("3 + 4 = 7") + [task.eos_id]
     assert not rollout.finished(cut_off, stop_ids) and rollout.finished(ended, stop_ids)
-    assert task.reward(task.decode(cut_off), "#### 7", rollout.finished(cut_off, stop_ids)) == 0.0
-    assert task.reward(task.decode(ended), "#### 7", rollout.finished(ended, stop_ids)) == 1.0
-    assert task.reward("3 + 4 = 8", "#### 7", True) == 0.0
+    assert task.reward(task.decode(cut_off), "#### 7", "length") == 0.0
+    assert task.reward(task.decode(ended), "#### 7", "stop") == 1.0
+    assert task.reward("3 + 4 = 8", "#### 7", "stop") == 0.0
+
+
+# A template whose tool message is headed by the name of the tool the assistant called (and which
+# refuses a tool message that answers no call), and whose assistant turns end with <|im_end|>
+# while the tokenizer's EOS is <|endoftext|>, as a base model's tokenizer under a chat template.
+NAMED_TOOL_TEMPLATE = (
+    "{% set ns = namespace(name='') %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}"
+    "{% if not ns.name %}{{ raise_exception('a tool message must answer a call') }}{% endif %}"
+    "{{ '<|im_start|>tool ' + ns.name + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% else %}"
+    "{% if m['tool_calls'] %}{% set ns.name = m['tool_calls'][0]['function']['name'] %}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') }}"
+    "{% for c in m['tool_calls'] or [] %}{{ 'call ' + c['function']['name'] }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_tool_message_headed_by_the_call_after_a_stop_token_other_than_eos(real_model):
+    """chat_tool_message renders its conversation with a call of the named tool (a template may
+    write the tool message's header from the call, or refuse a message that answers none), and
+    finds the turn's end by the stop ids it is given: here <|im_end|>, not the tokenizer's EOS.
+    The episode's ids are then the template's rendering of the conversation."""
+    _, path = real_model
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = NAMED_TOOL_TEMPLATE
+    tok.eos_token = "<|endoftext|>"
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    with pytest.raises(rollout.TaskError, match=r"does not end an assistant turn with a stop token"):
+        rollout.chat_tool_message(tok, "7", name="calc")  # <|endoftext|> ends no turn
+    chat = [{"role": "system", "content": "You may call calc."},
+            {"role": "user", "content": "What is 3 + 4?"}]
+    prompt = list(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
+    call, answer = tok.encode("call calc") + [im_end], tok.encode("7") + [im_end]
+    episode = prompt + call + rollout.chat_tool_message(tok, "7", stop_ids=[im_end], name="calc") + answer
+    conversation = chat + [{"role": "assistant", "content": "", "tool_calls": [CALC_CALL]},
+                           {"role": "tool", "content": "7"}, {"role": "assistant", "content": "7"}]
+    rendered = list(tok.apply_chat_template(conversation, tokenize=True, return_dict=False))
+    assert tok.decode(rendered).endswith("call calc<|im_end|>\n<|im_start|>tool calc\n7<|im_end|>\n"
+                                         "<|im_start|>assistant\n7<|im_end|>\n")
+    assert rendered[:len(episode)] == episode and tok.decode(rendered[len(episode):]) == "\n"

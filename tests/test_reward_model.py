@@ -195,7 +195,7 @@ def test_ppo_against_a_reward_model_logs_the_rule_beside_it(root, tmp_path):
     torch.testing.assert_close(torch.tensor([s["reward"] for s in samples]), expected, atol=1e-4, rtol=1e-4)
     task = rollout.ToyTask(1)
     for s in samples:  # the rule, recomputed from the text
-        assert s["task_score"] == task.reward(s["response"], s["answer"], s["finished"])
+        assert s["task_score"] == task.reward(s["response"], s["answer"], s["ended"])
     assert rows[0]["reward_mean"] == pytest.approx(expected.mean().item(), abs=1e-4)
     # a replay of those dumps (at dp=1): the rule read back from task_score, the reward model's
     # scores computed again; the numbers of the generating run
@@ -226,8 +226,8 @@ def test_toy_pairs_cover_every_failure_and_train_a_reward_model(tmp_path):
         answer = str(int(a) + int(b))
         assert row["chosen"] == answer + eos, row
         for text, score in ((row["chosen"], 1.0), (row["rejected"], 0.0)):
-            ended = text.endswith(eos)
-            assert task.reward(text[:-len(eos)] if ended else text, answer, ended) == score, row
+            ended = "stop" if text.endswith(eos) else "length"
+            assert task.reward(text.removesuffix(eos), answer, ended) == score, row
     rejected = [row["rejected"] for row in rows]
     assert eos in rejected  # the empty response
     assert any(not r.endswith(eos) for r in rejected)  # cut off

@@ -57,9 +57,9 @@ def test_toy_task():
     for prompt, answer in pairs:
         a, b = prompt.rstrip("=").split("+")
         assert int(answer) == int(a) + int(b)
-    assert ToyTask(1).reward("7", "7", finished=True) == 1.0
-    assert ToyTask(1).reward("7", "7", finished=False) == 0.0       # did not stop
-    assert ToyTask(1).reward("77", "7", finished=True) == 0.0
+    assert ToyTask(1).reward("7", "7", ended="stop") == 1.0
+    assert ToyTask(1).reward("7", "7", ended="length") == 0.0       # did not stop
+    assert ToyTask(1).reward("77", "7", ended="stop") == 0.0
 
 
 def test_stop_tokens_without_generation_config_include_config_json_eos(tmp_path):

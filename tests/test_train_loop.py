@@ -165,8 +165,7 @@ def test_step_metrics_console_plot_and_summary_follow_the_loss_terms(tmp_path, m
     by_hand = dict(step=0, reward_mean=0.75, reward_std=math.sqrt(0.75 - 0.75 ** 2), kl=0.01,
                    response_len_mean=5.0, logprob_mismatch=0.0, token_mult_prob_error=1.0, clip_frac=0.2,
                    skipped_updates=1, policy_loss=0.1, entropy_loss=-0.003, ratio_penalty=0.03,
-                   grad_norm=3.0, time_step_s=2.0, tokens=60,
-                   turns_per_episode=1.0, tool_calls_per_episode=0.0)  # single-turn rows
+                   grad_norm=3.0, time_step_s=2.0, tokens=60)
     assert metrics == pytest.approx(by_hand)  # the same keys, and these values
 
     titles = []
@@ -368,9 +367,9 @@ def test_policy_ratio_is_clamped_before_exp():
 def test_gsm8k_reward_needs_the_end_of_text():
     task = rollout.GSM8KTask.__new__(rollout.GSM8KTask)  # only the reward: no tokenizer needed
     task.format_reward = 0.0
-    assert task.reward("so the answer is 7", "3 + 4 = 7 #### 7", finished=True) == 1.0
+    assert task.reward("so the answer is 7", "3 + 4 = 7 #### 7", ended="stop") == 1.0
     # cut off by max_new_tokens while the last number happened to be the answer
-    assert task.reward("so the answer is 7", "3 + 4 = 7 #### 7", finished=False) == 0.0
+    assert task.reward("so the answer is 7", "3 + 4 = 7 #### 7", ended="length") == 0.0
 
 
 @pytest.mark.slow  # a CLI run under torchrun
@@ -393,6 +392,7 @@ def test_readme_recipe_for_your_own_task_runs_as_written(tmp_path):
         assert s["prompt"].endswith(">") and len(word) == 3 and set(word) <= set("abcd")
         assert s["answer"] == word[::-1]
         finished = s["response_ids"][-1] == rollout.ToyTask(0).eos_id
+        assert s["ended"] == ("stop" if finished else "length") and s["calls"] == 0
         assert s["finished"] == finished and s["reward"] == float(finished and s["response"] == s["answer"])
 
 
