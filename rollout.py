@@ -441,7 +441,8 @@ class ToyToolTask(ToyTask):
         return ids, [1] * len(call) + [0] * len(observation) + [1] * (len(answer) + 1)
 
 
-def chat_tool_message(tok, content: str, role: str = "tool", stop_ids=None, name: str = "tool") -> list:
+def chat_tool_message(tok, content: str, role: str = "tool", stop_ids=None, name: str = "tool",
+                      max_tokens=None) -> list:
     """The ids to append after a model turn (ended by a stop token: `stop_ids`, default the
     tokenizer's EOS; Llama 3 ends a turn with <|eot_id|>, or <|eom_id|> after a call) for a tool
     message `content`, up to the opening of the assistant's next turn, as the tokenizer's chat
@@ -453,7 +454,15 @@ def chat_tool_message(tok, content: str, role: str = "tool", stop_ids=None, name
     ids are the template's rendering of the whole conversation. The role is the template's: "tool"
     (Qwen2.5 wraps it in <tool_response> tags inside a user turn), "ipython" (Llama 3.1). Refused
     (TaskError) where the template writes the earlier turns differently once the message follows
-    (e.g. one that drops past reasoning): no appended ids could match it."""
+    (e.g. one that drops past reasoning): no appended ids could match it.
+
+    max_tokens: a bound on the content, in tokens, of the task's choosing: a longer content is cut
+    to it and marked "...(truncated)" (verl's max_tool_response_length does the same). Without a
+    bound, an output that leaves no room for another turn ends the episode instead ("context");
+    a message is never cut mid-template."""
+    words = tok.encode(content, add_special_tokens=False)  # the content's tokens
+    if max_tokens is not None and len(words) > max_tokens:
+        content = tok.decode(words[:max_tokens]) + "...(truncated)"
     call = {"type": "function", "function": {"name": name, "arguments": {}}}
     chat = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2", "tool_calls": [call]}]
     message = {"role": role, "content": content, "name": name}

@@ -392,3 +392,16 @@ def test_tool_message_headed_by_the_call_after_a_stop_token_other_than_eos(real_
     assert tok.decode(rendered).endswith("call calc<|im_end|>\n<|im_start|>tool calc\n7<|im_end|>\n"
                                          "<|im_start|>assistant\n7<|im_end|>\n")
     assert rendered[:len(episode)] == episode and tok.decode(rendered[len(episode):]) == "\n"
+
+
+def test_a_tool_output_is_cut_to_the_tasks_bound(real_model):
+    """chat_tool_message(max_tokens=n): a content of more than n tokens keeps its first n, marked,
+    inside the template's frame; a shorter one is unchanged."""
+    _, path = real_model
+    tok = AutoTokenizer.from_pretrained(path)
+    long = "Tom has 3 apples and 4 pears. " * 20
+    first = tok.decode(tok.encode(long, add_special_tokens=False)[:5])
+    assert len(tok.encode(long)) > 100 and len(first) < 40
+    assert rollout.chat_tool_message(tok, long, max_tokens=5) == (
+        tok.encode("\n<|im_start|>tool\n" + first + "...(truncated)<|im_end|>\n<|im_start|>assistant\n"))
+    assert rollout.chat_tool_message(tok, "7", max_tokens=5) == rollout.chat_tool_message(tok, "7")
