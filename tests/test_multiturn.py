@@ -465,6 +465,16 @@ def test_recipe_for_your_own_tool_runs_as_written(tmp_path):
             last = turns[-1]
             assert task.decode(last) == s["answer"] or last[-1] != task.eos_id or len(turns) == 3
             assert s["reward"] == float(s["finished"] and task.decode(last) == s["answer"])
+            # why it ended, and the calls: each "[wrong]" answered one; a wrong answer on the last
+            # turn (or one whose "[wrong]" did not fit) is a call never answered
+            if last[-1] != task.eos_id:
+                expected = {"length"}
+            elif task.decode(last) == s["answer"]:
+                expected = {"stop"}
+            else:  # a wrong answer the checker answered, its "[wrong]" never appended
+                expected = {"max_turns", "context"}
+            assert s["ended"] in expected and s["finished"] == (s["ended"] == "stop")
+            assert s["calls"] == len(observations) + (s["ended"] in ("max_turns", "context"))
             turns_seen.append(len(turns))
     assert max(turns_seen) >= 2  # the tool answered at least once (measured: most episodes)
 
