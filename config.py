@@ -9,6 +9,7 @@ N+ implementation details of RLHF with PPO" (Huang et al., 2024). Nothing here t
 torch.distributed or a model: bad input is refused before any heavy work starts, with one line
 naming the key and the fix (`ConfigError`).
 """
+import contextlib
 import dataclasses
 import importlib.util
 import inspect
@@ -22,7 +23,6 @@ import tokenize
 import tomllib
 import typing
 import warnings
-from dataclasses import dataclass
 from typing import Literal
 
 
@@ -30,7 +30,7 @@ class ConfigError(ValueError):
     """A problem with the user's config: printed as one line, exit code 2."""
 
 
-@dataclass
+@dataclasses.dataclass
 class Config:
     """Every setting of a run. A field's doc is the run of comment lines directly above it and/or
     its trailing comment; `# ---- name ----` banners head the groups (see field_docs)."""
@@ -235,12 +235,10 @@ POSITIVE = ("tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size
             "prompts_per_step", "samples_per_prompt", "max_new_tokens", "rollout_tp_size",
             "refit_bucket_mb", "max_model_len", "vllm_gpu_memory_utilization", "vllm_kv_cache_gb",
             "sft_batch_size", "ppo_epochs", "num_minibatches", "temperature", "collective_timeout_s")
-# Fields that must be >= 0: a coefficient, a rate or a count where 0 means "off" or "never".
-NON_NEGATIVE = ("steps", "kl_coef", "tis_cap", "clip_ratio_c", "eval_every", "format_reward", "clip_ratio",
-                "value_clip", "lr", "entropy_coef", "max_grad_norm", "critic_lr", "sft_lr",
-                "weight_decay", "sft_steps", "warmup_steps", "save_every", "plot_every",
-                "logprob_chunk_size", "keep_checkpoints", "max_skipped_steps", "clip_ratio_high",
-                "loss_agg_norm", "critic_warmup_steps", "gspo_clip_ratio", "gspo_clip_ratio_high")
+# Every other int or float field must be >= 0: a coefficient, a rate or a count where 0 means
+# "off" or "never" (a new field is checked too), except these: the seed, and gamma and lam, which
+# _validate_values checks against [0, 1] with a message of their own.
+SIGNED = ("seed", "gamma", "lam")
 
 
 # attention=masked builds a (B, T/cp, T) mask for a microbatch of B rows, and SDPA a score tensor
@@ -296,10 +294,8 @@ def field_docs(cls=Config) -> dict:
     """
     source = inspect.getsource(cls)
     # {line number: comment text}; tokenize, not a split on "#": a string default may hold a "#"
-    comments = {}
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT}
     docs, above = {}, []
     for number, line in enumerate(source.splitlines(), 1):
         text = line.strip()
@@ -338,10 +334,8 @@ def _coerce(key: str, value, typ):
         if isinstance(value, int) or (isinstance(value, str) and value.lstrip("-").isdigit()):
             return int(value)
     elif typ is float and not isinstance(value, bool):
-        try:
+        with contextlib.suppress(TypeError, ValueError):  # not a number: refused below
             return float(value)
-        except (TypeError, ValueError):
-            pass
     elif typ is str and isinstance(value, str):
         return value
     default = Config.__dataclass_fields__[key].default
@@ -395,8 +389,8 @@ def _validate_values(cfg: Config) -> None:
     for key in POSITIVE:
         if not getattr(cfg, key) > 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be > 0")
-    for key in NON_NEGATIVE:
-        if getattr(cfg, key) < 0:
+    for key, typ in typing.get_type_hints(Config).items():
+        if typ in (int, float) and key not in SIGNED and getattr(cfg, key) < 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be >= 0")
     # a dual clip caps the ratio of negative-advantage tokens: at c <= 1 it would cap every ratio
     if 0 < cfg.clip_ratio_c <= 1:

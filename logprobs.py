@@ -75,10 +75,8 @@ def zigzag_positions(seq_len, cp_size, cp_rank, device=None):
     chunk = seq_len // (2 * cp_size)
     # under a causal mask late positions attend to more keys; pairing chunk r with its mirror
     # 2cp-1-r gives every rank one cheap and one costly chunk, hence equal attention work
-    late = 2 * cp_size - 1 - cp_rank
-    early_pos = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)  # (S/2cp,)
-    late_pos = torch.arange(late * chunk, (late + 1) * chunk, device=device)  # (S/2cp,)
-    return torch.cat([early_pos, late_pos])  # (S/cp,)
+    pair = (cp_rank, 2 * cp_size - 1 - cp_rank)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in pair])  # (S/cp,)
 
 
 def zigzag_split(x, cp_size, cp_rank, dim=1):
@@ -95,14 +93,13 @@ class _CPGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_local, cp_group, dim):
         ctx.cp_group, ctx.dim = cp_group, dim
-        cp_size = _size(cp_group)
-        parts = [torch.empty_like(x_local) for _ in range(cp_size)]  # cp x (..., S/cp, ...)
+        parts = [torch.empty_like(x_local) for _ in range(_size(cp_group))]  # cp x (..., S/cp, ...)
         dist.all_gather(parts, x_local.contiguous(), group=cp_group)
-        # rank r's part is [chunk r, chunk 2cp-1-r]: put its two halves back where they belong
-        chunks = [None] * (2 * cp_size)
-        for r, part in enumerate(parts):
-            chunks[r], chunks[2 * cp_size - 1 - r] = part.chunk(2, dim)  # 2 x (..., S/2cp, ...)
-        return torch.cat(chunks, dim)  # (..., S, ...)
+        # rank r's part is [chunk r, chunk 2cp-1-r]: put its two halves back where they belong, so
+        # chunks 0..cp-1 are the ranks' first halves in rank order, chunks cp..2cp-1 their second
+        # halves in reverse rank order
+        firsts, seconds = zip(*[part.chunk(2, dim) for part in parts])  # cp x (..., S/2cp, ...) each
+        return torch.cat(firsts + seconds[::-1], dim)  # (..., S, ...)
 
     @staticmethod
     def backward(ctx, grad_full):

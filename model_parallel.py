@@ -31,14 +31,13 @@ import json
 import math
 import os
 import shutil
-import struct
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch import nn
+from safetensors import SafetensorError, safe_open
 from torch.distributed._composable.replicate import DDP, replicate
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
@@ -410,26 +409,22 @@ def _tp_plan(model, sequence_parallel):
         "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=stream),  # channels summed
     }
     if model.config.model_type == "qwen3":
-        plan.update({
-            # per-head q/k norms see only this rank's heads (dim 2 of (B, S, H/tp, D)); marking
-            # that split (SP's style on the head dim) makes the replicated weight's gradient a sum
-            # over tp
-            "model.layers.*.self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-            "model.layers.*.self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-        })
+        # per-head q/k norms see only this rank's heads (dim 2 of (B, S, H/tp, D)); marking
+        # that split (SP's style on the head dim) makes the replicated weight's gradient a sum
+        # over tp
+        plan["model.layers.*.self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["model.layers.*.self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if sequence_parallel:
-        plan.update({
-            # norms run on S/tp tokens; their replicated weights get gradients summed over tp
-            "model.layers.*.input_layernorm": SequenceParallel(),
-            "model.layers.*.post_attention_layernorm": SequenceParallel(),
-            "model.norm": SequenceParallel(use_local_output=True),
-            # attention and MLP need every token: one all-gather over tp at each block's entry
-            "model.layers.*.self_attn": PrepareModuleInput(
-                input_kwarg_layouts={"hidden_states": Shard(1)},
-                desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=True),
-            "model.layers.*.mlp": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),
-        })
+        # norms run on S/tp tokens; their replicated weights get gradients summed over tp
+        plan["model.layers.*.input_layernorm"] = SequenceParallel()
+        plan["model.layers.*.post_attention_layernorm"] = SequenceParallel()
+        plan["model.norm"] = SequenceParallel(use_local_output=True)
+        # attention and MLP need every token: one all-gather over tp at each block's entry
+        plan["model.layers.*.self_attn"] = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=True)
+        plan["model.layers.*.mlp"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
     if isinstance(model.get_output_embeddings(), ValueHead):
         # the value head is tiny and replicated over tp: it just needs every token
         plan["lm_head"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
@@ -478,7 +473,6 @@ def check_hf_dir(path, tp_size):
     if not files:
         raise CheckpointError(f"{path} has no *.safetensors weights (.bin files are not read here: "
                               f"re-save them with save_pretrained)")
-    from safetensors import SafetensorError, safe_open
     for f in files:
         # the header lists every tensor's byte range: a truncated file fails here
         try:
@@ -504,7 +498,7 @@ def checked_model_dir(cfg):
     return model_dir
 
 
-class ValueHead(nn.Linear):
+class ValueHead(torch.nn.Linear):
     """The critic's Linear(hidden, 1), computed as x @ w.T + b in two ops: F.linear's fused addmm
     on 3-D input returns a view, and FSDP2 warns about (and cannot hook in-place ops on) views."""
 
@@ -531,13 +525,12 @@ def _build(path, mesh, cfg, critic, frozen=False):
             _tie_embeddings(model)
     if cfg.activation_checkpointing:  # recompute each decoder layer in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    device = _device(mesh)
     offload = cfg.data_parallel == "fsdp" and (cfg.cpu_offload or frozen)
     if cfg.data_parallel == "fsdp":
         _shard_fsdp(model, mesh.dp_cp, cfg, offload, frozen)
     elif mesh.dp_cp.size() > 1:  # ddp (on one rank: a plain module)
         _replicate_ddp(model, mesh.dp_cp.get_group())
-    _allocate(model, device, offload)
+    _allocate(model, _device(mesh), offload)
     # to_empty gave each its own tensor (not under FSDP2): tie again
     if tied:
         _tie_embeddings(model)
@@ -576,10 +569,9 @@ def _shard_fsdp(model, mesh, cfg, offload, frozen):
     reduced in fp32 into fp32 master weights, which AdamW updates. `offload` keeps the shards (and
     AdamW's state) in host memory, pinned on a GPU machine (on CPU the same code runs, moving
     nothing)."""
+    compute = MixedPrecisionPolicy()  # fp32: FSDP2 casts nothing
     if cfg.dtype == "bf16":
         compute = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    else:
-        compute = MixedPrecisionPolicy()
     # reshard_after_forward=False: a gathered layer stays gathered until its backward (or, in
     # no-grad passes, until the next explicit reshard: every microbatch of a pass reuses it)
     host = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
@@ -688,7 +680,6 @@ def load_policy(path, mesh, cfg):
 def score_head(path):
     """The score head (1, hidden) of a `*ForSequenceClassification` checkpoint with one label (a
     reward model), or None. It is small: every rank reads it whole."""
-    from safetensors import safe_open
     for name in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
         with safe_open(os.path.join(path, name), framework="pt") as f:
             if "score.weight" in f.keys():
@@ -808,10 +799,10 @@ def _varlen_index(doc_lens, num_rows, row_len, cp_size, cp_rank, kv_rows):
                     k_spans.append((row, start, end))
     k_lens = [end - start for _, start, end in k_spans]
     kv_index = None  # cp = 1: the segments' keys are the keys, in order
-    # the gathered keys are in rank order: row position p sits at slot[p]
+    # the gathered keys are in rank order: row position p sits at slot[p] (kv_rows is a permutation
+    # of the row positions; its argsort is the inverse permutation)
     if cp_size > 1:
-        slot = torch.empty_like(kv_rows)  # (T,)
-        slot[kv_rows] = torch.arange(len(kv_rows), device=kv_rows.device)
+        slot = kv_rows.argsort()  # (T,)
         kv_index = torch.cat([row * row_len + slot[start:end] for row, start, end in k_spans])  # (total_k,)
 
     def boundaries(lens):  # segment lengths -> (segments + 1,) int32 offsets
@@ -1140,7 +1131,7 @@ def _safetensors_header(tensors, dtype):
         offset += nbytes
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
-    return struct.pack("<Q", len(blob)) + blob
+    return len(blob).to_bytes(8, "little") + blob
 
 
 def save_hf(model, path, dtype=torch.float32, copy_from=None, shard_gb=5.0):
@@ -1173,8 +1164,7 @@ def save_hf(model, path, dtype=torch.float32, copy_from=None, shard_gb=5.0):
         with open(os.path.join(tmp, file_name), "wb") if master else contextlib.nullcontext() as f:
             if master:
                 f.write(_safetensors_header(tensors, dtype))
-            for _ in tensors:
-                full = next(full_params)[1]
+            for _, full in itertools.islice(full_params, len(tensors)):  # this file's parameters
                 if master:
                     f.write(full.contiguous().view(torch.uint8).cpu().numpy())  # its raw bytes
     if master:
