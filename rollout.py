@@ -21,7 +21,7 @@ import numpy as np
 import tiktoken
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 
 # -----------------------------------------------------------------------------
@@ -66,11 +66,10 @@ def generate_share(engine, task, cfg, step, start):
         # action_mask: 1 on the model's tokens, 0 on observations (its runs of 1 are the turns).
         # The dump shows the whole episode; the reward reads the model's last turn, its answer
         # (not a number a tool returned)
-        answered = task.decode(last_turn(response, action_mask))
         samples.append(dict(index=j, prompt=prompt, response=task.decode(response), answer=answer,
                             prompt_ids=prompt_ids[j // K], response_ids=response, engine_logprobs=lps,
                             action_mask=action_mask, calls=calls, ended=ended, finished=ended == "stop",
-                            reward=task.reward(answered, answer, ended)))
+                            reward=task.reward(task.decode(last_turn(response, action_mask)), answer, ended)))
     return samples, len(wanted)
 
 
@@ -111,35 +110,31 @@ def run_episodes(engine, task, cfg, prompt_ids, keys, temperature):
         budgets = [min(cfg.max_new_tokens, cfg.max_model_len - len(c)) for c in contexts]
         seeds = [sample_seed(cfg.seed, *keys[k], turn) for k in running]
         outs = engine.generate(contexts, seeds, budgets, temperature) if running else []
-        still = []
         for k, context, (ids, lps) in zip(running, contexts, outs):
             episode = episodes[k]
-            episode["ids"] += ids
-            episode["logprobs"] += lps
-            episode["mask"] += [1] * len(ids)
+            for part, new in zip(("ids", "logprobs", "mask"), (ids, lps, [1] * len(ids))):  # the model's turn
+                episode[part] += new
             if not finished(ids, engine.stop_ids):
                 episode["ended"] = "length"
                 continue
             observation = observe(ids, context + ids) if observe else None
-            # an empty list would merge two turns into one run of 1s: a turn the metrics lose
-            valid = isinstance(observation, list) and len(observation) > 0 and all(
-                isinstance(i, int) and 0 <= i < engine.vocab_size for i in observation)
-            if observation is not None and not valid:
-                raise TaskError(f"observe() must return a list of token ids in [0, {engine.vocab_size}), not "
-                                f"empty, or None, not {str(observation)[:60]}")
             if observation is None:  # the model's answer: a natural end
                 episode["ended"] = "stop"
                 continue
+            # an empty list would merge two turns into one run of 1s: a turn the metrics lose
+            if not (isinstance(observation, list) and len(observation) > 0 and all(
+                    isinstance(i, int) and 0 <= i < engine.vocab_size for i in observation)):
+                raise TaskError(f"observe() must return a list of token ids in [0, {engine.vocab_size}), not "
+                                f"empty, or None, not {str(observation)[:60]}")
             episode["calls"] += 1  # a call, answered or not
             room = len(context) + len(ids) + len(observation) < cfg.max_model_len
             if turn + 1 == turns or not room:
                 episode["ended"] = "max_turns" if turn + 1 == turns else "context"
                 continue
-            episode["ids"] += observation
-            episode["logprobs"] += [0.0] * len(observation)
-            episode["mask"] += [0] * len(observation)  # context, not actions
-            still.append(k)
-        running = still
+            n = len(observation)
+            for part, new in zip(("ids", "logprobs", "mask"), (observation, [0.0] * n, [0] * n)):  # context
+                episode[part] += new
+        running = [k for k in running if episodes[k]["ended"] is None]  # the episodes that go on
     return [(e["ids"], e["logprobs"], e["mask"], e["calls"], e["ended"]) for e in episodes]
 
 
@@ -156,8 +151,7 @@ def episode_metrics(samples) -> dict:
     # an episode's turns: its runs of the model's tokens (observations lie between them)
     turns = sum(1 + sum(a < b for a, b in zip(s["action_mask"], s["action_mask"][1:])) for s in samples)
     calls = sum(s["calls"] for s in samples)
-    ends = [s["ended"] for s in samples]
-    rates = {f"ended_{name}_rate": ends.count(name) / n for name in ENDINGS}
+    rates = {f"ended_{name}_rate": sum(s["ended"] == name for s in samples) / n for name in ENDINGS}
     return dict(turns_per_episode=turns / n, tool_calls_per_episode=calls / n, **rates)
 
 
@@ -192,8 +186,7 @@ def rollouts(engine, task, cfg, step, start):
         mine, generated = str(e), 0
     engine.sleep()  # GPU: vLLM frees its memory for training
     gathered = gather_or_stop(mine, "task error")  # collective: every rank's share on every rank
-    every = {s["index"]: s for share in gathered for s in share}
-    return every, generated
+    return {s["index"]: s for share in gathered for s in share}, generated
 
 
 # -----------------------------------------------------------------------------
@@ -219,13 +212,10 @@ def epoch_order(seed: int, size: int, start: int, n: int) -> list:
     epoch shuffled anew (seeded by (seed, epoch)): every item once per epoch, none drawn twice
     before all were drawn. A function of the position alone, the same on every rank, so a run
     resumed from its saved position draws what the straight run would have."""
-    orders, out = {}, []
-    for position in range(start, start + n):
-        epoch, offset = divmod(position, size)
-        if epoch not in orders:
-            orders[epoch] = random.Random(f"{seed}/epoch/{epoch}").sample(range(size), size)
-        out.append(orders[epoch][offset])
-    return out
+    positions = range(start, start + n)
+    epochs = {p // size for p in positions}  # the epochs these positions fall in, each shuffled once:
+    orders = {e: random.Random(f"{seed}/epoch/{e}").sample(range(size), size) for e in epochs}
+    return [orders[p // size][p % size] for p in positions]  # position p: item p % size of epoch p // size
 
 
 TOY_FACTS = [(f"{a}+{b}=", str(a + b)) for a in range(TOY_OPERANDS) for b in range(TOY_OPERANDS)]
@@ -324,12 +314,11 @@ def stop_token_ids(model_dir: str, eos_id) -> list:
     ids = {eos_id}
     for name in ("generation_config.json", "config.json"):
         path = os.path.join(model_dir, name)
-        if not os.path.isfile(path):
-            continue
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        # a file holds one id, a list of them, or none
-        ids.update([eos] if isinstance(eos, int) else eos or [])
+        if os.path.isfile(path):
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+            # a file holds one id, a list of them, or none
+            ids.update([eos] if isinstance(eos, int) else eos or [])
     return sorted(ids)
 
 
@@ -465,10 +454,9 @@ def chat_tool_message(tok, content: str, role: str = "tool", stop_ids=None, name
         content = tok.decode(words[:max_tokens]) + "...(truncated)"
     call = {"type": "function", "function": {"name": name, "arguments": {}}}
     chat = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2", "tool_calls": [call]}]
-    message = {"role": role, "content": content, "name": name}
     before = list(tok.apply_chat_template(chat, tokenize=True, return_dict=False))
-    after = list(tok.apply_chat_template(chat + [message], tokenize=True, add_generation_prompt=True,
-                                         return_dict=False))
+    after = list(tok.apply_chat_template(chat + [{"role": role, "content": content, "name": name}],
+                                         tokenize=True, add_generation_prompt=True, return_dict=False))
     stops = [tok.eos_token_id] if stop_ids is None else stop_ids
     ends = [i + 1 for i, t in enumerate(before) if t in stops]  # after a turn's stop token
     if not ends or after[:ends[-1]] != before[:ends[-1]]:
@@ -515,7 +503,6 @@ class GSM8KTask:
     (Qwen2.5, Llama 3, ...). Every prompt is checked at start: fail now, not when it is drawn."""
 
     def __init__(self, cfg, model_dir: str, model_vocab_size: int):
-        from transformers import AutoTokenizer
         try:
             self.tok = AutoTokenizer.from_pretrained(model_dir)
         except (OSError, ValueError) as e:  # no tokenizer files, or none transformers can build
@@ -582,10 +569,10 @@ def sft_examples(task, cfg, step: int, dp_rank: int, dp_size: int):
 
 def make_task(cfg, model_dir: str, model_vocab_size: Optional[int] = None):
     """The config's task; model_vocab_size: the checkpoint's (default: its config.json's)."""
-    if cfg.task == "toy_add":
-        return ToyTask(cfg.seed)
-    if cfg.task == "toy_tool":  # max_turns=1: no tool, and no tool in the warm-up's targets
-        return ToyToolTask(cfg.seed, tool=cfg.max_turns > 1)
+    # max_turns=1: toy_tool without its tool, and without it in the warm-up's targets
+    toys = {"toy_add": ToyTask, "toy_tool": lambda seed: ToyToolTask(seed, tool=cfg.max_turns > 1)}
+    if cfg.task in toys:
+        return toys[cfg.task](cfg.seed)
     return GSM8KTask(cfg, model_dir, model_vocab_size or AutoConfig.from_pretrained(model_dir).vocab_size)
 
 
@@ -595,9 +582,8 @@ def validation_accuracy(engine, task, cfg) -> float:
     The prompts are split over the vLLM groups (rollout_tp_size consecutive ranks pass identical
     requests), the count summed. A bad observation stops every rank with one line
     (gather_or_stop)."""
-    rank = dist.get_rank()
     groups = dist.get_world_size() // cfg.rollout_tp_size
-    mine = task.val[rank // cfg.rollout_tp_size::groups]
+    mine = task.val[dist.get_rank() // cfg.rollout_tp_size::groups]
     solved = getattr(task, "solved_at", 1.0)  # the reward that counts as correct (ToyTask.reward)
     try:
         outs = run_episodes(engine, task, cfg, [task.encode(q) for q, _ in mine], [(0, 0, 0)] * len(mine),
@@ -798,8 +784,7 @@ def _trainer_state_kept():
     and on CPU turns torch.set_num_threads into a no-op for the process. Put everything back so
     the trainer's state is the trainer's."""
     states = rng_states()
-    threads = torch.get_num_threads()
-    set_threads = torch.set_num_threads
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
     try:
         yield
     finally:
@@ -824,16 +809,16 @@ class VLLMEngine:
         self.asleep = set()  # the memory tags sleep() freed
         self.stop_ids = stop_ids
         self.dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32  # refit casts to this
-        kwargs = dict(
-            model=model_dir, distributed_executor_backend="external_launcher",
-            tensor_parallel_size=cfg.rollout_tp_size, dtype=str(self.dtype).removeprefix("torch."),
-            # one engine per rollout_tp_size ranks; >1 makes vLLM sync every decode step over ranks
-            data_parallel_size=1,
-            skip_tokenizer_init=True,  # token ids in and out; the tokenizer is ours
-            seed=cfg.seed, max_model_len=cfg.max_model_len, use_tqdm_on_load=False,
-            # log_softmax(logits / T) of the sampled token: the trainer's convention
-            # (the default "raw_logprobs" ignores the temperature: off by ~0.1 here)
-            logprobs_mode="processed_logprobs")
+        kwargs = dict(model=model_dir, distributed_executor_backend="external_launcher",
+                      tensor_parallel_size=cfg.rollout_tp_size, dtype=str(self.dtype).removeprefix("torch."),
+                      # one engine per rollout_tp_size ranks; >1 makes vLLM sync every decode step
+                      # over ranks
+                      data_parallel_size=1,
+                      skip_tokenizer_init=True,  # token ids in and out; the tokenizer is ours
+                      seed=cfg.seed, max_model_len=cfg.max_model_len, use_tqdm_on_load=False,
+                      # log_softmax(logits / T) of the sampled token: the trainer's convention
+                      # (the default "raw_logprobs" ignores the temperature: off by ~0.1 here)
+                      logprobs_mode="processed_logprobs")
         if self.on_gpu:
             kwargs.update(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,  # GPU only
                           enable_sleep_mode=True)  # GPU only: free weights + KV during training
@@ -849,8 +834,7 @@ class VLLMEngine:
         self.reloading = False
 
     def generate(self, prompt_ids, seeds, budgets, temperature):
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm import SamplingParams, TokensPrompt
         # one SamplingParams per sample: its seed gives the request its own generator. Without a
         # tokenizer vLLM knows only generation_config's EOS ids: stop_token_ids names the whole set
         # (and keeps the token in the output); an empty set must ignore generation_config's too
@@ -860,13 +844,10 @@ class VLLMEngine:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
         with _trainer_state_kept():
             outs = self.llm.generate(prompts, params, use_tqdm=False)  # in prompt order
-        results = []
-        for out in outs:
-            sample = out.outputs[0]
-            # sample.logprobs: one {token id: Logprob} per step, the sampled token among them
-            logprobs = [step[t].logprob for t, step in zip(sample.token_ids, sample.logprobs)]
-            results.append((list(sample.token_ids), logprobs))
-        return results
+        samples = [out.outputs[0] for out in outs]
+        # sample.logprobs: one {token id: Logprob} per step, the sampled token among them
+        return [(list(s.token_ids), [step[t].logprob for t, step in zip(s.token_ids, s.logprobs)])
+                for s in samples]
 
     # Refit uses vLLM's layerwise reloading (docs.vllm.ai, "training/layerwise") over buckets:
     # initialize once, load_weights per bucket through vLLM's own loaders (they fuse q/k/v and
@@ -1023,11 +1004,6 @@ def _write_jsonl(path: str, samples: list) -> None:
     os.replace(path + ".tmp", path)
 
 
-# what training on a dumped sample reads (replay_rollouts)
-DUMP_KEYS = ("index", "prompt_ids", "response_ids", "engine_logprobs", "action_mask", "calls", "ended",
-             "reward")
-
-
 def load_rollouts(path: str) -> dict:
     """{global index: sample} of a dumped step, for replay. A dump this trainer cannot train on
     is refused (TaskError), naming the line and what is wrong with it."""
@@ -1037,7 +1013,8 @@ def load_rollouts(path: str) -> dict:
     with open(path) as f:
         for number, line in enumerate(f, 1):
             sample = json.loads(line)
-            missing = [key for key in DUMP_KEYS if key not in sample]
+            # what a dump of an older version lacks
+            missing = [key for key in ("action_mask", "calls", "ended") if key not in sample]
             if missing:
                 raise TaskError(f"{path}:{number}: the sample has no {', '.join(missing)}: a dump of an "
                                 "older version of this trainer; generate the rollouts again")

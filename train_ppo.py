@@ -351,8 +351,7 @@ def make_batch(prompts, responses, pad_id, engine_logprobs=None, device="cpu", a
     there: nothing goes back to the CPU in the update."""
     lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
     ids = torch.full((len(lens), max(lens)), pad_id, dtype=torch.long)  # (b, S)
-    mask = torch.zeros(ids.shape)  # (b, S)
-    engine_lp = torch.zeros(ids.shape)  # (b, S)
+    mask, engine_lp = torch.zeros(ids.shape), torch.zeros(ids.shape)  # (b, S) each
     for i, (p, r) in enumerate(zip(prompts, responses)):
         ids[i, :lens[i]] = torch.tensor(p + r)
         mask[i, len(p):lens[i]] = 1 if action_masks is None else torch.tensor(action_masks[i])
@@ -407,8 +406,7 @@ def balanced_split(lengths, num_minibatches, dp_size, chunk=1):
     for m in range(num_minibatches):
         block = sorted(range(m * per_minibatch, (m + 1) * per_minibatch), key=lambda j: -lengths[j])
         chunks = [block[i:i + chunk] for i in range(0, per_minibatch, chunk)]  # longest first
-        parts = [[] for _ in range(dp_size)]
-        load = [0] * dp_size
+        parts, load = [[] for _ in range(dp_size)], [0] * dp_size  # each rank's chunks and tokens
         for c in chunks:
             r = min((r for r in range(dp_size) if len(parts[r]) < per_rank // chunk), key=lambda r: load[r])
             parts[r].append(c)
@@ -519,20 +517,20 @@ def build_models(model_dir, cfg, mesh):
     initial shards; and the reward model if any (frozen: no optimizer, not checkpointed)."""
     policy = model_parallel.load_policy(model_dir, mesh, cfg)
     reference = model_parallel.snapshot_weights(policy, torch.bfloat16 if cfg.dtype == "bf16" else None)
-    models = {"policy": (policy, cfg.lr)}
-    if cfg.advantage_estimator == "gae":  # GRPO has no critic: none is loaded, trained or saved
-        critic = model_parallel.load_critic(cfg.critic_model or model_dir, mesh, cfg)
-        models["critic"] = (critic, cfg.critic_lr)
 
     def warmup(step):  # the LR's factor: linear up to 1 over warmup_steps, then 1
         return min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
 
-    parts = {}
-    for name, (model, lr) in models.items():
+    def part(model, lr):
         # fused: one kernel over every parameter (torch's default on CPU is a per-tensor loop,
         # 20x slower here); the same math, in a different order of float operations
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=True)
-        parts[name] = Part(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup))
+        return Part(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup))
+
+    parts = {"policy": part(policy, cfg.lr)}
+    if cfg.advantage_estimator == "gae":  # GRPO has no critic: none is loaded, trained or saved
+        critic = model_parallel.load_critic(cfg.critic_model or model_dir, mesh, cfg)
+        parts["critic"] = part(critic, cfg.critic_lr)
     reward_model = model_parallel.load_reward_model(cfg.reward_model, mesh, cfg) if cfg.reward_model else None
     return Models(parts, reference, reward_model)
 
@@ -591,12 +589,11 @@ def score(models, batch, cfg, mesh):
         critic = models.parts["critic"].model
         (values,) = forward_batch(model_parallel.forward_critic, critic, batch, cfg, mesh)
         fields["values"] = values * batch.mask  # (b, S)
-    reward_model = models.reward_model
-    if reward_model is not None:
-        (outputs,) = forward_batch(model_parallel.forward_reward_model, reward_model, batch, cfg, mesh)
+    if models.reward_model is not None:
+        (outputs,) = forward_batch(model_parallel.forward_reward_model, models.reward_model, batch, cfg, mesh)
         # not gathered through the update and generation (reshard_after_forward=false keeps every
         # unit gathered after a pass)
-        model_parallel.reshard(reward_model)
+        model_parallel.reshard(models.reward_model)
         last = torch.tensor(batch.lens, device=outputs.device) - 1  # (b,) each row's last token
         fields.update(task_scores=batch.scores, scores=outputs[torch.arange(len(batch.lens)), last])  # (b,)
     return fields
@@ -625,8 +622,7 @@ def compute_advantages(batch, all_scores, cfg, mesh):
     tis = torch.clamp(ratio_from_log(batch.old_lp - batch.engine_lp), max=cfg.tis_cap) * batch.mask  # (b, S)
     if cfg.advantage_estimator in GROUP_ADVANTAGES:
         # from the whole batch's scores: a prompt's group may be split across dp ranks
-        every_adv = GROUP_ADVANTAGES[cfg.advantage_estimator](all_scores, cfg)  # (N,)
-        mine = every_adv[batch.index]  # (b,)
+        mine = GROUP_ADVANTAGES[cfg.advantage_estimator](all_scores, cfg)[batch.index]  # (N,) -> (b,)
         return dict(advantages=mine[:, None] * batch.mask, tis=tis)  # (b, S)
     kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
     rewards = -cfg.kl_coef * kl * batch.mask  # (b, S)
@@ -656,8 +652,7 @@ def minibatch_update(part, loss_fn, rows, batch, cfg, mesh):
     The sums stay on the device: no microbatch reads one back (on a GPU each read would wait for
     the queued kernels, and the host could not queue the next microbatch ahead). An optimizer
     step reads two numbers: the microbatch count (microbatches) and the NaN flag."""
-    term_sums = Counter()
-    count_sums = Counter()
+    term_sums, count_sums = Counter(), Counter()
     micros = micro_rows(rows, batch, cfg, mesh)
     for i, (idx, lens, weight) in enumerate(micros):
         # DDP decides at the forward whether the backward all-reduces: in the last microbatch
@@ -689,7 +684,6 @@ def update(parts, batch, cfg, mesh, train_policy=True):
         for part in parts.values():
             model_parallel.move_optimizer_state(part.optimizer, batch.ids.device)
     per_minibatch = len(batch.lens) // cfg.num_minibatches  # rows of each minibatch on this rank
-    global_minibatch = per_minibatch * mesh["dp"].size()  # sequences
 
     # The loss of one microbatch of each model: named terms (their sum is minimized) and counts.
     # `aggregate` is the current minibatch's (set in the loop below, read when they run).
@@ -717,7 +711,7 @@ def update(parts, batch, cfg, mesh, train_policy=True):
             # microbatch runs, so that no mesh changes the loss (docs/losses.md)
             num_tokens = dp_sum(batch.mask[first:first + per_minibatch].sum(), mesh)  # global response tokens
             aggregate = functools.partial(aggregate_loss, mode=cfg.loss_agg_mode, num_tokens=num_tokens,
-                                          num_seqs=global_minibatch,
+                                          num_seqs=per_minibatch * mesh["dp"].size(),  # sequences
                                           norm=cfg.loss_agg_norm or cfg.max_new_tokens)
             for name in trained:
                 loss_of, norm_name = losses_of[name]
@@ -822,22 +816,20 @@ def step_metrics(batch, update_sums, cfg, mesh):
     values = torch.cat([dp_sum(column(shares.values()), mesh), column(norms.values())]).tolist()
     s = dict(zip([*shares, *norms], values))
     n_tok, n_seq = s["tokens"], s["sequences"]
-    reward_mean = s["reward"] / n_seq
-    reward_var = max(s["reward_sq"] / n_seq - reward_mean ** 2, 0.0)
-    m = dict(reward_mean=reward_mean, reward_std=math.sqrt(reward_var),
+
+    def variance(name, n):  # E[x^2] - E[x]^2 from the sums of x and of x^2 over n
+        return s[name + "_sq"] / n - (s[name] / n) ** 2
+    m = dict(reward_mean=s["reward"] / n_seq, reward_std=math.sqrt(max(variance("reward", n_seq), 0.0)),
              kl=s["kl"] / n_tok, response_len_mean=n_tok / n_seq, logprob_mismatch=s["mismatch"] / n_tok,
              token_mult_prob_error=s["mult_prob_error"] / n_tok,
              # each epoch's update sees all n_tok tokens again
              clip_frac=s.get("clipped_tokens", 0.0) / (n_tok * cfg.ppo_epochs),
              skipped_updates=int(s.get("skipped_updates", 0)))
-    if "entropy" in s:
-        m["entropy"] = s["entropy"] / n_tok
-    if "task_score" in s:  # the task's rule, beside a reward model's score (reward_mean)
-        m["task_score"] = s["task_score"] / n_seq
+    # the entropy per token, if computed; the task's rule per sequence, beside a reward model's
+    # score (reward_mean)
+    m.update({name: s[name] / n for name, n in (("entropy", n_tok), ("task_score", n_seq)) if name in s})
     if "ret" in s:
-        var_ret = s["ret_sq"] / n_tok - (s["ret"] / n_tok) ** 2
-        var_err = s["err_sq"] / n_tok - (s["err"] / n_tok) ** 2
-        m["value_explained_var"] = 1 - var_err / max(var_ret, 1e-12)
+        m["value_explained_var"] = 1 - variance("err", n_tok) / max(variance("ret", n_tok), 1e-12)
     updates = cfg.ppo_epochs * cfg.num_minibatches  # optimizer steps of each trained model
     m.update({name: s[f"loss {name}"] / updates for name in losses})
     m.update({name: s[name] / updates for name in norms if name != "skipped_updates"})
@@ -905,11 +897,9 @@ def summary(cfg, seconds):
         return sum(values[:5]) / len(values[:5]), sum(values[-5:]) / len(values[-5:])
     text = f"done: {len(rows)} steps in {seconds / 60:.1f} min"
     if rows:  # (none with steps=0: the SFT warm-up alone)
-        first, last = first_last("reward_mean")
-        text += f" | reward {first:.3f} (first 5 steps) -> {last:.3f} (last 5)"
+        text += " | reward {:.3f} (first 5 steps) -> {:.3f} (last 5)".format(*first_last("reward_mean"))
     if rows and cfg.reward_model:  # the reward model's score above, the truth here
-        first, last = first_last("task_score")
-        text += f" | task_score {first:.3f} -> {last:.3f}"
+        text += " | task_score {:.3f} -> {:.3f}".format(*first_last("task_score"))
     val = [r[k] for r in rows for k in ("val_accuracy", "final_val_accuracy") if k in r]
     if val:
         text += f" | val_accuracy {val[0]:.3f} -> {val[-1]:.3f} (best {max(val):.3f})"
