@@ -189,7 +189,8 @@ def write_rollouts(path, steps, nan_steps, prompts_per_step=4, samples_per_promp
             reward = float("nan") if step in nan_steps and j == 0 else float(j % 3 != 0)
             samples.append(dict(index=j, prompt=prompt, answer=answer, response=answer, reward=reward,
                                 prompt_ids=tok.encode(prompt), response_ids=response,
-                                engine_logprobs=[-1.0] * len(response), action_mask=[1] * len(response)))
+                                engine_logprobs=[-1.0] * len(response), action_mask=[1] * len(response),
+                                calls=0, ended="stop"))
         rollout._write_jsonl(os.path.join(path, f"step_{step}.jsonl"), samples)
 
 
