@@ -438,9 +438,9 @@ def chat_tool_message(tok, content: str, role: str = "tool", stop_ids=None, name
     template writes them: the difference of two renderings of one conversation, without and with
     the message (TRL's way). The conversation's assistant turn carries a call of the tool `name`,
     as a real one would: some templates write the tool message's header from the call (TRL notes
-    it), or refuse a tool message that answers none. What
-    the template puts after the turn's stop token (ChatML's "\n") comes with it, so the episode's
-    ids are the template's rendering of the whole conversation. The role is the template's: "tool"
+    it), or refuse a tool message that answers none. What the template puts after the turn's stop
+    token (ChatML's "\n") comes with it, so the episode's ids are the template's rendering of the
+    whole conversation. The role is the template's: "tool"
     (Qwen2.5 wraps it in <tool_response> tags inside a user turn), "ipython" (Llama 3.1). Refused
     (TaskError) where the template writes the earlier turns differently once the message follows
     (e.g. one that drops past reasoning): no appended ids could match it.
