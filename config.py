@@ -107,6 +107,16 @@ class Config:
     # microbatches): half the all-gathers, at the cost of the whole model's memory (ZeRO-2-like;
     # on CPU, data_parallel=ddp is faster still)
     reshard_after_forward: bool = True
+    # LoRA (Hu et al., 2021): train a low-rank adapter beside each target projection, W x +
+    # (lora_alpha / lora_rank) B(A x), the policy's other weights frozen in the compute dtype (no
+    # fp32 master copy, no AdamW moments). 0 = off: every weight is trained. The critic is trained
+    # in full either way (model_parallel.py, "LoRA")
+    lora_rank: int = 0
+    # the adapters' scale is lora_alpha / lora_rank: keep it a power of two (16 / 8 = 2), and the
+    # engine's bf16 copy of B, which vLLM scales at load, rounds as the trainer's does
+    lora_alpha: float = 16.0
+    # the projections that get adapters, by module name (default: every attention and MLP one)
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     # compute dtype: bf16 (FSDP2 mixed precision, fp32 master weights) or fp32; auto = bf16 on
     # CUDA (with fsdp), else fp32
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
@@ -239,6 +249,10 @@ POSITIVE = ("tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size
 # "off" or "never" (a new field is checked too), except these: the seed, and gamma and lam, which
 # _validate_values checks against [0, 1] with a message of their own.
 SIGNED = ("seed", "gamma", "lam")
+
+
+# The projections LoRA may adapt: every Linear of a decoder layer in the supported families.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 # attention=masked builds a (B, T/cp, T) mask for a microbatch of B rows, and SDPA a score tensor
@@ -403,6 +417,9 @@ def _validate_values(cfg: Config) -> None:
     if cfg.critic_warmup_steps and cfg.advantage_estimator != "gae":
         raise ConfigError(f"critic_warmup_steps={cfg.critic_warmup_steps} needs a critic: "
                           f"advantage_estimator=gae (or critic_warmup_steps=0)")
+    if cfg.lora_rank and not set(cfg.lora_targets.split(",")) <= set(LORA_TARGETS):
+        raise ConfigError(f"lora_targets={cfg.lora_targets!r} names a module with no adapter here: "
+                          f"a comma-separated subset of {','.join(LORA_TARGETS)}")
     if not (0.0 <= cfg.gamma <= 1.0 and 0.0 <= cfg.lam <= 1.0):
         raise ConfigError(f"gamma={cfg.gamma} and lam={cfg.lam} must lie in [0, 1]")
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch.distributed._composable.replicate import DDP, replicate
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
@@ -439,6 +440,84 @@ def _tp_plan(model, sequence_parallel):
 
 
 # -----------------------------------------------------------------------------
+# LoRA (Hu et al., 2021): each target projection keeps its weight W frozen and gains a trained
+# low-rank path, y = W x + s B(A x), A (r, in) and B (out, r) in fp32, s = lora_alpha / lora_rank.
+# B starts at zero, so training starts from the base exactly; A from PEFT's default init (kaiming
+# uniform with a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))), drawn whole from the seed, so that every
+# mesh starts from the same adapters. The base is stored in the compute dtype: no fp32 master, no
+# AdamW moments, no gradient (train_ppo.py's optimizer gets the adapters alone). The reference
+# policy is this module with its adapters switched off (adapters_off): no copy of any weight.
+# The critic is trained in full: its value head starts from nothing (or from a reward model's
+# score head) and must move the features under it, and with LoRA memory matters GRPO or RLOO need
+# no critic at all. A fork that wants DoRA adds a magnitude vector here and in the merge below;
+# another rank per module is a per-name lookup in _add_adapters.
+#
+# Under TP, A and B are split to agree with their base's plan, so that the adapter adds no
+# collective of its own: a colwise base (W split on its outputs, dim 0) gets a whole A and B
+# split on its outputs too, so B(A x) comes out split as W x does; a rowwise base (W split on its
+# inputs, dim 1) gets A split on its inputs, so A x is a partial sum like W x, and a whole B: the
+# two partial sums are added, then summed over tp by the base's one all-reduce.
+
+class LoRALinear(torch.nn.Linear):
+    """A Linear with a low-rank adapter beside its frozen weight (the section's comment). The
+    adapters compute in the base's dtype (FSDP2 casts them to bf16 under the bf16 recipe).
+    adapters_on=False: the base alone, the reference policy."""
+
+    def forward(self, x):
+        out = F.linear(x, self.weight, self.bias)
+        if not self.adapters_on:
+            return out
+        return out + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
+
+
+def _add_adapters(model, cfg):
+    """Turn each Linear named in cfg.lora_targets into a LoRALinear with adapters on the meta device
+    (after the TP plan: their splits follow their base's, the section's comment), and freeze every
+    other parameter."""
+    model.requires_grad_(False)
+    rank, targets = cfg.lora_rank, cfg.lora_targets.split(",")
+    for name, module in model.named_modules():
+        if type(module) is not torch.nn.Linear or name.rsplit(".", 1)[-1] not in targets:
+            continue
+        module.__class__ = LoRALinear
+        module.adapters_on, module.lora_scale = True, cfg.lora_alpha / rank
+        out_features, in_features = module.weight.shape  # the full shape, also of a DTensor
+        # A keeps the base's split of the inputs (rowwise), B the split of the outputs (colwise)
+        for leaf, shape, dim in (("lora_A", (rank, in_features), 1), ("lora_B", (out_features, rank), 0)):
+            tensor = torch.empty(shape, device="meta")  # fp32, whatever the base's dtype
+            if isinstance(module.weight, DTensor):
+                placements = [Shard(dim) if p == Shard(dim) else Replicate() for p in module.weight.placements]
+                tensor = distribute_tensor(tensor, module.weight.device_mesh, placements)
+            module.register_parameter(leaf, torch.nn.Parameter(tensor))
+
+
+def _adapter_init(model, seed):
+    """{name: full tensor} of the initial adapters, the same on every rank and mesh (the section's
+    comment): A ~ U(-1/sqrt(in), 1/sqrt(in)), B = 0."""
+    generator = torch.Generator().manual_seed(seed)
+    init = {}
+    for name, param in model.named_parameters():
+        if name.endswith(".lora_A"):
+            init[name] = (torch.rand(param.shape, generator=generator) * 2 - 1) / math.sqrt(param.shape[1])
+        elif name.endswith(".lora_B"):
+            init[name] = torch.zeros(param.shape)
+    return init
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """Within the block the model computes as its frozen base: the reference policy under LoRA."""
+    adapted = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for module in adapted:
+        module.adapters_on = False
+    try:
+        yield model
+    finally:
+        for module in adapted:
+            module.adapters_on = True
+
+
+# -----------------------------------------------------------------------------
 # Loading: every rank builds the model on the meta device (no memory), shards it (TP, then FSDP2
 # or DDP), allocates only its shards, and reads only those from the checkpoint's files.
 
@@ -516,13 +595,17 @@ def _build(path, mesh, cfg, critic, frozen=False):
     one pass a step): it would otherwise hold GPU memory through generation and the update."""
     tp_size = mesh["tp"].size()
     config = check_hf_dir(path, tp_size)  # (a library caller's dir is refused here too)
-    model = _on_meta(config, critic, torch.bfloat16 if frozen and cfg.dtype == "bf16" else torch.float32)
+    adapted = cfg.lora_rank > 0 and not critic  # LoRA: a frozen base, stored as a frozen model is
+    stored = torch.bfloat16 if (frozen or adapted) and cfg.dtype == "bf16" else torch.float32
+    model = _on_meta(config, critic, stored)
     tied = not critic and config.tie_word_embeddings
     if tp_size > 1:
         parallelize_module(model, mesh["tp"], _tp_plan(model, cfg.sequence_parallel))
         # TP gave each module its own DTensor copy (both Shard(0) on vocab): tie again
         if tied:
             _tie_embeddings(model)
+    if adapted:  # after the TP plan, whose splits the adapters follow
+        _add_adapters(model, cfg)
     if cfg.activation_checkpointing:  # recompute each decoder layer in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     offload = cfg.data_parallel == "fsdp" and (cfg.cpu_offload or frozen)
@@ -673,8 +756,9 @@ def _load_weights(model, path, extra):
 
 def load_policy(path, mesh, cfg):
     """Collective (every rank): the HF checkpoint at `path` as a sharded module (TP plan if tp > 1,
-    FSDP2 or DDP over dp*cp)."""
-    return _load_weights(_build(path, mesh, cfg, critic=False), path, extra={})
+    FSDP2 or DDP over dp*cp), with fresh LoRA adapters if cfg.lora_rank."""
+    model = _build(path, mesh, cfg, critic=False)
+    return _load_weights(model, path, extra=_adapter_init(model, cfg.seed))  # (no adapters: {})
 
 
 def score_head(path):
@@ -1090,24 +1174,69 @@ def clip_grad_norm(params, max_norm):
 # -----------------------------------------------------------------------------
 # Full weights: refit of the rollout engine and HF export.
 
+def _gathered(param, dtype=None):
+    """Collective over the param's mesh: its full tensor in `dtype` (None: its own), cast before the
+    all-gather (half the bytes for bf16)."""
+    if isinstance(param, DTensor):
+        # the mesh's device (an offloaded shard lives on CPU); the cast keeps the placements
+        return param.to(_device(param.device_mesh)).to(dtype or param.dtype).full_tensor()
+    return param.detach().to(dtype or param.dtype)
+
+
+def _hf_params(model):
+    """(name, parameter) of what an HF checkpoint of the model holds: all but LoRA's adapters."""
+    return [(name, p) for name, p in model.named_parameters() if not name.endswith((".lora_A", ".lora_B"))]
+
+
 def iter_full_params(model, dtype=None):
     """Collective (every rank, to the end): yield (name, full tensor) per parameter, named as in the
     HF checkpoint (FSDP2 and TP keep module names; a tied lm_head appears once, as embed_tokens,
     like in the file), in `dtype` (None: the parameter's). One full tensor alive at a time. Each
     shard is cast *before* the all-gather: a bf16 engine or export receives half the bytes of the
     fp32 master weights (7B: ~15 GB a rank a refit, not ~30), and no fp32 full tensor is ever
-    built."""
+    built. Under LoRA a target's weight arrives merged, W + s B A, summed in fp32 from the gathered
+    base and adapters and then cast: a new tensor, the base itself is never written (a merge and
+    unmerge in place, in bf16, would round the frozen weights: ms-swift #10154)."""
     # every rank sees the same sharded parameters, hence the same collectives
     reshard(model)
-    for name, param in model.named_parameters():
+    modules = dict(model.named_modules())
+    for name, param in _hf_params(model):
+        module = modules[name.rpartition(".")[0]]
         with torch.no_grad():
-            if isinstance(param, DTensor):
-                # the mesh's device (an offloaded shard lives on CPU); the cast keeps the placements
-                local = param.to(_device(param.device_mesh)).to(dtype or param.dtype)
-                full = local.full_tensor()  # all-gather over its mesh
+            if isinstance(module, LoRALinear) and name.endswith(".weight"):
+                delta = _gathered(module.lora_B) @ _gathered(module.lora_A) * module.lora_scale  # fp32
+                full = (_gathered(param).float() + delta).to(dtype or param.dtype)
             else:
-                full = param.detach().to(dtype or param.dtype)
+                full = _gathered(param, dtype)
         yield name, full
+
+
+def save_adapter(model, path, cfg, base_dir, dtype=torch.float32):
+    """Collective (every rank): the LoRA adapters as a PEFT adapter dir, which
+    peft.PeftModel.from_pretrained loads over the base at base_dir and vLLM serves (a LoRARequest):
+    adapter_config.json and adapter_model.safetensors, tensors named as PEFT names them
+    (base_model.model.<module>.lora_A.weight), in `dtype`. Written to a temp dir and renamed.
+    Returns the tensors' bytes."""
+    reshard(model)
+    tensors = {}
+    for name, param in model.named_parameters():
+        if name.endswith((".lora_A", ".lora_B")):
+            with torch.no_grad():
+                tensors[f"base_model.model.{name}.weight"] = _gathered(param, dtype).cpu().contiguous()
+    if dist.get_rank() == 0:
+        tmp = path.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"))
+        peft_config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                           target_modules=cfg.lora_targets.split(","), lora_dropout=0.0, bias="none",
+                           fan_in_fan_out=False, base_model_name_or_path=os.path.abspath(base_dir))
+        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+            json.dump(peft_config, f, indent=1)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    dist.barrier()
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 # What a model dir holds besides config and weights, copied into an export as it is (AutoTokenizer,
@@ -1146,7 +1275,7 @@ def save_hf(model, path, dtype=torch.float32, copy_from=None, shard_gb=5.0):
     reshard(model)
     files = [[]]  # [(name, shape)] per file, in parameter order
     size = 0  # bytes in the last file so far
-    for name, param in model.named_parameters():
+    for name, param in _hf_params(model):
         nbytes = param.numel() * dtype.itemsize
         if files[-1] and size + nbytes > shard_gb * 2**30:
             files.append([])

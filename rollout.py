@@ -665,6 +665,8 @@ def sample(logits, seeds, position, temperature):
 # It is refit after every step by vLLM's code path (`refit` below): it samples the current policy.
 
 class HFEngine:
+    serves_adapters = False  # under LoRA the trainer refits it with merged weights
+
     def __init__(self, model_dir: str, device: torch.device, stop_ids: list, dtype=torch.float32):
         self.device = device
         # a response ends at any of these (stop_token_ids): the trainer's `finished` too
@@ -825,6 +827,14 @@ class VLLMEngine:
         else:
             kwargs.update(enforce_eager=True,  # no compile step on CPU
                           kv_cache_memory_bytes=cfg.vllm_kv_cache_gb * 2**30)  # else 90% of RAM
+        # LoRA: the engine serves the base with the adapters beside it (vLLM's punica kernels; on
+        # CPU punica_cpu.py), and refit sends the adapters alone (load_adapter). vLLM takes ranks
+        # from a fixed set: the smallest that holds ours
+        self.serves_adapters = cfg.lora_rank > 0
+        self.adapter = None  # the LoRARequest every generate passes; None: the base alone
+        if cfg.lora_rank:
+            ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in ranks if r >= cfg.lora_rank))
         with _trainer_state_kept():
             self.llm = LLM(**kwargs)  # a collective: every rank constructs it together
         # in-process handles, possible only without multiprocessing: refit writes here
@@ -843,7 +853,7 @@ class VLLMEngine:
                   for s, m in zip(seeds, budgets)]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
         with _trainer_state_kept():
-            outs = self.llm.generate(prompts, params, use_tqdm=False)  # in prompt order
+            outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.adapter)  # prompt order
         samples = [out.outputs[0] for out in outs]
         # sample.logprobs: one {token id: Logprob} per step, the sampled token among them
         return [(list(s.token_ids), [step[t].logprob for t, step in zip(s.token_ids, s.logprobs)])
@@ -878,10 +888,27 @@ class VLLMEngine:
         # cached KV blocks were computed by the old weights
         self.llm.reset_prefix_cache()
 
+    def load_adapter(self, path):
+        """LoRA's refit: serve the PEFT adapter dir at `path` (model_parallel.save_adapter) from the
+        next generate on. vLLM caches an adapter by its id: a request of a known id is served from
+        the cache, the dir unread, and would sample the old policy (a stale refit). add_lora with
+        load_inplace=True reads the dir into that slot now, once; each generate then passes the
+        plain request (load_inplace on every request would read the dir at every decode step).
+        Every request carries it: vLLM 0.32 serves a request without one, batched with adapted
+        ones, with the adapter of the last slot (found while building this)."""
+        from vllm.lora.request import LoRARequest
+        self.wake_up(["weights", "kv_cache"])  # GPU only: the base, kept in host memory by sleep()
+        with _trainer_state_kept():
+            self.llm.llm_engine.add_lora(LoRARequest("policy", 1, path, load_inplace=True))
+        self.adapter = LoRARequest("policy", 1, path)
+        # cached KV blocks were computed by the old adapters (the cache keys on the name and path)
+        self.llm.reset_prefix_cache()
+
     def sleep(self):
-        # GPU only: level 2 drops weights and KV cache; refit rewrites every weight
+        # GPU only: level 2 drops weights and KV cache; refit rewrites every weight. Under LoRA
+        # refit sends the adapters alone: level 1 keeps the base weights in host memory
         if self.on_gpu:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=1 if self.serves_adapters else 2)
             self.asleep = {"weights", "kv_cache"}
 
     def wake_up(self, tags):

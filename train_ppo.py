@@ -86,7 +86,8 @@ import torch  # noqa: E402  (after the config check, on purpose)
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import (  # noqa: E402
-    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+    set_optimizer_state_dict)
 
 import model_parallel  # noqa: E402
 import rollout  # noqa: E402
@@ -306,10 +307,10 @@ def dp_sum(tensor, mesh):
 
 class Models(NamedTuple):
     """Every model of the run: the trained ones as {name: Part} (the policy, and the critic with
-    gae), the reference (the policy's initial shards, snapshot_weights) and the reward model (or
-    None)."""
+    gae), the reference (the policy's initial shards, snapshot_weights; None under LoRA, where the
+    reference is the policy with its adapters off) and the reward model (or None)."""
     parts: dict
-    reference: dict
+    reference: Optional[dict]
     reward_model: Optional[torch.nn.Module]
 
 
@@ -514,9 +515,12 @@ def sft_warmup(model_dir, task, cfg, mesh):
 def build_models(model_dir, cfg, mesh):
     """Collective (every rank). {name: (model, AdamW, LR schedule)} for the policy and (gae only)
     the critic, which is what a checkpoint holds; the reference policy, a copy of the policy's
-    initial shards; and the reward model if any (frozen: no optimizer, not checkpointed)."""
+    initial shards (none under LoRA: the frozen base is the reference); and the reward model if any
+    (frozen: no optimizer, not checkpointed)."""
     policy = model_parallel.load_policy(model_dir, mesh, cfg)
-    reference = model_parallel.snapshot_weights(policy, torch.bfloat16 if cfg.dtype == "bf16" else None)
+    reference = None
+    if not cfg.lora_rank:
+        reference = model_parallel.snapshot_weights(policy, torch.bfloat16 if cfg.dtype == "bf16" else None)
 
     def warmup(step):  # the LR's factor: linear up to 1 over warmup_steps, then 1
         return min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
@@ -524,7 +528,9 @@ def build_models(model_dir, cfg, mesh):
     def part(model, lr):
         # fused: one kernel over every parameter (torch's default on CPU is a per-tensor loop,
         # 20x slower here); the same math, in a different order of float operations
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=True)
+        # (under LoRA the adapters alone: the frozen base gets no moments)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=cfg.weight_decay, fused=True)
         return Part(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup))
 
     parts = {"policy": part(policy, cfg.lr)}
@@ -583,7 +589,9 @@ def score(models, batch, cfg, mesh):
                                     temperature=cfg.temperature, unscored=batch.unscored)
     if cfg.old_logprobs == "trainer":  # pi_old as the trainer computes it
         fields["old_lp"], fields["entropy"] = policy_pass(with_entropy=cfg.log_entropy)
-    with model_parallel.swapped_weights(policy, models.reference):
+    reference = (model_parallel.adapters_off(policy) if models.reference is None
+                 else model_parallel.swapped_weights(policy, models.reference))
+    with reference:
         fields["ref_lp"], _ = policy_pass()
     if "critic" in models.parts:
         critic = models.parts["critic"].model
@@ -972,6 +980,12 @@ def find_checkpoint(resume, out_dir):
     return resume or None
 
 
+# A model's trained parameters alone: under LoRA the frozen base is not saved (every run loads it
+# from the model dir), only the adapters, a few MB. (strict=False: the frozen keys are missing by
+# design; the trained ones cannot be, dcp.load refuses a checkpoint that lacks one.)
+TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def _sharded_state(parts, optimizers):
     """{name: model state, and name_optimizer: optimizer state for each name in `optimizers`},
     DTensor shards named by FQN. An optimizer that has not stepped (the policy's, in the critic's
@@ -981,7 +995,7 @@ def _sharded_state(parts, optimizers):
     state = {}
     for name, part in parts.items():
         model_parallel.reshard(part.model)  # the registered parameters must be the sharded ones
-        state[name] = get_model_state_dict(part.model)
+        state[name] = get_model_state_dict(part.model, options=TRAINED_ONLY)
         if name in optimizers:
             state[name + "_optimizer"] = get_optimizer_state_dict(part.model, part.optimizer)
     return state
@@ -1035,7 +1049,7 @@ def load_checkpoint(path, parts, offload_optimizer=False):
     trainer_state = torch.load(state_file, weights_only=False)
     rollout.set_rng_states(trainer_state["rng"])
     for name, part in parts.items():
-        set_model_state_dict(part.model, state[name])
+        set_model_state_dict(part.model, state[name], options=TRAINED_ONLY)
         part.schedule.load_state_dict(trainer_state["schedulers"][name])
         if name in stepped:
             set_optimizer_state_dict(part.model, part.optimizer, state[name + "_optimizer"])
@@ -1054,6 +1068,19 @@ def finish_run(cfg, engine, mesh, t_start):
         print(summary(cfg, time.time() - t_start), flush=True)
     rollout.close(engine)
     model_parallel.release_mesh(mesh)
+
+
+def refit(engine, policy, cfg):
+    """Collective (every rank). Step 9: the policy into the engine; returns the refit's metrics.
+    Under LoRA, an engine that serves adapters (vLLM) gets the adapters alone: a PEFT dir in
+    out_dir, which it reloads in place, 1-5% of the bytes, and no bf16 rounding of W + s B A (a
+    merged bf16 refit drifted, NeMo-RL #3696). Else every weight (under LoRA merged), in buckets."""
+    if cfg.lora_rank and engine.serves_adapters:
+        path = os.path.join(cfg.out_dir, "refit_adapter")
+        nbytes = model_parallel.save_adapter(policy, path, cfg, cfg.model, engine.dtype)
+        engine.load_adapter(path)
+        return {"refit_bytes": nbytes}
+    return rollout.refit(engine, model_parallel.iter_full_params(policy, engine.dtype), cfg.refit_bucket_mb)
 
 
 def ppo_step(progress, models, engine, task, cfg, mesh, device):
@@ -1084,8 +1111,7 @@ def ppo_step(progress, models, engine, task, cfg, mesh, device):
         with timed(metrics, "time_refit_s"):  # 9. push the policy into the engine (a collective)
             # also after skipped updates: on GPU the engine dropped its weights
             if engine is not None:
-                full_params = model_parallel.iter_full_params(models.parts["policy"].model, engine.dtype)
-                metrics.update(rollout.refit(engine, full_params, cfg.refit_bucket_mb))
+                metrics.update(refit(engine, models.parts["policy"].model, cfg))
         if evaluate and step + 1 == cfg.steps:  # the policy that is exported: after the last update
             metrics["final_val_accuracy"] = rollout.validation_accuracy(engine, task, cfg)
         named = step_metrics(batch, update_sums, cfg, mesh)  # 10. one all-reduce, then named means
@@ -1111,7 +1137,7 @@ def main(cfg, task=None):
     engine = rollout.make_engine(cfg, model_dir, device, task.eos_id) if generates else None
     policy = models.parts["policy"].model
     if engine is not None and start_step:  # the engine loaded model_dir: give it the resumed policy
-        rollout.refit(engine, model_parallel.iter_full_params(policy, engine.dtype), cfg.refit_bucket_mb)
+        refit(engine, policy, cfg)
     tensorboard = start_metrics_log(cfg, start_step)  # None unless tensorboard=true (rank 0)
     stop_requested = install_stop_handler(device)
     t_start = time.time()
@@ -1137,8 +1163,10 @@ def main(cfg, task=None):
             break
     if cfg.export_hf and not stopped:  # (not after a stop signal: the run is not done)
         dtype = torch.bfloat16 if cfg.export_dtype == "bf16" else torch.float32
-        # + the tokenizer files and generation_config of the dir we loaded
+        # + the tokenizer files and generation_config of the dir we loaded; under LoRA merged
         model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"), dtype, copy_from=model_dir)
+        if cfg.lora_rank:  # and the adapters alone, for peft over the base
+            model_parallel.save_adapter(policy, os.path.join(cfg.out_dir, "adapter"), cfg, model_dir)
     finish_run(cfg, engine, mesh, t_start)
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import config
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
@@ -117,15 +119,48 @@ def toy_batch(lens, prompt_len):
     return ids, mask, torch.randn(ids.shape, generator=g)
 
 
-def hf_reference(path, lens, prompt_len, temperature, seed):
+LORA = dict(lora_rank=4, lora_alpha=8.0)  # the LoRA cases' config (scale 2)
+
+
+def lora_adapters(path, seed):
+    """Non-zero adapters {our parameter name: full tensor} for every LoRA target of the checkpoint
+    at `path` (a trained state: B = 0, the initial one, would leave A without a gradient)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    g = torch.Generator().manual_seed(seed)
+    adapters = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in config.LORA_TARGETS:
+            adapters[name + ".lora_A"] = torch.randn(LORA["lora_rank"], module.in_features, generator=g) * 0.05
+            adapters[name + ".lora_B"] = torch.randn(module.out_features, LORA["lora_rank"], generator=g) * 0.05
+    return adapters
+
+
+def _peft_name(name):
+    """PEFT's parameter name -> ours: base_model.model.X.lora_A.default.weight -> X.lora_A."""
+    return name.removeprefix("base_model.model.").removesuffix(".default.weight")
+
+
+def hf_reference(path, lens, prompt_len, temperature, seed, adapters=None):
     """Per-sequence HF forward/backward (eager attention, no padding, no packing) of a PPO-shaped
     loss on the whole toy_batch:  loss = sum over response tokens of (logprob * weight + value^2)
     / response tokens. The value head follows load_critic: N(0, 1/(hidden+1)) seeded with `seed`,
     bias 0. Returns logprobs, entropies, values (B, S) and every gradient ("critic." for the
-    critic)."""
+    critic). `adapters` (lora_adapters): the policy is PEFT's LoRA (its own layers, an independent
+    implementation) over the checkpoint with these adapters, and its gradients are theirs alone."""
     from transformers import AutoModelForCausalLM
     ids, mask, weights = toy_batch(lens, prompt_len)
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    if adapters:
+        from peft import LoraConfig, get_peft_model
+        peft_config = LoraConfig(r=LORA["lora_rank"], lora_alpha=LORA["lora_alpha"], lora_dropout=0.0,
+                                 target_modules=list(config.LORA_TARGETS))
+        policy = get_peft_model(policy, peft_config)
+        with torch.no_grad():
+            for name, param in policy.named_parameters():
+                if "lora_" in name:
+                    param.copy_(adapters[_peft_name(name)])
     backbone = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager").model
     hidden = policy.config.hidden_size
@@ -143,7 +178,7 @@ def hf_reference(path, lens, prompt_len, temperature, seed):
         # values[i] = head(h[i-1])
         values[k, 1:n] = (backbone(x).last_hidden_state[0] @ head_w.T + head_b)[:-1, 0]
     ((lp * weights * mask).sum() + (values ** 2 * mask).sum()).div(mask.sum()).backward()
-    grads = {n: p.grad for n, p in policy.named_parameters()}
+    grads = {_peft_name(n): p.grad for n, p in policy.named_parameters() if p.requires_grad}
     grads.update({"critic." + n: p.grad for n, p in backbone.named_parameters(prefix="model")})
     grads.update({"critic.lm_head.weight": head_w.grad, "critic.lm_head.bias": head_b.grad})
     return dict(lp=lp.detach(), ent=ent, values=values.detach(), grads=grads)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 import model_parallel as mp
 from _dist import run_ranks
-from conftest import hf_reference, toy_batch, varlen_case
+from conftest import LORA, hf_reference, lora_adapters, toy_batch, varlen_case
 import config
 from config import Config
 
@@ -41,13 +41,14 @@ def _materialize(root, name):
         "tiny-llama-tied": dict(tie_word_embeddings=True),
         "tiny-qwen3-v263": dict(vocab_size=263),  # does not divide tp=2: shards of 132 and 131
     }.get(name, {})
-    preset = name if name in mp.TINY_PRESETS else name.rsplit("-", 1)[0]
+    preset = name if name in mp.TINY_PRESETS else name.rsplit("-", 1)[0]  # tiny-llama-lora: tiny-llama
     return mp.materialize_tiny_model(preset, os.path.join(root, name), SEED, **overrides)
 
 
 # the families every mesh checks; a new family's preset goes here (Gemma3: tp=1, its own cases)
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"]
 MODELS = FAMILIES + ["tiny-gemma3", "tiny-llama-tied", "tiny-qwen3-v263"]  # each with its HF reference
+LORA_MODEL = "tiny-llama-lora"  # Llama with LoRA adapters; its reference is PEFT's LoRA (conftest)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,10 @@ def root(tmp_path_factory):
     references = {}
     for name in MODELS:
         references[name] = hf_reference(_materialize(root, name), LENS, PROMPT_LEN, TEMPERATURE, SEED)
+    path = _materialize(root, LORA_MODEL)
+    adapters = lora_adapters(path, SEED)
+    references[LORA_MODEL] = hf_reference(path, LENS, PROMPT_LEN, TEMPERATURE, SEED, adapters)
+    references[LORA_MODEL]["adapters"] = adapters
     torch.save(references, os.path.join(root, "reference.pt"))
     return root
 
@@ -75,6 +80,8 @@ def _check_case(root, name, mesh, cfg, label):
     share = len(LENS) // dp_size
     mine = list(range(dp_rank * share, (dp_rank + 1) * share))  # this dp rank's global rows
     policy, critic = mp.load_policy(path, mesh, cfg), mp.load_critic(path, mesh, cfg)
+    if cfg.lora_rank:  # the reference's adapters, not the initial ones (B = 0): each rank its shards
+        _set_adapters(policy, ref["adapters"])
     # cpu_offload runs FSDP2's CPU offload on CPU too (it moves nothing there, but its code runs):
     # every unit of both models must have it, or the case would test the plain path
     units = [m for model in (policy, critic) for m in model.modules()
@@ -109,6 +116,9 @@ def _check_case(root, name, mesh, cfg, label):
     for prefix, model in (("", policy), ("critic.", critic)):
         names = set()
         for name, param in model.named_parameters():
+            if not param.requires_grad:  # LoRA's frozen base: no gradient, none in the reference
+                assert param.grad is None, f"{label}: the frozen {name} got a gradient"
+                continue
             grad = param.grad  # a DTensor shard under fsdp: gathered (collective); whole under ddp
             full = grad.full_tensor() if isinstance(grad, torch.distributed.tensor.DTensor) else grad
             outputs[prefix + name] = full
@@ -123,6 +133,18 @@ def _check_case(root, name, mesh, cfg, label):
     got_norm = mp.clip_grad_norm(list(policy.parameters()), max_norm=1e9)
     assert abs(got_norm / want_norm - 1) <= 1e-5, f"{label}: grad norm {got_norm} vs {want_norm}"
     return outputs
+
+
+def _set_adapters(model, adapters):
+    """Write the full `adapters` into the model's LoRA parameters, each rank its own shards."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in adapters:
+                full = adapters[name]
+                if isinstance(param, torch.distributed.tensor.DTensor):
+                    full = torch.distributed.tensor.distribute_tensor(
+                        full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+                mp._local(param).copy_(full)
 
 
 def _equivalence_body(rank, world_size, root, cases, checks=()):
@@ -279,7 +301,8 @@ def _layout_example_check(root, world_size):
 BOTH = (False, True)
 CASES = {  # world size -> [((dp, cp, tp), models, packing values, config overrides)]
     1: [((1, 1, 1), FAMILIES, BOTH, {}),
-        ((1, 1, 1), ["tiny-llama-tied"], (True,), dict(data_parallel="ddp"))],  # one rank: a plain module
+        ((1, 1, 1), ["tiny-llama-tied"], (True,), dict(data_parallel="ddp")),  # one rank: a plain module
+        ((1, 1, 1), [LORA_MODEL], BOTH, LORA)],
     2: [((2, 1, 1), FAMILIES + ["tiny-gemma3"], BOTH, {}),
         ((1, 1, 2), FAMILIES, BOTH, {}),
         ((1, 2, 1), FAMILIES, BOTH, {}),
@@ -290,13 +313,21 @@ CASES = {  # world size -> [((dp, cp, tp), models, packing values, config overri
         # DDP keeps whole replicas, whatever the family (every family ran under FSDP2 above): a
         # tied embedding (one shared tensor) and Gemma3's other architecture
         ((2, 1, 1), ["tiny-gemma3", "tiny-llama-tied"], BOTH, dict(data_parallel="ddp")),
-        ((1, 2, 1), ["tiny-qwen3"], BOTH, dict(data_parallel="ddp"))],
+        ((1, 2, 1), ["tiny-qwen3"], BOTH, dict(data_parallel="ddp")),
+        # LoRA (the frozen base and the adapters in one FSDP2 unit; A and B split as their base
+        # under TP) against PEFT's LoRA on one process; and under DDP, which skips frozen weights
+        ((2, 1, 1), [LORA_MODEL], BOTH, LORA),
+        ((1, 1, 2), [LORA_MODEL], BOTH, LORA),
+        ((1, 2, 1), [LORA_MODEL], BOTH, LORA),
+        ((2, 1, 1), [LORA_MODEL], (True,), dict(LORA, data_parallel="ddp"))],
     # every family's TP plan and attention already ran at tp=2 and cp=2 above: on 4 ranks, where
     # the axes combine, the two families with parts of their own (qwen3's q/k norms under TP,
     # mistral's window under CP)
     4: [((2, 1, 2), ["tiny-qwen3", "tiny-mistral"], BOTH, {}),
         ((1, 2, 2), ["tiny-qwen3", "tiny-mistral"], BOTH, {}),
-        ((1, 2, 2), ["tiny-qwen2"], (True,), dict(sequence_parallel=True))],
+        ((1, 2, 2), ["tiny-qwen2"], (True,), dict(sequence_parallel=True)),
+        ((2, 1, 2), [LORA_MODEL], BOTH, LORA),
+        ((1, 2, 2), [LORA_MODEL], BOTH, dict(LORA, sequence_parallel=True))],
 }
 
 
