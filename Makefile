@@ -46,14 +46,18 @@ $(SMOL)/config.json: requirements-smollm2.lock | $(STAMP)
 	$(VENV)/bin/python scripts/smollm2.py build $(SMOL)
 
 # ALGO=ppo: PPO itself, a critic and GAE (configs/smollm2_ppo_cpu.toml), into out/smollm2-ppo/
+# LORA=1: LoRA, rank 16 (alpha 32) on every projection, the base frozen; 10x the lr, as LoRA needs
+# ("LoRA Without Regret", Schulman et al., 2025); vLLM gets the adapters alone; into out/smollm2-lora/
 SEED ?= 1
 ALGO ?= grpo
+LORA ?= 0
 REAL_CONFIG := $(if $(filter ppo,$(ALGO)),configs/smollm2_ppo_cpu.toml,configs/smollm2_cpu.toml)
-REAL_OUT := $(if $(filter ppo,$(ALGO)),out/smollm2-ppo,out/smollm2)/seed$(SEED)
+REAL_OUT := $(if $(filter ppo,$(ALGO)),out/smollm2-ppo,out/smollm2)$(if $(filter 1,$(LORA)),-lora)/seed$(SEED)
+REAL_LORA := $(if $(filter 1,$(LORA)),--lora_rank=16 --lora_alpha=32 --lr=1e-4)
 real-demo: $(STAMP) $(SMOL)/config.json
 	$(VENV)/bin/python scripts/smollm2.py data data
 	$(VENV)/bin/torchrun --nproc_per_node=2 train_ppo.py --config $(REAL_CONFIG) \
-		--seed=$(SEED) --out_dir=$(REAL_OUT)
+		--seed=$(SEED) --out_dir=$(REAL_OUT) $(REAL_LORA)
 	$(VENV)/bin/python scripts/smollm2.py eval --config $(REAL_CONFIG) $(SMOL) $(REAL_OUT)/hf
 
 # Optional: the real model with a tool (scripts/smollm2_tool.py): SmolLM2-135M-Instruct learns three-digit

@@ -38,7 +38,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch.distributed._composable.replicate import DDP, replicate
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
@@ -461,7 +460,8 @@ def _tp_plan(model, sequence_parallel):
 class LoRALinear(torch.nn.Linear):
     """A Linear with a low-rank adapter beside its frozen weight (the section's comment). The
     adapters compute in the base's dtype (FSDP2 casts them to bf16 under the bf16 recipe).
-    adapters_on=False: the base alone, the reference policy."""
+    adapters_on=False: the base alone, the reference policy (adapters_off)."""
+    adapters_on = True  # a class attribute: every adapter of the process at once (one policy)
 
     def forward(self, x):
         out = F.linear(x, self.weight, self.bias)
@@ -480,13 +480,14 @@ def _add_adapters(model, cfg):
         if type(module) is not torch.nn.Linear or name.rsplit(".", 1)[-1] not in targets:
             continue
         module.__class__ = LoRALinear
-        module.adapters_on, module.lora_scale = True, cfg.lora_alpha / rank
+        module.lora_scale = cfg.lora_alpha / rank
         out_features, in_features = module.weight.shape  # the full shape, also of a DTensor
         # A keeps the base's split of the inputs (rowwise), B the split of the outputs (colwise)
         for leaf, shape, dim in (("lora_A", (rank, in_features), 1), ("lora_B", (out_features, rank), 0)):
             tensor = torch.empty(shape, device="meta")  # fp32, whatever the base's dtype
             if isinstance(module.weight, DTensor):
-                placements = [Shard(dim) if p == Shard(dim) else Replicate() for p in module.weight.placements]
+                splits = module.weight.placements
+                placements = [Shard(dim) if p == Shard(dim) else Replicate() for p in splits]
                 tensor = distribute_tensor(tensor, module.weight.device_mesh, placements)
             module.register_parameter(leaf, torch.nn.Parameter(tensor))
 
@@ -507,14 +508,11 @@ def _adapter_init(model, seed):
 @contextlib.contextmanager
 def adapters_off(model):
     """Within the block the model computes as its frozen base: the reference policy under LoRA."""
-    adapted = [m for m in model.modules() if isinstance(m, LoRALinear)]
-    for module in adapted:
-        module.adapters_on = False
+    LoRALinear.adapters_on = False
     try:
         yield model
     finally:
-        for module in adapted:
-            module.adapters_on = True
+        LoRALinear.adapters_on = True
 
 
 # -----------------------------------------------------------------------------
@@ -1211,32 +1209,14 @@ def iter_full_params(model, dtype=None):
         yield name, full
 
 
-def save_adapter(model, path, cfg, base_dir, dtype=torch.float32):
-    """Collective (every rank): the LoRA adapters as a PEFT adapter dir, which
-    peft.PeftModel.from_pretrained loads over the base at base_dir and vLLM serves (a LoRARequest):
-    adapter_config.json and adapter_model.safetensors, tensors named as PEFT names them
-    (base_model.model.<module>.lora_A.weight), in `dtype`. Written to a temp dir and renamed.
-    Returns the tensors' bytes."""
+def iter_adapters(model, dtype=torch.float32):
+    """Collective (every rank, to the end): yield (name, full tensor) per LoRA adapter (lora_A,
+    lora_B of each target), in `dtype`, cast before the all-gather."""
     reshard(model)
-    tensors = {}
     for name, param in model.named_parameters():
         if name.endswith((".lora_A", ".lora_B")):
             with torch.no_grad():
-                tensors[f"base_model.model.{name}.weight"] = _gathered(param, dtype).cpu().contiguous()
-    if dist.get_rank() == 0:
-        tmp = path.rstrip("/") + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"))
-        peft_config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-                           target_modules=cfg.lora_targets.split(","), lora_dropout=0.0, bias="none",
-                           fan_in_fan_out=False, base_model_name_or_path=os.path.abspath(base_dir))
-        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
-            json.dump(peft_config, f, indent=1)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-    dist.barrier()
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+                yield name, _gathered(param, dtype)
 
 
 # What a model dir holds besides config and weights, copied into an export as it is (AutoTokenizer,

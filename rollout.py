@@ -834,7 +834,8 @@ class VLLMEngine:
         self.adapter = None  # the LoRARequest every generate passes; None: the base alone
         if cfg.lora_rank:
             ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
-            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in ranks if r >= cfg.lora_rank))
+            kwargs.update(enable_lora=True, max_loras=1,
+                          max_lora_rank=min(r for r in ranks if r >= cfg.lora_rank))
         with _trainer_state_kept():
             self.llm = LLM(**kwargs)  # a collective: every rank constructs it together
         # in-process handles, possible only without multiprocessing: refit writes here
@@ -853,7 +854,8 @@ class VLLMEngine:
                   for s, m in zip(seeds, budgets)]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
         with _trainer_state_kept():
-            outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.adapter)  # prompt order
+            # in prompt order
+            outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.adapter)
         samples = [out.outputs[0] for out in outs]
         # sample.logprobs: one {token id: Logprob} per step, the sampled token among them
         return [(list(s.token_ids), [step[t].logprob for t, step in zip(s.token_ids, s.logprobs)])
@@ -889,7 +891,7 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
     def load_adapter(self, path):
-        """LoRA's refit: serve the PEFT adapter dir at `path` (model_parallel.save_adapter) from the
+        """LoRA's refit: serve the PEFT adapter dir at `path` (train_ppo.save_adapter) from the
         next generate on. vLLM caches an adapter by its id: a request of a known id is served from
         the cache, the dir unread, and would sample the old policy (a stale refit). add_lora with
         load_inplace=True reads the dir into that slot now, once; each generate then passes the

@@ -85,6 +85,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402  (after the config check, on purpose)
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 from torch.distributed.checkpoint.state_dict import (  # noqa: E402
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
@@ -486,11 +487,14 @@ def start_run(cfg, task):
 def sft_warmup(model_dir, task, cfg, mesh):
     """Collective (every rank). Supervised warm-up on the task's reference answers, the usual
     first stage of RLHF, kept short on purpose: PPO should start from a policy that knows the
-    format and is right sometimes. Saved as out_dir/sft (reused when present); returns that dir."""
+    format and is right sometimes. Saved as out_dir/sft (reused when present); returns that dir.
+    It trains every weight, also under LoRA: it stands in for the pretraining and instruction
+    tuning that a toy model lacks, and LoRA then adapts its result in PPO (adapters on a random
+    model learn nothing: make demo with lora_rank=8 and a LoRA warm-up stayed at reward 0.04)."""
     sft_dir = os.path.join(cfg.out_dir, "sft")
     if rank0_decides(os.path.isfile(os.path.join(sft_dir, "config.json"))):
         return sft_dir
-    policy = model_parallel.load_policy(model_dir, mesh, cfg)
+    policy = model_parallel.load_policy(model_dir, mesh, replace(cfg, lora_rank=0))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft_lr, weight_decay=0.0, fused=True)
     for it in range(cfg.sft_steps):
         prompts, answers, masks = rollout.sft_examples(task, cfg, it, mesh["dp"].get_local_rank(),
@@ -1031,6 +1035,32 @@ def save_checkpoint(root, parts, keep, progress):
     return path
 
 
+def save_adapter(model, path, cfg, base_dir, dtype=torch.float32):
+    """Collective (every rank): the LoRA adapters as a PEFT adapter dir, which
+    peft.PeftModel.from_pretrained loads over the base at base_dir and vLLM serves (a LoRARequest):
+    adapter_config.json and adapter_model.safetensors, tensors named as PEFT names them
+    (base_model.model.<module>.lora_A.weight), in `dtype`. Written to a temp dir and renamed.
+    Returns the tensors' bytes."""
+    tensors = {f"base_model.model.{name}.weight": full.cpu().contiguous()
+               for name, full in model_parallel.iter_adapters(model, dtype)}
+    if dist.get_rank() == 0:
+        tmp = path.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"))
+        # (vLLM reads r, lora_alpha and target_modules; scale = lora_alpha / r, as here)
+        peft_config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=cfg.lora_rank,
+                           lora_alpha=cfg.lora_alpha, target_modules=cfg.lora_targets.split(","),
+                           lora_dropout=0.0, bias="none", fan_in_fan_out=False,
+                           base_model_name_or_path=os.path.abspath(base_dir))
+        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+            json.dump(peft_config, f, indent=1)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    dist.barrier()
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def load_checkpoint(path, parts, offload_optimizer=False):
     """Collective (every rank). Load a save_checkpoint dir into parts (on any mesh) and this
     rank's RNG states; return the saved `progress` dict. A rank the saving run did not have
@@ -1077,7 +1107,7 @@ def refit(engine, policy, cfg):
     merged bf16 refit drifted, NeMo-RL #3696). Else every weight (under LoRA merged), in buckets."""
     if cfg.lora_rank and engine.serves_adapters:
         path = os.path.join(cfg.out_dir, "refit_adapter")
-        nbytes = model_parallel.save_adapter(policy, path, cfg, cfg.model, engine.dtype)
+        nbytes = save_adapter(policy, path, cfg, cfg.model, engine.dtype)
         engine.load_adapter(path)
         return {"refit_bytes": nbytes}
     return rollout.refit(engine, model_parallel.iter_full_params(policy, engine.dtype), cfg.refit_bucket_mb)
@@ -1166,7 +1196,7 @@ def main(cfg, task=None):
         # + the tokenizer files and generation_config of the dir we loaded; under LoRA merged
         model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"), dtype, copy_from=model_dir)
         if cfg.lora_rank:  # and the adapters alone, for peft over the base
-            model_parallel.save_adapter(policy, os.path.join(cfg.out_dir, "adapter"), cfg, model_dir)
+            save_adapter(policy, os.path.join(cfg.out_dir, "adapter"), cfg, model_dir)
     finish_run(cfg, engine, mesh, t_start)
 
 if __name__ == "__main__":

@@ -132,8 +132,9 @@ def lora_adapters(path, seed):
     adapters = {}
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in config.LORA_TARGETS:
-            adapters[name + ".lora_A"] = torch.randn(LORA["lora_rank"], module.in_features, generator=g) * 0.05
-            adapters[name + ".lora_B"] = torch.randn(module.out_features, LORA["lora_rank"], generator=g) * 0.05
+            rank = LORA["lora_rank"]
+            adapters[name + ".lora_A"] = torch.randn(rank, module.in_features, generator=g) * 0.05
+            adapters[name + ".lora_B"] = torch.randn(module.out_features, rank, generator=g) * 0.05
     return adapters
 
 
