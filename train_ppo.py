@@ -18,17 +18,17 @@ The algorithm is PPO with a learned critic and GAE, as used for RLHF by Instruct
   2. rollout: the engine samples responses and returns its own logprob of each token; every
      rank gets every sample, and takes its rows for the update (balanced_split: each
      minibatch dealt to dp ranks with even token sums)
-  3. reward: the task's rule-based score per sequence (or, step 4, a reward model's), placed on
-     its last response token
-  4. forward passes without grad: old policy logprobs (or the engine's), reference logprobs,
-     values, the reward model's scores
+  3. reward: the task's rule-based score per sequence, or a learned reward model's (its own
+     pass without grad, reward_model_scores), placed on its last response token
+  4. forward passes without grad: old policy logprobs (or the engine's), reference logprobs
+     (under LoRA: the policy with its adapters off), values
   5. per-token reward = score - kl_coef * KL(policy || reference)
   6. GAE -> advantages and returns; advantages whitened over the whole global batch
   7. ppo_epochs x minibatches x microbatches of clipped policy and value losses (the critic's
      alone in its first critic_warmup_steps steps)
   8. global grad-norm clip, AdamW step (policy and critic each have their own)
   9. the step's samples dumped with the reward trained on (in the background); refit: the new
-     policy weights are streamed into the rollout engine
+     policy weights are streamed into the rollout engine (under LoRA with vLLM: the adapters)
  10. metrics, plot; a checkpoint every save_every steps (resume=auto continues)
 advantage_estimator="grpo" or "rloo" swaps steps 4-6 for scores against the prompt's group and
 drops the critic (docs/losses.md).
@@ -502,13 +502,13 @@ def sft_warmup(model_dir, task, cfg, mesh):
         # the mask: the model's tokens of each answer (a tool's output in a trace is not trained on)
         batch = make_batch(prompts, answers, task.pad_id, device=mesh.device_type, action_masks=masks)
         num_tokens = dp_sum(batch.mask.sum(), mesh)  # global answer tokens
-
-        def nll(idx, lens):
-            """The mean negative log-likelihood of the answers, the one loss term; no counts."""
+        loss_sum = Counter()
+        for idx, lens, weight in micro_rows(list(range(len(prompts))), batch, cfg, mesh, policy):
             lp, _ = model_parallel.forward_policy(policy, batch.ids[idx], lens, mesh, cfg)
-            return {"sft_loss": -masked_sum(lp, batch.mask[idx]) / num_tokens}, {}
-
-        minibatch_update(Part(policy, optimizer, None), nll, list(range(len(prompts))), batch, cfg, mesh)
+            nll = -masked_sum(lp, batch.mask[idx]) / num_tokens  # the answers' mean negative log-likelihood
+            (weight * nll).backward()
+            loss_sum.update(sft_loss=weight * nll.detach())
+        step_optimizer(Part(policy, optimizer, None), loss_sum, cfg, mesh)
         if it % 10 == 0 or it == cfg.sft_steps - 1:
             print0(f"sft {it + 1}/{cfg.sft_steps}")
     # + the tokenizer and generation_config (the stop ids) of model_dir
@@ -546,18 +546,23 @@ def build_models(model_dir, cfg, mesh):
 
 
 # -----------------------------------------------------------------------------
-# Steps 4-6: no-grad forward passes, per-token rewards, advantages.
+# Steps 3-6 under no_grad: a reward model's scores, the policy's and critic's passes, per-token
+# rewards, advantages.
 
-def micro_rows(rows, batch, cfg, mesh):
-    """Collective over dp. The microbatches of the batch rows `rows` (model_parallel.microbatches:
-    packed or padded, the same count on every dp rank) as (idx, lens, weight): the rows' indices as
-    a device tensor (copied without a host sync), their lengths, and the weight of their loss, 0
-    for a dummy (a rank with fewer microbatches runs rows[0] again, so that FSDP's or DDP's
-    collectives still match): a dummy's outputs are dropped, its loss counts 0 times."""
+def micro_rows(rows, batch, cfg, mesh, model=None):
+    """Collective over dp. Yields the microbatches of the batch rows `rows`
+    (model_parallel.microbatches: packed or padded, the same count on every dp rank) as (idx, lens,
+    weight): the rows' indices as a device tensor (copied without a host sync), their lengths, and
+    the weight of their loss, 0 for a dummy (a rank with fewer microbatches runs rows[0] again, so
+    that FSDP's or DDP's collectives still match): a dummy's outputs are dropped, its loss counts
+    0 times. `model` (for a backward): DDP all-reduces the gradients in the last microbatch's
+    backward only, and decides it at the forward: its flag is set before each is yielded."""
     micros = model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh)  # positions in `rows`
-    picked = [([rows[j] for j in micro], weight) for micro, weight in micros]  # batch row indices
-    return [(model_parallel.to_device(idx, batch.ids.device), [batch.lens[i] for i in idx], weight)
-            for idx, weight in picked]
+    for i, (micro, weight) in enumerate(micros):
+        idx = [rows[j] for j in micro]  # batch row indices
+        if model is not None:
+            model_parallel.sync_gradients(model, sync=i == len(micros) - 1)
+        yield model_parallel.to_device(idx, batch.ids.device), [batch.lens[k] for k in idx], weight
 
 
 def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
@@ -577,14 +582,11 @@ def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
 
 
 def score(models, batch, cfg, mesh):
-    """Collective over the mesh. Step 4, the passes without grad of the run's Models (ppo_step
-    runs steps 4-6 under no_grad), returned as Batch fields (for dataclasses.replace): the old
-    policy's logprobs and entropy (or the engine's logprobs), the reference's logprobs (the
-    initial weights swapped into the same module), the critic's values, and a reward model's
-    scores: its output at each sequence's last token (forward_reward_model: an unshifted read,
-    unlike the critic's), which replace the task's as the reward; the task's are kept as
-    task_scores, to be logged beside it: the reward model's opinion and the truth side by side,
-    where reward hacking shows."""
+    """Collective over the mesh. Step 4, the passes without grad of the policy and the critic
+    (ppo_step runs steps 4-6 under no_grad), returned as Batch fields (for dataclasses.replace):
+    the old policy's logprobs and entropy (or the engine's logprobs), the reference's logprobs (the
+    initial weights swapped into the same module, or under LoRA the adapters switched off), and
+    the critic's values."""
     # old_logprobs=engine: the engine's logprobs stand for pi_old, one policy forward fewer
     fields = dict(old_lp=batch.engine_lp, entropy=None)
     policy = models.parts["policy"].model
@@ -601,14 +603,21 @@ def score(models, batch, cfg, mesh):
         critic = models.parts["critic"].model
         (values,) = forward_batch(model_parallel.forward_critic, critic, batch, cfg, mesh)
         fields["values"] = values * batch.mask  # (b, S)
-    if models.reward_model is not None:
-        (outputs,) = forward_batch(model_parallel.forward_reward_model, models.reward_model, batch, cfg, mesh)
-        # not gathered through the update and generation (reshard_after_forward=false keeps every
-        # unit gathered after a pass)
-        model_parallel.reshard(models.reward_model)
-        last = torch.tensor(batch.lens, device=outputs.device) - 1  # (b,) each row's last token
-        fields.update(task_scores=batch.scores, scores=outputs[torch.arange(len(batch.lens)), last])  # (b,)
     return fields
+
+
+def reward_model_scores(reward_model, batch, cfg, mesh):
+    """Collective over the mesh. Step 3 with a learned reward model, under no_grad: its score of
+    each sequence, its output at the sequence's last token (forward_reward_model: an unshifted
+    read, unlike the critic's), which replaces the task's as the reward. The task's are kept as
+    task_scores, logged beside it: the reward model's opinion and the truth side by side, where
+    reward hacking shows. Returned as Batch fields."""
+    (outputs,) = forward_batch(model_parallel.forward_reward_model, reward_model, batch, cfg, mesh)
+    # not gathered through the update and generation (reshard_after_forward=false keeps every
+    # unit gathered after a pass)
+    model_parallel.reshard(reward_model)
+    last = torch.tensor(batch.lens, device=outputs.device) - 1  # (b,) each row's last token
+    return dict(task_scores=batch.scores, scores=outputs[torch.arange(len(batch.lens)), last])  # (b,)
 
 
 def global_scores(batch, n, mesh):
@@ -649,71 +658,42 @@ def compute_advantages(batch, all_scores, cfg, mesh):
 # -----------------------------------------------------------------------------
 # Steps 7-8: the update, one optimizer step per minibatch and model.
 
-def minibatch_update(part, loss_fn, rows, batch, cfg, mesh):
-    """Collective over the mesh. One optimizer step of a Part's model on the batch rows `rows`.
-
-    `loss_fn(idx, lens)` gives, for the rows of one microbatch (idx: their indices, a tensor on
-    the batch's device; lens: their lengths), (terms, counts): the loss as named terms {name:
-    scalar tensor}, minimized as their sum, and numbers to count {name: scalar tensor}. Forward +
-    backward over the microbatches of `rows` (the gradients add up), then clip the global grad
-    norm and step, unless the norm or the loss on some dp rank is NaN/inf: then skip, weights and
-    AdamW state untouched, as Megatron-LM does. Returns (terms, counts, norm, stepped): the terms'
-    and counts' sums over the microbatches (weighted: a dummy's are 0), the grad norm before
-    clipping, and whether the step was taken.
+def step_optimizer(part, loss_sums, cfg, mesh):
+    """Collective over the mesh. A minibatch's optimizer step, after its microbatches' backwards
+    (their gradients added up): clip the global grad norm and step, unless the norm or the loss on
+    some dp rank is NaN/inf (`loss_sums`: {name: the minibatch's sum of each loss term}): then
+    skip, weights and AdamW state untouched, as Megatron-LM does. Returns (the grad norm before
+    clipping, whether the step was taken).
 
     The sums stay on the device: no microbatch reads one back (on a GPU each read would wait for
     the queued kernels, and the host could not queue the next microbatch ahead). An optimizer
     step reads two numbers: the microbatch count (microbatches) and the NaN flag."""
-    term_sums, count_sums = Counter(), Counter()
-    micros = micro_rows(rows, batch, cfg, mesh)
-    for i, (idx, lens, weight) in enumerate(micros):
-        # DDP decides at the forward whether the backward all-reduces: in the last microbatch
-        model_parallel.sync_gradients(part.model, sync=i == len(micros) - 1)
-        terms, counts = loss_fn(idx, lens)
-        (weight * sum(terms.values())).backward()
-        term_sums.update({name: weight * term.detach() for name, term in terms.items()})
-        count_sums.update({name: weight * count for name, count in counts.items()})
     norm = model_parallel.clip_grad_norm(list(part.model.parameters()), cfg.max_grad_norm)
+    sums = list(loss_sums.values())
     # the loss is the sum of its terms: finite where each term's sum is
-    finite = torch.stack([norm.to(batch.ids.device), *term_sums.values()]).isfinite().all().float()
+    finite = torch.stack([norm.to(sums[0].device), *sums]).isfinite().all().float()
     dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=mesh["dp"].get_group())
     stepped = bool(finite.item())  # the optimizer step's host read: step or skip, on every rank
     if stepped:
         part.optimizer.step()
     part.optimizer.zero_grad(set_to_none=True)
-    return term_sums, count_sums, norm, stepped
+    return norm, stepped
 
 
 def update(parts, batch, cfg, mesh, train_policy=True):
     """Collective over the mesh. Steps 7-8: ppo_epochs passes over the step's fixed minibatches,
-    one optimizer step per minibatch and trained model (minibatch_update, with the losses below),
-    then the LR schedules. train_policy=False (the critic's warm-up steps) updates the critic
-    alone. Returns the sums that step_metrics turns into the step's metrics, (losses, counts,
-    norms), each {name: sum over the step's optimizer steps}: every loss term and count as this
-    rank's share, in the order reported, and each model's grad norm (global already) with
+    one optimizer step per minibatch and trained model, then the LR schedules. A model's
+    microbatches add their gradients up: the policy's loss is the sum of policy_loss_terms, the
+    critic's the clipped value loss, each made one number by `aggregate` with the global
+    minibatch's counts. train_policy=False (the critic's warm-up steps) updates the critic alone.
+    Returns the sums that step_metrics turns into the step's metrics, (losses, counts, norms),
+    each {name: sum over the step's optimizer steps}: every loss term and count as this rank's
+    share, in the order reported, and each model's grad norm (global already) with
     `skipped_updates`, the optimizer steps skipped for a NaN/inf loss or norm."""
     if cfg.offload_optimizer:  # AdamW's state back from host memory, to the batch's device
         for part in parts.values():
             model_parallel.move_optimizer_state(part.optimizer, batch.ids.device)
     per_minibatch = len(batch.lens) // cfg.num_minibatches  # rows of each minibatch on this rank
-
-    # The loss of one microbatch of each model: named terms (their sum is minimized) and counts.
-    # `aggregate` is the current minibatch's (set in the loop below, read when they run).
-    def policy_loss_of(idx, lens):  # the sum of policy_loss_terms
-        lp, entropy = model_parallel.forward_policy(parts["policy"].model, batch.ids[idx], lens, mesh, cfg,
-                                                    temperature=cfg.temperature,
-                                                    with_entropy=cfg.entropy_coef > 0,
-                                                    unscored=batch.unscored)
-        # the module's name, looked up now: a fork's replacement of it is what trains
-        terms, clipped = policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg)
-        return terms, {"clipped_tokens": clipped}
-
-    def critic_loss_of(idx, lens):  # the clipped value loss, one term
-        values = model_parallel.forward_critic(parts["critic"].model, batch.ids[idx], lens, mesh, cfg)
-        per_token = value_loss(values, batch.values[idx], batch.returns[idx], cfg.value_clip)
-        return {"value_loss": aggregate(per_token, batch.mask[idx])}, {}
-
-    losses_of = {"policy": (policy_loss_of, "grad_norm"), "critic": (critic_loss_of, "critic_grad_norm")}
     trained = [name for name in parts if name != "policy" or train_policy]  # the critic in its warm-up
     losses, counts, norms = Counter(), Counter(), Counter()
     for epoch in range(cfg.ppo_epochs):
@@ -726,10 +706,26 @@ def update(parts, batch, cfg, mesh, train_policy=True):
                                           num_seqs=per_minibatch * mesh["dp"].size(),  # sequences
                                           norm=cfg.loss_agg_norm or cfg.max_new_tokens)
             for name in trained:
-                loss_of, norm_name = losses_of[name]
-                terms, counted, norm, stepped = minibatch_update(parts[name], loss_of, rows, batch, cfg, mesh)
-                losses.update(terms)
-                counts.update(counted)
+                model = parts[name].model
+                minibatch = Counter()  # {loss term: its sum over the microbatches}
+                for idx, lens, weight in micro_rows(rows, batch, cfg, mesh, model):
+                    if name == "policy":
+                        lp, entropy = model_parallel.forward_policy(model, batch.ids[idx], lens, mesh, cfg,
+                                                                    temperature=cfg.temperature,
+                                                                    with_entropy=cfg.entropy_coef > 0,
+                                                                    unscored=batch.unscored)
+                        # the function's name, looked up now: a fork's replacement is what trains
+                        terms, clipped = policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg)
+                        counts.update(clipped_tokens=weight * clipped)
+                    else:  # the critic
+                        values = model_parallel.forward_critic(model, batch.ids[idx], lens, mesh, cfg)
+                        per_token = value_loss(values, batch.values[idx], batch.returns[idx], cfg.value_clip)
+                        terms = {"value_loss": aggregate(per_token, batch.mask[idx])}
+                    (weight * sum(terms.values())).backward()  # a dummy's weight is 0
+                    minibatch.update({term: weight * loss.detach() for term, loss in terms.items()})
+                norm, stepped = step_optimizer(parts[name], minibatch, cfg, mesh)
+                losses.update(minibatch)
+                norm_name = "grad_norm" if name == "policy" else f"{name}_grad_norm"
                 norms.update({norm_name: norm, "skipped_updates": int(not stepped)})
     for name in trained:  # (a policy not trained keeps its LR warm-up)
         parts[name].schedule.step()
@@ -792,7 +788,123 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
 
 
 # -----------------------------------------------------------------------------
-# Step 10: metrics, plot, checkpoints.
+# Steps 9-10 and the run: refit, one PPO step in order, the loop of steps.
+
+def finish_run(cfg, engine, mesh, t_start):
+    """Collective (every rank). The end of a run: the summary line, then the data side (the last
+    rollout dumps on disk, the engine and the process group let go: rollout.close) and the mesh."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print(summary(cfg, time.time() - t_start), flush=True)
+    rollout.close(engine)
+    model_parallel.release_mesh(mesh)
+
+
+def refit(engine, policy, cfg):
+    """Collective (every rank). Step 9: the policy into the engine; returns the refit's metrics.
+    Under LoRA, an engine that serves adapters (vLLM) gets the adapters alone: a PEFT dir in
+    out_dir, which it reloads in place, 1-5% of the bytes, and no bf16 rounding of W + s B A (a
+    merged bf16 refit drifted, NeMo-RL #3696). Else every weight (under LoRA merged), in buckets."""
+    if cfg.lora_rank and engine.serves_adapters:
+        path = os.path.join(cfg.out_dir, "refit_adapter")
+        nbytes = save_adapter(policy, path, cfg, cfg.model, engine.dtype)
+        engine.load_adapter(path)
+        return {"refit_bytes": nbytes}
+    return rollout.refit(engine, model_parallel.iter_full_params(policy, engine.dtype), cfg.refit_bucket_mb)
+
+
+def ppo_step(progress, models, engine, task, cfg, mesh, device):
+    """Collective (every rank). One PPO step, phases 1-10 of the module docstring in order, each
+    handing what it computed to the next; `progress` holds the steps done and the prompt stream's
+    position. Returns the step's metrics and the names of the loss terms the update reported, in
+    its order."""
+    step = progress["step"]
+    evaluate = engine is not None and bool(task.val) and cfg.eval_every > 0
+    metrics = {"step": step}  # and each phase's wall time (timed)
+    with timed(metrics, "time_step_s"):
+        if evaluate and step % cfg.eval_every == 0:  # before the step's update
+            metrics["val_accuracy"] = rollout.validation_accuracy(engine, task, cfg)
+        with timed(metrics, "time_rollout_s"):  # 1-3. prompts, rollout, reward
+            start = progress["prompts_drawn"]  # the prompt stream's position
+            every, metrics["rollout_samples"] = rollout.rollouts(engine, task, cfg, step, start)
+            metrics.update(rollout.episode_metrics(every.values()))  # turns, tool calls, endings
+            batch = training_batch(every, cfg, mesh, task.pad_id, device)
+        with timed(metrics, "time_logprobs_s"), torch.no_grad():  # 4-6. forward passes, rewards, advantages
+            if models.reward_model is not None:  # 3. the reward: a learned reward model's score
+                batch = replace(batch, **reward_model_scores(models.reward_model, batch, cfg, mesh))
+            batch = replace(batch, **score(models, batch, cfg, mesh))
+            all_scores = global_scores(batch, len(every), mesh)  # (N,)
+            batch = replace(batch, **compute_advantages(batch, all_scores, cfg, mesh))
+        with timed(metrics, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches
+            update_sums = update(models.parts, batch, cfg, mesh, train_policy=step >= cfg.critic_warmup_steps)
+            # (on a GPU the memory in use: the caching allocator still holds the update's peak)
+            metrics["mem_used_gb"] = memory_used_gb()
+        rollout.dump_rollouts(every, all_scores, cfg, step)  # rank 0, in the background
+        with timed(metrics, "time_refit_s"):  # 9. push the policy into the engine (a collective)
+            # also after skipped updates: on GPU the engine dropped its weights
+            if engine is not None:
+                metrics.update(refit(engine, models.parts["policy"].model, cfg))
+        if evaluate and step + 1 == cfg.steps:  # the policy that is exported: after the last update
+            metrics["final_val_accuracy"] = rollout.validation_accuracy(engine, task, cfg)
+        named = step_metrics(batch, update_sums, cfg, mesh)  # 10. one all-reduce, then named means
+    metrics.update(named, tokens_per_s=named["tokens"] / metrics["time_step_s"])
+    return metrics, list(update_sums[0])
+
+
+def main(cfg, task=None):
+    """Train with PPO. `task`: any task (rollout.ToyTask's contract; default: the config's)."""
+    cfg.task = cfg.task if task is None else type(task).__name__  # config.json names a fork's task
+    device, mesh, model_dir, resume_dir, task = start_run(cfg, task)
+    if cfg.sft_steps:
+        model_dir = sft_warmup(model_dir, task, cfg, mesh)
+    models = build_models(model_dir, cfg, mesh)
+    # the prompt stream: the SFT warm-up drew its first sft_steps * sft_batch_size prompts, PPO goes
+    # on from there (a checkpoint saves the position)
+    progress = {"step": 0, "prompts_drawn": cfg.sft_steps * cfg.sft_batch_size}
+    if resume_dir:
+        progress = load_checkpoint(resume_dir, models.parts, cfg.offload_optimizer)
+    start_step = progress["step"]
+    print0(f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir else "fresh start")
+    generates = cfg.steps > start_step and not cfg.replay_rollouts
+    engine = rollout.make_engine(cfg, model_dir, device, task.eos_id) if generates else None
+    policy = models.parts["policy"].model
+    if engine is not None and start_step:  # the engine loaded model_dir: give it the resumed policy
+        refit(engine, policy, cfg)
+    tensorboard = start_metrics_log(cfg, start_step)  # None unless tensorboard=true (rank 0)
+    stop_requested = install_stop_handler(device)
+    t_start = time.time()
+    bad_steps = 0  # steps in a row with a skipped update
+    stopped = False
+    for step in range(start_step, cfg.steps):
+        metrics, loss_names = ppo_step(progress, models, engine, task, cfg, mesh, device)
+        log_step(metrics, loss_names, cfg, t_start, start_step, tensorboard)
+        bad_steps = bad_steps + 1 if metrics["skipped_updates"] else 0
+        if cfg.max_skipped_steps and bad_steps >= cfg.max_skipped_steps:
+            print0(f"stopping: {bad_steps} steps in a row skipped updates (NaN/inf loss or grad norm): "
+                   "lower lr or check the rewards")
+            sys.exit(1)
+        progress.update(step=step + 1, prompts_drawn=progress["prompts_drawn"] + cfg.prompts_per_step)
+        stopped = stop_requested()  # collective: the same answer on every rank
+        # with save_every: every save_every steps and after the last; a stopped run saves too, so
+        # that resume=auto goes on from there
+        periodic = cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps)
+        if stopped or periodic:
+            save_checkpoint(os.path.join(cfg.out_dir, "ckpt"), models.parts, cfg.keep_checkpoints, progress)
+        if stopped:
+            print0(f"stopped by a signal after step {step + 1}: checkpoint saved; --resume=auto goes on")
+            break
+    if cfg.export_hf and not stopped:  # (not after a stop signal: the run is not done)
+        dtype = torch.bfloat16 if cfg.export_dtype == "bf16" else torch.float32
+        # + the tokenizer files and generation_config of the dir we loaded; under LoRA merged
+        model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"), dtype, copy_from=model_dir)
+        if cfg.lora_rank:  # and the adapters alone, for peft over the base
+            save_adapter(policy, os.path.join(cfg.out_dir, "adapter"), cfg, model_dir)
+    finish_run(cfg, engine, mesh, t_start)
+
+
+# -----------------------------------------------------------------------------
+# Run plumbing, after the step it serves: step 10's metrics, plot and console line, the stop
+# signal, the metrics log; then checkpoints and the adapter export.
 
 @torch.no_grad()
 def step_metrics(batch, update_sums, cfg, mesh):
@@ -1087,117 +1199,6 @@ def load_checkpoint(path, parts, offload_optimizer=False):
                 model_parallel.move_optimizer_state(part.optimizer, "host")
     return trainer_state["progress"]
 
-
-# -----------------------------------------------------------------------------
-
-def finish_run(cfg, engine, mesh, t_start):
-    """Collective (every rank). The end of a run: the summary line, then the data side (the last
-    rollout dumps on disk, the engine and the process group let go: rollout.close) and the mesh."""
-    dist.barrier()
-    if dist.get_rank() == 0:
-        print(summary(cfg, time.time() - t_start), flush=True)
-    rollout.close(engine)
-    model_parallel.release_mesh(mesh)
-
-
-def refit(engine, policy, cfg):
-    """Collective (every rank). Step 9: the policy into the engine; returns the refit's metrics.
-    Under LoRA, an engine that serves adapters (vLLM) gets the adapters alone: a PEFT dir in
-    out_dir, which it reloads in place, 1-5% of the bytes, and no bf16 rounding of W + s B A (a
-    merged bf16 refit drifted, NeMo-RL #3696). Else every weight (under LoRA merged), in buckets."""
-    if cfg.lora_rank and engine.serves_adapters:
-        path = os.path.join(cfg.out_dir, "refit_adapter")
-        nbytes = save_adapter(policy, path, cfg, cfg.model, engine.dtype)
-        engine.load_adapter(path)
-        return {"refit_bytes": nbytes}
-    return rollout.refit(engine, model_parallel.iter_full_params(policy, engine.dtype), cfg.refit_bucket_mb)
-
-
-def ppo_step(progress, models, engine, task, cfg, mesh, device):
-    """Collective (every rank). One PPO step, phases 1-10 of the module docstring in order, each
-    handing what it computed to the next; `progress` holds the steps done and the prompt stream's
-    position. Returns the step's metrics and the names of the loss terms the update reported, in
-    its order."""
-    step = progress["step"]
-    evaluate = engine is not None and bool(task.val) and cfg.eval_every > 0
-    metrics = {"step": step}  # and each phase's wall time (timed)
-    with timed(metrics, "time_step_s"):
-        if evaluate and step % cfg.eval_every == 0:  # before the step's update
-            metrics["val_accuracy"] = rollout.validation_accuracy(engine, task, cfg)
-        with timed(metrics, "time_rollout_s"):  # 1-3. prompts, rollout, reward
-            start = progress["prompts_drawn"]  # the prompt stream's position
-            every, metrics["rollout_samples"] = rollout.rollouts(engine, task, cfg, step, start)
-            metrics.update(rollout.episode_metrics(every.values()))  # turns, tool calls, endings
-            batch = training_batch(every, cfg, mesh, task.pad_id, device)
-        with timed(metrics, "time_logprobs_s"), torch.no_grad():  # 4-6. forward passes, rewards, advantages
-            batch = replace(batch, **score(models, batch, cfg, mesh))
-            all_scores = global_scores(batch, len(every), mesh)  # (N,)
-            batch = replace(batch, **compute_advantages(batch, all_scores, cfg, mesh))
-        with timed(metrics, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches
-            update_sums = update(models.parts, batch, cfg, mesh, train_policy=step >= cfg.critic_warmup_steps)
-            # (on a GPU the memory in use: the caching allocator still holds the update's peak)
-            metrics["mem_used_gb"] = memory_used_gb()
-        rollout.dump_rollouts(every, all_scores, cfg, step)  # rank 0, in the background
-        with timed(metrics, "time_refit_s"):  # 9. push the policy into the engine (a collective)
-            # also after skipped updates: on GPU the engine dropped its weights
-            if engine is not None:
-                metrics.update(refit(engine, models.parts["policy"].model, cfg))
-        if evaluate and step + 1 == cfg.steps:  # the policy that is exported: after the last update
-            metrics["final_val_accuracy"] = rollout.validation_accuracy(engine, task, cfg)
-        named = step_metrics(batch, update_sums, cfg, mesh)  # 10. one all-reduce, then named means
-    metrics.update(named, tokens_per_s=named["tokens"] / metrics["time_step_s"])
-    return metrics, list(update_sums[0])
-
-
-def main(cfg, task=None):
-    """Train with PPO. `task`: any task (rollout.ToyTask's contract; default: the config's)."""
-    cfg.task = cfg.task if task is None else type(task).__name__  # config.json names a fork's task
-    device, mesh, model_dir, resume_dir, task = start_run(cfg, task)
-    if cfg.sft_steps:
-        model_dir = sft_warmup(model_dir, task, cfg, mesh)
-    models = build_models(model_dir, cfg, mesh)
-    # the prompt stream: the SFT warm-up drew its first sft_steps * sft_batch_size prompts, PPO goes
-    # on from there (a checkpoint saves the position)
-    progress = {"step": 0, "prompts_drawn": cfg.sft_steps * cfg.sft_batch_size}
-    if resume_dir:
-        progress = load_checkpoint(resume_dir, models.parts, cfg.offload_optimizer)
-    start_step = progress["step"]
-    print0(f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir else "fresh start")
-    generates = cfg.steps > start_step and not cfg.replay_rollouts
-    engine = rollout.make_engine(cfg, model_dir, device, task.eos_id) if generates else None
-    policy = models.parts["policy"].model
-    if engine is not None and start_step:  # the engine loaded model_dir: give it the resumed policy
-        refit(engine, policy, cfg)
-    tensorboard = start_metrics_log(cfg, start_step)  # None unless tensorboard=true (rank 0)
-    stop_requested = install_stop_handler(device)
-    t_start = time.time()
-    bad_steps = 0  # steps in a row with a skipped update
-    stopped = False
-    for step in range(start_step, cfg.steps):
-        metrics, loss_names = ppo_step(progress, models, engine, task, cfg, mesh, device)
-        log_step(metrics, loss_names, cfg, t_start, start_step, tensorboard)
-        bad_steps = bad_steps + 1 if metrics["skipped_updates"] else 0
-        if cfg.max_skipped_steps and bad_steps >= cfg.max_skipped_steps:
-            print0(f"stopping: {bad_steps} steps in a row skipped updates (NaN/inf loss or grad norm): "
-                   "lower lr or check the rewards")
-            sys.exit(1)
-        progress.update(step=step + 1, prompts_drawn=progress["prompts_drawn"] + cfg.prompts_per_step)
-        stopped = stop_requested()  # collective: the same answer on every rank
-        # with save_every: every save_every steps and after the last; a stopped run saves too, so
-        # that resume=auto goes on from there
-        periodic = cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps)
-        if stopped or periodic:
-            save_checkpoint(os.path.join(cfg.out_dir, "ckpt"), models.parts, cfg.keep_checkpoints, progress)
-        if stopped:
-            print0(f"stopped by a signal after step {step + 1}: checkpoint saved; --resume=auto goes on")
-            break
-    if cfg.export_hf and not stopped:  # (not after a stop signal: the run is not done)
-        dtype = torch.bfloat16 if cfg.export_dtype == "bf16" else torch.float32
-        # + the tokenizer files and generation_config of the dir we loaded; under LoRA merged
-        model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"), dtype, copy_from=model_dir)
-        if cfg.lora_rank:  # and the adapters alone, for peft over the base
-            save_adapter(policy, os.path.join(cfg.out_dir, "adapter"), cfg, model_dir)
-    finish_run(cfg, engine, mesh, t_start)
 
 if __name__ == "__main__":
     main(CFG)

@@ -63,6 +63,10 @@ def test_every_field_has_a_doc_and_sizes_say_per_rank_or_global():
     # issue 34: a packed row shorter than the longest sequence crashed at the first long response
     (["--packing=true", "--max_tokens_per_microbatch=512", "--max_model_len=2048"], 8,
      "max_tokens_per_microbatch=512 cannot hold a sequence of max_model_len=2048"),
+    # issue 44: an adapter target no supported family has (OpenRLHF #1349: names that matched
+    # nothing in the engine), and a negative rank
+    (["--lora_rank=8", "--lora_targets=q_proj,qkv_proj"], 1, "lora_targets='q_proj,qkv_proj'"),
+    (["--lora_rank=-1"], 1, "lora_rank"),
     # 2*cp*tp = 8 leaves 512 // 8 * 8 = 512 of 519: not 513 tokens
     (["--packing=true", "--max_tokens_per_microbatch=519", "--max_model_len=513", "--tp_size=2",
       "--cp_size=2"], 4, "raise it to 520"),

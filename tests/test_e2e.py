@@ -133,6 +133,11 @@ REPLAYS[2] += [("kept-gathered", ["--reshard_after_forward=false"]), ("fp32-lr1e
 REPLAYS[2] += [(f"bf16-dp{d}cp{c}tp{t}", ["--dtype=bf16", *LR_1E5, *mesh_flags(d, c, t, p)])
                for d, c, t, p in BF16_MESHES]
 REPLAYS[4] += [("varlen", ["--attention=varlen", *mesh_flags(1, 2, 2, True)])]
+# LoRA (rank 8; lr 1e-2, so that the adapters, which start at B = 0, move the numbers): one process,
+# and every axis split at once, padded and packed
+LORA = ["--lora_rank=8", "--lora_alpha=16", "--lr=1e-2"]
+REPLAYS[1] += [("lora", [*LORA, "--steps=2"])]
+REPLAYS[8] += [(f"lora-dp2cp2tp2-{p}", [*LORA, *mesh_flags(2, 2, 2, p), "--steps=2"]) for p in (False, True)]
 
 
 def _replays_body(rank, world_size, out, target):
@@ -185,6 +190,16 @@ def test_replay_on_8_ranks_with_every_axis_split(generated, replayed):
         name = f"dp2cp2tp2-{packing}"
         keys = COMPARED + ("critic_grad_norm",)
         assert_same_numbers(read_metrics(generated[0]), replayed(8, name), keys, name, steps=2)
+
+
+def test_lora_replay_on_8_ranks_equals_one_process(replayed):
+    """LoRA at (dp, cp, tp) = (2, 2, 2), padded and packed: one process's numbers over 2 steps (the
+    adapters' TP split, their FSDP2 shards beside the frozen base's, CP, packing)."""
+    one = replayed(1, "lora")
+    assert one[1]["kl"] != 0.0 and one[1]["grad_norm"] > 0, "the adapters must move the policy"
+    for packing in (False, True):
+        name = f"lora-dp2cp2tp2-{packing}"
+        assert_same_numbers(one, replayed(8, name), COMPARED + ("critic_grad_norm",), name, steps=2)
 
 
 def test_layers_kept_gathered_change_no_number(generated, replayed):

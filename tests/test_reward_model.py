@@ -87,7 +87,7 @@ def _gathered_once_a_pass(world_size, root):
         gathered.clear()
         with torch.no_grad():
             outputs, = train_ppo.forward_batch(mp.forward_reward_model, reward_model, batch, cfg, mesh)
-        mp.reshard(reward_model)  # as train_ppo.score does after the pass
+        mp.reshard(reward_model)  # as train_ppo.reward_model_scores does after the pass
         passes[n_rows] = list(gathered)
         last = torch.tensor(LENS[:n_rows]) - 1
         expected = hf_scores(os.path.join(root, "tiny-llama-rm"), ids[:n_rows], LENS[:n_rows])

@@ -74,10 +74,8 @@ def _one_rank_body(rank, world_size, tmp):
     policy = model_parallel.load_policy(path, mesh, bf16)
     batch = train_ppo.make_batch([[1, 2, 3], [4, 5]], [[6, 7], [8]], pad_id=257)
     batch.scores = torch.zeros(2)
-    snapshot = model_parallel.snapshot_weights(policy)
-    models = train_ppo.Models({"policy": train_ppo.Part(policy, None, None)}, snapshot, reward_model)
     with torch.no_grad():  # as ppo_step calls it
-        train_ppo.score(models, batch, keep, mesh)
+        train_ppo.reward_model_scores(reward_model, batch, keep, mesh)
     gathered = [n for n, p in reward_model.named_parameters() if not isinstance(p, DTensor)]
     assert not gathered, f"the reward model was left gathered: {gathered}"
     assert not _offloaded(policy)

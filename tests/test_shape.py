@@ -14,7 +14,8 @@ import tokenize
 from conftest import ROOT
 
 MODULES = ("train_ppo.py", "model_parallel.py", "logprobs.py", "rollout.py", "config.py")
-BUDGET_EACH, BUDGET_TOTAL = 650, 2300
+# issue 44 (LoRA) set 700 a module and 2,450 together (from 650 and 2,300)
+BUDGET_EACH, BUDGET_TOTAL = 700, 2450
 NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
             tokenize.ENDMARKER, tokenize.ENCODING}
 

@@ -468,12 +468,13 @@ def _ddp_microbatches_body(rank, world_size, root):
     responses = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (4, 6)]
     batch = train_ppo.make_batch([[1, 2, 3]] * 2, responses, pad_id=257)
 
-    def nll(idx, lens):
-        lp, _ = model_parallel.forward_policy(policy, batch.ids[idx], lens, mesh, cfg)
-        return {"nll": -train_ppo.masked_sum(lp, batch.mask[idx])}, {}
-
     before = torch.cat([p.detach().flatten() for p in policy.parameters()])
-    train_ppo.minibatch_update(train_ppo.Part(policy, optimizer, None), nll, [0, 1], batch, cfg, mesh)
+    nll = {}
+    for idx, lens, _ in train_ppo.micro_rows([0, 1], batch, cfg, mesh, policy):  # sets DDP's sync flag
+        lp, _ = model_parallel.forward_policy(policy, batch.ids[idx], lens, mesh, cfg)
+        nll = {"nll": -train_ppo.masked_sum(lp, batch.mask[idx])}
+        nll["nll"].backward()
+    train_ppo.step_optimizer(train_ppo.Part(policy, optimizer, None), nll, cfg, mesh)
     after = torch.cat([p.detach().flatten() for p in policy.parameters()])
     replicas = [torch.zeros_like(after) for _ in range(world_size)]
     torch.distributed.all_gather(replicas, after)
