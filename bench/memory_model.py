@@ -45,6 +45,25 @@ The training peak is the policy update's (the critic's is smaller: no LM head, P
   device = weights + adam + grads + gathered + activations + logits, and during generation
   weights + adam (unless offloaded) + engine. On CPU everything is host memory, so one peak
   adds the host terms too.
+Under LoRA (lora_rank r > 0; model_parallel.py's "LoRA"), A = the adapters' parameters, r (in + out)
+a target projection per layer (adapter_params; rank 16 on all 7 projections is 0.53% of
+Qwen2.5-7B): the policy's base is frozen and stored in the compute dtype, the adapters fp32 and
+trained, the critic (if any) trained in full, as before:
+  weights     (c P + 4 A + 4 Pc) / W    the frozen base in c bytes, sharded by FSDP2 like the rest
+  adam        8 (A + Pc) / W            AdamW gets the trained parameters alone
+  grads       4 A / W                   the adapters' fp32 gradient shards alone
+  gathered    c (E + 2 layer + 2 A/L)/tp  a layer's adapters are gathered with it, cast to c
+  activations + L t (targets r) c      each adapter's A x (B's saved input); A's input x is
+                                        the base's, saved already (one layer's worth with
+                                        activation checkpointing)
+  reference   0, parked 0               the reference is the policy with its adapters off: no
+                                        snapshot, no swap (so no pinned host memory, unless
+                                        offload_optimizer: the moments of A + Pc)
+  logits, engine: as above (vLLM also holds the adapters: MBs, left out).
+bench/lora_memory.py checks the weights, grads, adam and reference terms (with parked) against
+the bytes a CPU rank holds at SmolLM2-135M's shape, LoRA and full, fp32 and bf16 (each within
+0.02%: the q/k/v biases above), and the peak: full training's within 1%, LoRA's off by +10% (fp32)
+and -8% (bf16), its transient terms being the model's least exact (that file says why).
 """
 import argparse
 import math
@@ -61,6 +80,8 @@ QWEN25 = {
                 num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
 }
 GB = 2**30
+# model_parallel's LoRA targets (config.py's default lora_targets: every attention and MLP one)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def sizes(shape):
@@ -75,6 +96,15 @@ def sizes(shape):
     critic = shape["num_hidden_layers"] * layer + embed + 2 * h + 1  # the value head instead of the LM head
     return dict(h=h, q=q, kv=kv, inter=inter, vocab=vocab, layers=shape["num_hidden_layers"], layer=layer,
                 embed=embed, policy=policy, critic=critic)
+
+
+def adapter_params(shape, rank, targets=LORA_TARGETS):
+    """LoRA's trained parameters: A (rank, in) and B (out, rank) for each target of each layer."""
+    n = sizes(shape)
+    h, q, kv, inter = n["h"], n["q"], n["kv"], n["inter"]
+    in_out = dict(q_proj=(h, q), k_proj=(h, kv), v_proj=(h, kv), o_proj=(q, h), gate_proj=(h, inter),
+                  up_proj=(h, inter), down_proj=(inter, h))
+    return n["layers"] * sum(rank * sum(in_out[t]) for t in targets)
 
 
 def pinned(nbytes):
@@ -115,22 +145,28 @@ def reward_model(shape, world, c=2):
 
 
 def predict(shape, world, tp=1, cp=1, c=2, tokens=8192, scored=None, chunk=1024, critic=True,
-            activation_checkpointing=True, engine=0.0, offload_optimizer=False, on_cpu=False):
-    """Bytes per rank of each term above, and the peaks: device (training, generation) and host."""
+            activation_checkpointing=True, engine=0.0, offload_optimizer=False, on_cpu=False,
+            lora_rank=0, lora_targets=LORA_TARGETS):
+    """Bytes per rank of each term above, and the peaks: device (training, generation) and host.
+    lora_rank > 0: the policy under LoRA (the docstring's LoRA terms), the critic in full."""
     n = sizes(shape)
-    models = n["policy"] + (n["critic"] if critic else 0)
+    pc = n["critic"] if critic else 0
+    adapters = adapter_params(shape, lora_rank, lora_targets) if lora_rank else 0
+    trained = adapters if lora_rank else n["policy"]  # the policy's parameters that AdamW updates
+    policy_bytes = c * n["policy"] + 4 * adapters if lora_rank else 4 * n["policy"]  # stored
     t, s = tokens / cp, tokens / cp if scored is None else scored / cp
     per_token = 4 * n["h"] + 3 * n["q"] + 2 * n["kv"] + 4 * n["inter"]  # saved values of one layer
+    per_token += lora_rank * len(lora_targets)  # each adapter's A x (none without LoRA)
     saved = n["layers"] * t * (n["h"] if activation_checkpointing else per_token) * c
     terms = dict(
-        weights=4 * models / world,
-        adam=8 * models / world,
-        grads=4 * n["policy"] / world,
-        gathered=c * (n["embed"] + 2 * n["layer"]) / tp,
+        weights=(policy_bytes + 4 * pc) / world,
+        adam=8 * (trained + pc) / world,
+        grads=4 * trained / world,
+        gathered=c * (n["embed"] + 2 * (n["layer"] + adapters / n["layers"])) / tp,
         activations=saved + (t * per_token * c if activation_checkpointing else 0),
         logits=s * n["vocab"] / tp * 2 * c + 2 * min(chunk, s) * n["vocab"] / tp * 4,
-        reference=c * n["policy"] / world,
-        parked=4 * n["policy"] / world,
+        reference=0 if lora_rank else c * n["policy"] / world,  # LoRA: the adapters off
+        parked=0 if lora_rank else 4 * n["policy"] / world,
         engine=engine,
     )
     resident = terms["weights"] + (0 if offload_optimizer and not on_cpu else terms["adam"])
@@ -140,7 +176,7 @@ def predict(shape, world, tp=1, cp=1, c=2, tokens=8192, scored=None, chunk=1024,
         host = terms["reference"] + terms["parked"] + (terms["adam"] if offload_optimizer else 0)
         return dict(terms, peak=train + host + engine)
     # one flat pinned buffer a set; AdamW's two moments, each 4 bytes a parameter, per model
-    moments = [4 * n["policy"] / world] * 2 + ([4 * n["critic"] / world] * 2 if critic else [])
+    moments = [4 * trained / world] * 2 + ([4 * n["critic"] / world] * 2 if critic else [])
     host = pinned(terms["reference"]) + pinned(terms["parked"])
     if offload_optimizer:
         host += sum(pinned(m) for m in moments)
@@ -148,23 +184,40 @@ def predict(shape, world, tp=1, cp=1, c=2, tokens=8192, scored=None, chunk=1024,
                 host=host)
 
 
+LORA_RANK = 16  # the table's LoRA columns: rank 16 on all 7 projections
+
+
 def table(names, worlds, gpu_gb=80, utilization=0.3):
     """The GSM8K recipe's settings: bf16, 8192 tokens a packed microbatch (about as many scored),
-    activation checkpointing, vLLM taking utilization x the GPU while it generates."""
+    activation checkpointing, vLLM taking utilization x the GPU while it generates. The LoRA
+    columns: weights + AdamW, the training peak, the peak over the GPU and the pinned host memory
+    (no offload_optimizer), with the critic trained in full (GAE, as the other columns) and with
+    no critic (GRPO, beside full training with no critic)."""
     rows = ["| model | GPUs | weights + AdamW | training peak | generating | peak / 80 GB "
-            "| with offload_optimizer | pinned shard by shard | a reward model: host (GPU before) |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "| with offload_optimizer | pinned shard by shard | a reward model: host (GPU before) "
+            f"| LoRA r{LORA_RANK}, critic in full (GAE) | LoRA r{LORA_RANK}, no critic (GRPO) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in names:
         for world in worlds:
             kw = dict(world=world, engine=utilization * gpu_gb * GB)
             m, off = predict(QWEN25[name], **kw), predict(QWEN25[name], offload_optimizer=True, **kw)
+            lora = predict(QWEN25[name], lora_rank=LORA_RANK, **kw)
+            lora_grpo = predict(QWEN25[name], lora_rank=LORA_RANK, critic=False, **kw)
+            full_grpo = predict(QWEN25[name], critic=False, **kw)
             rows.append(f"| Qwen2.5-{name} | {world} | {(m['weights'] + m['adam']) / GB:.1f} GB "
                         f"| {m['train'] / GB:.1f} GB | {m['generate'] / GB:.1f} GB "
                         f"| {m['peak'] / (gpu_gb * GB):.0%} | "
                         f"generating {off['generate'] / GB:.1f} GB, host +{off['host'] / GB:.1f} GB "
                         f"| host {host_per_tensor(QWEN25[name], world) / GB:.1f} GB "
                         f"| host +{reward_model(QWEN25[name], world)[0] / GB:.1f} GB "
-                        f"({reward_model(QWEN25[name], world)[1] / GB:.1f} GB) |")
+                        f"({reward_model(QWEN25[name], world)[1] / GB:.1f} GB) "
+                        f"| {(lora['weights'] + lora['adam']) / GB:.1f} GB, "
+                        f"training {lora['train'] / GB:.1f} GB, "
+                        f"peak {lora['peak'] / (gpu_gb * GB):.0%}, host {lora['host'] / GB:.1f} GB "
+                        f"(full: {m['host'] / GB:.1f} GB) "
+                        f"| {(lora_grpo['weights'] + lora_grpo['adam']) / GB:.1f} GB, training "
+                        f"{lora_grpo['train'] / GB:.1f} GB, peak {lora_grpo['peak'] / (gpu_gb * GB):.0%} "
+                        f"(full: {full_grpo['peak'] / (gpu_gb * GB):.0%}) |")
     return rows
 
 
@@ -185,4 +238,13 @@ if __name__ == "__main__":
     reward_host, reward_gpu_before = reward_model(QWEN25[name], world)
     fig[f"{name}_{world}gpu_reward_model_host_gb"] = round(reward_host / GB, 1)
     fig[f"{name}_{world}gpu_reward_model_gpu_before_gb"] = round(reward_gpu_before / GB, 1)
+    # LoRA at rank 16, 7B on 1 and 8 GPUs (--smoke: its one row), the peaks as above (vLLM 24 GB):
+    # with the critic trained in full (GAE), and with none (GRPO) beside full training with none
+    for world in [worlds[0]] if args.smoke else [1, 8]:
+        kw = dict(world=world, engine=24 * GB)
+        for key, model in (("lora", dict(lora_rank=LORA_RANK)),
+                           ("lora_grpo", dict(lora_rank=LORA_RANK, critic=False)),
+                           ("full_grpo", dict(critic=False))):
+            peak = predict(QWEN25[name], **model, **kw)["peak"]
+            fig[f"{name}_{world}gpu_{key}_peak_gb"] = round(peak / GB, 1)
     print("RESULT " + " ".join(f"{k.replace('.', 'p')}={v}" for k, v in fig.items()))
