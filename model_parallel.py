@@ -8,10 +8,11 @@ rows" and never sees a shard.
 One forward, in order: rows -> (packed) layout -> this rank's zigzag share of the tokens -> HF model
 with our attention function -> this rank's vocab shard of the logits -> logprobs.py.
 
-Sections, in order: distributed set-up; attention (the kernels and the Layout they read); model
-families and their tiny presets; tensor-parallel plans; loading (build, shard, allocate, read);
-forward (microbatches, layout, policy and critic); the reference policy's weight swap; the global
-grad norm; full weights (refit and HF export).
+Sections, in order: distributed set-up; attention (the kernels, the Layout of this rank's tokens
+that every layer reads and _layout that builds it, our attention function); model families and
+their tiny presets; tensor-parallel plans; LoRA; loading (build, shard, allocate, read); forward
+(microbatches, policy, critic and reward model); the reference policy's weight swap; the global
+grad norm; full weights (refit, HF export, LoRA's adapters).
 
 Where the ideas come from (code and prose are our own):
 1. FSDP2 per decoder layer then the root, one TP plan dict per family, the degree check naming every
@@ -233,6 +234,16 @@ def gpu_varlen_kernel():
     return flash_attn_varlen_func or (torch_varlen_attention if torch_has_it else None)
 
 
+def _varlen_kernel(cfg, device):
+    """The layout's varlen kernel, once per forward: None for masked SDPA (attention=masked); on
+    CUDA in bf16 a flash kernel (it never looks at the masked-out blocks), flash-attn's if
+    installed, else torch's; else the reference, one SDPA per document."""
+    if cfg.attention != "varlen":
+        return None
+    flash = gpu_varlen_kernel() if device.type == "cuda" and cfg.dtype == "bf16" else None
+    return flash or varlen_attention_reference
+
+
 def gpu_kernel_name():
     """The name of gpu_varlen_kernel()'s kernel, None if there is none (config.resolve_auto)."""
     kernel = gpu_varlen_kernel()
@@ -249,7 +260,8 @@ class Layout:
     seq_lens: torch.Tensor  # (b,) real tokens of each sequence
     # packed: (documents + 1,) boundaries of the sequences (and of the padding tail); else None
     cu_seqlens: torch.Tensor | None
-    varlen: bool  # the kernel: varlen, else masked SDPA
+    # the varlen kernel, chosen once per forward for every layer (_varlen_kernel); None: masked SDPA
+    kernel: object
     cp_group: dist.ProcessGroup | None  # K, V all-gathered over it (None: cp=1)
     # masked SDPA reads these four: each query's and key's row position and document
     q_rows: torch.Tensor  # (T/cp,) this rank's zigzag share
@@ -262,12 +274,155 @@ class Layout:
     max_seqlen_q: int
     max_seqlen_k: int
     kv_index: torch.Tensor | None  # (total_k,) CP: keys among the gathered
-    # (`varlen` picks the kernel; every field is filled either way)
+    # (`kernel` picks the path; every field is filled either way)
 
     def model_inputs(self):
         """What HF's forward gets: this rank's tokens, and the layout for our attention function."""
         return dict(input_ids=self.ids[:, self.q_rows], position_ids=self.positions[:, self.q_rows],
                     ppo_layout=self, use_cache=False)  # (B, T/cp) each
+
+
+def _varlen_index(doc_lens, num_rows, row_len, cp_size, cp_rank, kv_rows):
+    """flash-attn's varlen arguments for this rank's queries: one segment per (row, zigzag chunk,
+    document) overlap, in the queries' local order. Each segment's keys run from its document's
+    start to its last query (bottom-right causal: the all-gather CP of Llama 3 and
+    TransformerEngine). Built on the host from Python ints: no device sync in any layer. kv_rows:
+    the row position of each gathered key (Layout.kv_rows).
+
+    A worked example (tests/test_model_parallel.py checks every number): cp=2, one packed row of
+    T=8 tokens holding documents of 3 and 5 tokens, cut into 2*cp=4 zigzag chunks of 2 tokens:
+
+        row position   0 1 2 3 4 5 6 7
+        document       0 0 0 1 1 1 1 1
+        chunk          0 0 1 1 2 2 3 3     rank 0 keeps chunks 0 and 3, rank 1 chunks 1 and 2
+        kv_rows = [0 1 6 7 2 3 4 5]        the keys as gathered: rank 0's share, then rank 1's
+
+    Rank 1 (q_rows = [2 3 4 5]): its chunks cut the documents into three segments
+
+        segment  (row, chunk, document)  queries (rows)  keys (rows)  keys' slots in kv_rows
+        0        (0, 1, 0)               2               0 1 2        0 1 4
+        1        (0, 1, 1)               3               3            5
+        2        (0, 2, 1)               4 5             3 4 5        5 6 7
+
+        cu_seqlens_q = [0 1 2 4], cu_seqlens_k = [0 3 4 7], max_seqlen_q = 2, max_seqlen_k = 3,
+        kv_index = [0 1 4 5 5 6 7]         the slots, segment after segment (+ row * T)
+
+    Segment 2's queries are the last 2 of its 3 keys (bottom-right): row 4 sees 3 4, row 5 sees
+    3 4 5. Segments 1 and 2 both read key 3: keys may repeat across segments, queries never do.
+    Rank 0 (q_rows = [0 1 6 7]) has two segments, (0, 0, 0) with keys 0 1 and (0, 3, 1) with keys
+    3..7: cu_seqlens_q = [0 2 4], cu_seqlens_k = [0 2 7], max_seqlen_q = 2, max_seqlen_k = 5,
+    kv_index = [0 1 5 6 7 2 3]. With cp=1 a segment is a whole document and kv_index is None."""
+    doc_starts = [sum(doc_lens[:d]) for d in range(len(doc_lens))]
+    chunk = row_len // (2 * cp_size)
+    if cp_size == 1:
+        chunks = [(0, row_len)]
+    else:  # zigzag: chunk r, then 2cp-1-r
+        chunks = [(c * chunk, (c + 1) * chunk) for c in (cp_rank, 2 * cp_size - 1 - cp_rank)]
+    q_lens = []  # the queries of each segment
+    # (row, first key, end) of each segment's keys, in row positions
+    k_spans = []
+    for row in range(num_rows):
+        for lo, hi in chunks:
+            for start, n in zip(doc_starts, doc_lens):
+                first, end = max(lo, start), min(hi, start + n)
+                if first < end:
+                    q_lens.append(end - first)
+                    k_spans.append((row, start, end))
+    k_lens = [end - start for _, start, end in k_spans]
+    kv_index = None  # cp = 1: the segments' keys are the keys, in order
+    # the gathered keys are in rank order: row position p sits at slot[p] (kv_rows is a permutation
+    # of the row positions; its argsort is the inverse permutation)
+    if cp_size > 1:
+        slot = kv_rows.argsort()  # (T,)
+        kv_index = torch.cat([row * row_len + slot[start:end] for row, start, end in k_spans])  # (total_k,)
+
+    def boundaries(lens):  # segment lengths -> (segments + 1,) int32 offsets
+        return to_device([0, *itertools.accumulate(lens)], kv_rows.device).to(torch.int32)
+
+    return dict(cu_seqlens_q=boundaries(q_lens), cu_seqlens_k=boundaries(k_lens),
+                max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), kv_index=kv_index)
+
+
+def _layout(input_ids, seq_lens, mesh, cfg):
+    """What this rank feeds the model for (b, S) right-padded rows with seq_lens real tokens. Rows
+    (or the packed row) are padded to a multiple of 2*cp*tp: zigzag needs 2*cp equal chunks and
+    sequence parallel splits each cp share again over tp. Pad tokens (id 0) come after every real
+    token they could disturb and no loss reads them.
+
+    A worked example (_varlen_index's, checked by tests/test_model_parallel.py): packing, cp=2,
+    tp=1, two sequences a b c and d e f g h. They pack into one row of T=8 tokens (a multiple of
+    2*cp*tp=4: no padding tail; else the tail would be a document of its own):
+
+        ids        a b c d e f g h         cu_seqlens = [0 3 8]
+        positions  0 1 2 0 1 2 3 4         (RoPE sees each sequence as if alone)
+        docs       0 0 0 1 1 1 1 1
+        rank 0:  q_rows = [0 1 6 7]: the model gets a b g h at positions 0 1 3 4, q_docs [0 0 1 1]
+        rank 1:  q_rows = [2 3 4 5]: the model gets c d e f at positions 2 0 1 2, q_docs [0 1 1 1]
+        both:    kv_rows = [0 1 6 7 2 3 4 5], kv_docs = [0 0 1 1 0 1 1 1]"""
+    cp_size, cp_rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
+    multiple = 2 * cp_size * mesh["tp"].size()
+    device = _device(mesh)
+    # Every index below is made on the device or copied there without a host sync (to_device):
+    # the host keeps queueing the GPU's work. The rows' own longest, not the (b, S) batch's: a
+    # short microbatch costs what it holds.
+    input_ids = input_ids[:, :max(seq_lens)].to(device)  # (b, S')
+    if cfg.packing:
+        # one row: the sequences back to back, the padding tail as a document of its own
+        lens = [int(n) for n in seq_lens]
+        tail = -sum(lens) % multiple
+        pieces = [input_ids[k, :n] for k, n in enumerate(lens)] + [input_ids.new_zeros(tail)]
+        ids = torch.cat(pieces)[None]  # (1, T)
+        doc_lens = lens + [tail] if tail else lens
+        lengths = to_device(doc_lens, device)  # (docs,)
+        cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # (docs + 1,)
+        docs = torch.repeat_interleave(torch.arange(len(doc_lens), device=device), lengths,
+                                       output_size=ids.shape[1])[None]  # (1, T) (its size given: no sync)
+        # position ids restart at 0 in each sequence: RoPE sees every sequence as if alone
+        positions = torch.arange(ids.shape[1], device=device)[None] - cu_seqlens[docs]  # (1, T)
+    else:
+        ids = F.pad(input_ids, (0, -input_ids.shape[1] % multiple))  # (b, T)
+        doc_lens = [ids.shape[1]]  # one document per row
+        cu_seqlens = None
+        docs = torch.zeros_like(ids)  # (b, T)
+        positions = torch.arange(ids.shape[1], device=device).expand_as(ids)  # (b, T)
+    # queries: this rank's zigzag share (chunks r, 2cp-1-r); keys: every share, all-gathered in
+    # rank order
+    q_rows = zigzag_positions(ids.shape[1], cp_size, cp_rank, device)  # (T/cp,)
+    kv_rows = torch.cat([zigzag_positions(ids.shape[1], cp_size, r, device) for r in range(cp_size)])  # (T,)
+    # (unpacked rows: their length is known only now; config.validate refused the worst case)
+    error = masked_attention_error(ids.shape[1], cp_size, ids.shape[0])
+    if cfg.attention == "masked" and error:
+        raise ValueError(error)
+    return Layout(ids=ids, positions=positions, seq_lens=to_device(list(seq_lens), device),
+                  cu_seqlens=cu_seqlens, kernel=_varlen_kernel(cfg, device), cp_group=_group(mesh, "cp"),
+                  q_rows=q_rows, kv_rows=kv_rows, q_docs=docs[:, q_rows], kv_docs=docs[:, kv_rows],
+                  **_varlen_index(doc_lens, ids.shape[0], ids.shape[1], cp_size, cp_rank, kv_rows))
+
+
+def unpack_packed(packed, cu_seqlens, seq_len):
+    """(1, T) packed row -> (n, seq_len): sequence k at row k, left-aligned, zero-padded.
+    Pure indexing, so it is differentiable and works for ids, logprobs and masks alike."""
+    starts = cu_seqlens[:-1].long().to(packed.device)  # (n,)
+    lengths = cu_seqlens[1:].long().to(packed.device) - starts  # (n,)
+    # checked on the device (no host read): on a GPU a device-side assert
+    torch._assert_async(lengths.max() <= seq_len, f"a packed sequence is longer than seq_len={seq_len}")
+    offsets = torch.arange(seq_len, device=packed.device)  # (S,)
+    valid = offsets[None, :] < lengths[:, None]  # (n, S)
+    index = (starts[:, None] + offsets[None, :]).clamp(max=packed.shape[1] - 1)  # (n, S)
+    return packed[0][index].masked_fill(~valid, 0)  # (n, S)
+
+
+def _unlayout(per_token, layout, like):
+    """(B, T) per-token numbers back in the trainer's (b, S) right-padded rows, on `like`'s
+    device."""
+    seq_len = like.shape[1]
+    if layout.cu_seqlens is None:  # zero past each row's end, as unpacking does
+        # the layout was trimmed to the rows' longest, then padded: back to the batch's width
+        per_token = F.pad(per_token[:, :seq_len], (0, seq_len - min(seq_len, per_token.shape[1])))  # (b, S)
+        valid = torch.arange(seq_len, device=per_token.device)[None] < layout.seq_lens[:, None]  # (b, S)
+        return (per_token * valid).to(like.device)  # (b, S)
+    sequences = layout.cu_seqlens[: len(layout.seq_lens) + 1]  # (b + 1,) without the padding tail
+    return unpack_packed(per_token, sequences, seq_len).to(like.device)  # (b, S)
 
 
 def _masked_attention(query, key, value, scaling, sliding_window, layout):
@@ -289,8 +444,8 @@ def _masked_attention(query, key, value, scaling, sliding_window, layout):
 
 def _varlen_attention(query, key, value, scaling, sliding_window, layout):
     """The same attention through the varlen contract: tokens flattened to (tokens, heads, dim), one
-    causal segment per (row, zigzag chunk, document). On CUDA in bf16 a flash kernel (it never looks
-    at the masked-out blocks): flash-attn's if installed, else torch's; else the reference."""
+    causal segment per (row, zigzag chunk, document), through the layout's kernel
+    (_varlen_kernel)."""
     batch, heads, local_len, dim = query.shape  # query: (B, Hq/tp, T/cp, D)
     q = query.transpose(1, 2).reshape(batch * local_len, heads, dim)  # (B*T/cp, Hq/tp, D)
     k = key.transpose(1, 2).flatten(0, 1)  # (B*T, Hkv/tp, D)  (gathered order under CP)
@@ -298,12 +453,10 @@ def _varlen_attention(query, key, value, scaling, sliding_window, layout):
     if layout.kv_index is not None:  # CP: each segment's keys
         k = k[layout.kv_index]  # (total_k, Hkv/tp, D)
         v = v[layout.kv_index]  # (total_k, Hkv/tp, D)
-    gpu_kernel = gpu_varlen_kernel() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
-    kernel = gpu_kernel or varlen_attention_reference
     # flash-attn's left window counts the keys before the query's own: HF's `sliding_window` keys,
     # the query's included, are sliding_window - 1 back (the masked path's convention)
     window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
-    out = kernel(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_k, layout.max_seqlen_q,
+    out = layout.kernel(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_k, layout.max_seqlen_q,
                  layout.max_seqlen_k, softmax_scale=scaling, causal=True,
                  window_size=window)  # (B*T/cp, Hq/tp, D)
     return out.view(batch, local_len, heads, dim)  # (B, T/cp, Hq/tp, D)
@@ -321,7 +474,7 @@ def ppo_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if ppo_layout.cp_group is not None:
         key = _GatherSeq.apply(key, ppo_layout.cp_group)  # (B, Hkv/tp, T, D)
         value = _GatherSeq.apply(value, ppo_layout.cp_group)  # (B, Hkv/tp, T, D)
-    attend = _varlen_attention if ppo_layout.varlen else _masked_attention
+    attend = _masked_attention if ppo_layout.kernel is None else _varlen_attention
     return attend(query, key, value, scaling, sliding_window, ppo_layout), None  # no attention weights
 
 
@@ -797,8 +950,8 @@ def load_reward_model(path, mesh, cfg):
 
 
 # -----------------------------------------------------------------------------
-# Forward: microbatches of rows -> this rank's tokens -> model -> this rank's head output ->
-# per-token numbers in the trainer's (b, S) rows.
+# Forward: microbatches of rows -> this rank's tokens (_layout, beside the attention above) ->
+# model -> this rank's head output -> per-token numbers in the trainer's (b, S) rows.
 
 def microbatches(seq_lens, cfg, mesh):
     """Collective (every rank of dp): (rows, loss weight) of each microbatch, rows indexing
@@ -831,149 +984,6 @@ def microbatches(seq_lens, cfg, mesh):
     count = torch.tensor([len(bins)], device=_device(mesh))
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mesh["dp"].get_group())  # collective over dp
     return [(rows, 1.0) for rows in bins] + [([0], 0.0)] * (int(count) - len(bins))
-
-
-def _varlen_index(doc_lens, num_rows, row_len, cp_size, cp_rank, kv_rows):
-    """flash-attn's varlen arguments for this rank's queries: one segment per (row, zigzag chunk,
-    document) overlap, in the queries' local order. Each segment's keys run from its document's
-    start to its last query (bottom-right causal: the all-gather CP of Llama 3 and
-    TransformerEngine). Built on the host from Python ints: no device sync in any layer. kv_rows:
-    the row position of each gathered key (Layout.kv_rows).
-
-    A worked example (tests/test_model_parallel.py checks every number): cp=2, one packed row of
-    T=8 tokens holding documents of 3 and 5 tokens, cut into 2*cp=4 zigzag chunks of 2 tokens:
-
-        row position   0 1 2 3 4 5 6 7
-        document       0 0 0 1 1 1 1 1
-        chunk          0 0 1 1 2 2 3 3     rank 0 keeps chunks 0 and 3, rank 1 chunks 1 and 2
-        kv_rows = [0 1 6 7 2 3 4 5]        the keys as gathered: rank 0's share, then rank 1's
-
-    Rank 1 (q_rows = [2 3 4 5]): its chunks cut the documents into three segments
-
-        segment  (row, chunk, document)  queries (rows)  keys (rows)  keys' slots in kv_rows
-        0        (0, 1, 0)               2               0 1 2        0 1 4
-        1        (0, 1, 1)               3               3            5
-        2        (0, 2, 1)               4 5             3 4 5        5 6 7
-
-        cu_seqlens_q = [0 1 2 4], cu_seqlens_k = [0 3 4 7], max_seqlen_q = 2, max_seqlen_k = 3,
-        kv_index = [0 1 4 5 5 6 7]         the slots, segment after segment (+ row * T)
-
-    Segment 2's queries are the last 2 of its 3 keys (bottom-right): row 4 sees 3 4, row 5 sees
-    3 4 5. Segments 1 and 2 both read key 3: keys may repeat across segments, queries never do.
-    Rank 0 (q_rows = [0 1 6 7]) has two segments, (0, 0, 0) with keys 0 1 and (0, 3, 1) with keys
-    3..7: cu_seqlens_q = [0 2 4], cu_seqlens_k = [0 2 7], max_seqlen_q = 2, max_seqlen_k = 5,
-    kv_index = [0 1 5 6 7 2 3]. With cp=1 a segment is a whole document and kv_index is None."""
-    doc_starts = [sum(doc_lens[:d]) for d in range(len(doc_lens))]
-    chunk = row_len // (2 * cp_size)
-    if cp_size == 1:
-        chunks = [(0, row_len)]
-    else:  # zigzag: chunk r, then 2cp-1-r
-        chunks = [(c * chunk, (c + 1) * chunk) for c in (cp_rank, 2 * cp_size - 1 - cp_rank)]
-    q_lens = []  # the queries of each segment
-    # (row, first key, end) of each segment's keys, in row positions
-    k_spans = []
-    for row in range(num_rows):
-        for lo, hi in chunks:
-            for start, n in zip(doc_starts, doc_lens):
-                first, end = max(lo, start), min(hi, start + n)
-                if first < end:
-                    q_lens.append(end - first)
-                    k_spans.append((row, start, end))
-    k_lens = [end - start for _, start, end in k_spans]
-    kv_index = None  # cp = 1: the segments' keys are the keys, in order
-    # the gathered keys are in rank order: row position p sits at slot[p] (kv_rows is a permutation
-    # of the row positions; its argsort is the inverse permutation)
-    if cp_size > 1:
-        slot = kv_rows.argsort()  # (T,)
-        kv_index = torch.cat([row * row_len + slot[start:end] for row, start, end in k_spans])  # (total_k,)
-
-    def boundaries(lens):  # segment lengths -> (segments + 1,) int32 offsets
-        return to_device([0, *itertools.accumulate(lens)], kv_rows.device).to(torch.int32)
-
-    return dict(cu_seqlens_q=boundaries(q_lens), cu_seqlens_k=boundaries(k_lens),
-                max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), kv_index=kv_index)
-
-
-def _layout(input_ids, seq_lens, mesh, cfg):
-    """What this rank feeds the model for (b, S) right-padded rows with seq_lens real tokens. Rows
-    (or the packed row) are padded to a multiple of 2*cp*tp: zigzag needs 2*cp equal chunks and
-    sequence parallel splits each cp share again over tp. Pad tokens (id 0) come after every real
-    token they could disturb and no loss reads them.
-
-    A worked example (_varlen_index's, checked by tests/test_model_parallel.py): packing, cp=2,
-    tp=1, two sequences a b c and d e f g h. They pack into one row of T=8 tokens (a multiple of
-    2*cp*tp=4: no padding tail; else the tail would be a document of its own):
-
-        ids        a b c d e f g h         cu_seqlens = [0 3 8]
-        positions  0 1 2 0 1 2 3 4         (RoPE sees each sequence as if alone)
-        docs       0 0 0 1 1 1 1 1
-        rank 0:  q_rows = [0 1 6 7]: the model gets a b g h at positions 0 1 3 4, q_docs [0 0 1 1]
-        rank 1:  q_rows = [2 3 4 5]: the model gets c d e f at positions 2 0 1 2, q_docs [0 1 1 1]
-        both:    kv_rows = [0 1 6 7 2 3 4 5], kv_docs = [0 0 1 1 0 1 1 1]"""
-    cp_size, cp_rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
-    multiple = 2 * cp_size * mesh["tp"].size()
-    device = _device(mesh)
-    # Every index below is made on the device or copied there without a host sync (to_device):
-    # the host keeps queueing the GPU's work. The rows' own longest, not the (b, S) batch's: a
-    # short microbatch costs what it holds.
-    input_ids = input_ids[:, :max(seq_lens)].to(device)  # (b, S')
-    if cfg.packing:
-        # one row: the sequences back to back, the padding tail as a document of its own
-        lens = [int(n) for n in seq_lens]
-        tail = -sum(lens) % multiple
-        pieces = [input_ids[k, :n] for k, n in enumerate(lens)] + [input_ids.new_zeros(tail)]
-        ids = torch.cat(pieces)[None]  # (1, T)
-        doc_lens = lens + [tail] if tail else lens
-        lengths = to_device(doc_lens, device)  # (docs,)
-        cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # (docs + 1,)
-        docs = torch.repeat_interleave(torch.arange(len(doc_lens), device=device), lengths,
-                                       output_size=ids.shape[1])[None]  # (1, T) (its size given: no sync)
-        # position ids restart at 0 in each sequence: RoPE sees every sequence as if alone
-        positions = torch.arange(ids.shape[1], device=device)[None] - cu_seqlens[docs]  # (1, T)
-    else:
-        ids = F.pad(input_ids, (0, -input_ids.shape[1] % multiple))  # (b, T)
-        doc_lens = [ids.shape[1]]  # one document per row
-        cu_seqlens = None
-        docs = torch.zeros_like(ids)  # (b, T)
-        positions = torch.arange(ids.shape[1], device=device).expand_as(ids)  # (b, T)
-    # queries: this rank's zigzag share (chunks r, 2cp-1-r); keys: every share, all-gathered in
-    # rank order
-    q_rows = zigzag_positions(ids.shape[1], cp_size, cp_rank, device)  # (T/cp,)
-    kv_rows = torch.cat([zigzag_positions(ids.shape[1], cp_size, r, device) for r in range(cp_size)])  # (T,)
-    # (unpacked rows: their length is known only now; config.validate refused the worst case)
-    error = masked_attention_error(ids.shape[1], cp_size, ids.shape[0])
-    if cfg.attention == "masked" and error:
-        raise ValueError(error)
-    return Layout(ids=ids, positions=positions, seq_lens=to_device(list(seq_lens), device),
-                  cu_seqlens=cu_seqlens, varlen=cfg.attention == "varlen", cp_group=_group(mesh, "cp"),
-                  q_rows=q_rows, kv_rows=kv_rows, q_docs=docs[:, q_rows], kv_docs=docs[:, kv_rows],
-                  **_varlen_index(doc_lens, ids.shape[0], ids.shape[1], cp_size, cp_rank, kv_rows))
-
-
-def unpack_packed(packed, cu_seqlens, seq_len):
-    """(1, T) packed row -> (n, seq_len): sequence k at row k, left-aligned, zero-padded.
-    Pure indexing, so it is differentiable and works for ids, logprobs and masks alike."""
-    starts = cu_seqlens[:-1].long().to(packed.device)  # (n,)
-    lengths = cu_seqlens[1:].long().to(packed.device) - starts  # (n,)
-    # checked on the device (no host read): on a GPU a device-side assert
-    torch._assert_async(lengths.max() <= seq_len, f"a packed sequence is longer than seq_len={seq_len}")
-    offsets = torch.arange(seq_len, device=packed.device)  # (S,)
-    valid = offsets[None, :] < lengths[:, None]  # (n, S)
-    index = (starts[:, None] + offsets[None, :]).clamp(max=packed.shape[1] - 1)  # (n, S)
-    return packed[0][index].masked_fill(~valid, 0)  # (n, S)
-
-
-def _unlayout(per_token, layout, like):
-    """(B, T) per-token numbers back in the trainer's (b, S) right-padded rows, on `like`'s
-    device."""
-    seq_len = like.shape[1]
-    if layout.cu_seqlens is None:  # zero past each row's end, as unpacking does
-        # the layout was trimmed to the rows' longest, then padded: back to the batch's width
-        per_token = F.pad(per_token[:, :seq_len], (0, seq_len - min(seq_len, per_token.shape[1])))  # (b, S)
-        valid = torch.arange(seq_len, device=per_token.device)[None] < layout.seq_lens[:, None]  # (b, S)
-        return (per_token * valid).to(like.device)  # (b, S)
-    sequences = layout.cu_seqlens[: len(layout.seq_lens) + 1]  # (b + 1,) without the padding tail
-    return unpack_packed(per_token, sequences, seq_len).to(like.device)  # (b, S)
 
 
 def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_entropy=False, unscored=0):

@@ -27,8 +27,8 @@ The algorithm is PPO with a learned critic and GAE, as used for RLHF by Instruct
   7. ppo_epochs x minibatches x microbatches of clipped policy and value losses (the critic's
      alone in its first critic_warmup_steps steps)
   8. global grad-norm clip, AdamW step (policy and critic each have their own)
-  9. the step's samples dumped with the reward trained on (in the background); refit: the new
-     policy weights are streamed into the rollout engine (under LoRA with vLLM: the adapters)
+  9. refit: the new policy weights are streamed into the rollout engine (under LoRA with vLLM:
+     the adapters alone); the step's samples dumped with the reward trained on (in the background)
  10. metrics, plot; a checkpoint every save_every steps (resume=auto continues)
 advantage_estimator="grpo" or "rloo" swaps steps 4-6 for scores against the prompt's group and
 drops the critic (docs/losses.md).
@@ -508,7 +508,8 @@ def sft_warmup(model_dir, task, cfg, mesh):
             nll = -masked_sum(lp, batch.mask[idx]) / num_tokens  # the answers' mean negative log-likelihood
             (weight * nll).backward()
             loss_sum.update(sft_loss=weight * nll.detach())
-        step_optimizer(Part(policy, optimizer, None), loss_sum, cfg, mesh)
+        norm = model_parallel.clip_grad_norm(list(policy.parameters()), cfg.max_grad_norm)
+        step_optimizer(Part(policy, optimizer, None), norm, loss_sum, mesh)
         if it % 10 == 0 or it == cfg.sft_steps - 1:
             print0(f"sft {it + 1}/{cfg.sft_steps}")
     # + the tokenizer and generation_config (the stop ids) of model_dir
@@ -658,17 +659,16 @@ def compute_advantages(batch, all_scores, cfg, mesh):
 # -----------------------------------------------------------------------------
 # Steps 7-8: the update, one optimizer step per minibatch and model.
 
-def step_optimizer(part, loss_sums, cfg, mesh):
-    """Collective over the mesh. A minibatch's optimizer step, after its microbatches' backwards
-    (their gradients added up): clip the global grad norm and step, unless the norm or the loss on
-    some dp rank is NaN/inf (`loss_sums`: {name: the minibatch's sum of each loss term}): then
-    skip, weights and AdamW state untouched, as Megatron-LM does. Returns (the grad norm before
-    clipping, whether the step was taken).
+def step_optimizer(part, norm, loss_sums, mesh):
+    """Collective over dp. A minibatch's optimizer step, after its microbatches' backwards (their
+    gradients added up) and the clip of the global grad norm (`norm`, before clipping): step,
+    unless the norm or the loss on some dp rank is NaN/inf (`loss_sums`: {name: the minibatch's
+    sum of each loss term}): then skip, weights and AdamW state untouched, as Megatron-LM does.
+    Returns whether the step was taken.
 
     The sums stay on the device: no microbatch reads one back (on a GPU each read would wait for
     the queued kernels, and the host could not queue the next microbatch ahead). An optimizer
     step reads two numbers: the microbatch count (microbatches) and the NaN flag."""
-    norm = model_parallel.clip_grad_norm(list(part.model.parameters()), cfg.max_grad_norm)
     sums = list(loss_sums.values())
     # the loss is the sum of its terms: finite where each term's sum is
     finite = torch.stack([norm.to(sums[0].device), *sums]).isfinite().all().float()
@@ -677,7 +677,7 @@ def step_optimizer(part, loss_sums, cfg, mesh):
     if stepped:
         part.optimizer.step()
     part.optimizer.zero_grad(set_to_none=True)
-    return norm, stepped
+    return stepped
 
 
 def update(parts, batch, cfg, mesh, train_policy=True):
@@ -723,7 +723,8 @@ def update(parts, batch, cfg, mesh, train_policy=True):
                         terms = {"value_loss": aggregate(per_token, batch.mask[idx])}
                     (weight * sum(terms.values())).backward()  # a dummy's weight is 0
                     minibatch.update({term: weight * loss.detach() for term, loss in terms.items()})
-                norm, stepped = step_optimizer(parts[name], minibatch, cfg, mesh)
+                norm = model_parallel.clip_grad_norm(list(model.parameters()), cfg.max_grad_norm)
+                stepped = step_optimizer(parts[name], norm, minibatch, mesh)
                 losses.update(minibatch)
                 norm_name = "grad_norm" if name == "policy" else f"{name}_grad_norm"
                 norms.update({norm_name: norm, "skipped_updates": int(not stepped)})
@@ -839,11 +840,11 @@ def ppo_step(progress, models, engine, task, cfg, mesh, device):
             update_sums = update(models.parts, batch, cfg, mesh, train_policy=step >= cfg.critic_warmup_steps)
             # (on a GPU the memory in use: the caching allocator still holds the update's peak)
             metrics["mem_used_gb"] = memory_used_gb()
-        rollout.dump_rollouts(every, all_scores, cfg, step)  # rank 0, in the background
         with timed(metrics, "time_refit_s"):  # 9. push the policy into the engine (a collective)
             # also after skipped updates: on GPU the engine dropped its weights
             if engine is not None:
                 metrics.update(refit(engine, models.parts["policy"].model, cfg))
+        rollout.dump_rollouts(every, all_scores, cfg, step)  # rank 0, in the background
         if evaluate and step + 1 == cfg.steps:  # the policy that is exported: after the last update
             metrics["final_val_accuracy"] = rollout.validation_accuracy(engine, task, cfg)
         named = step_metrics(batch, update_sums, cfg, mesh)  # 10. one all-reduce, then named means

@@ -231,6 +231,16 @@ class FakeLLM:
     def wake_up(self, tags):
         self.calls.append(f"wake_up {tags}")
 
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    @property
+    def llm_engine(self):  # LoRA: add_lora, on the engine
+        return self
+
+    def add_lora(self, request):
+        self.calls.append(f"add_lora {request.lora_path} inplace={request.load_inplace}")
+
 
 @pytest.mark.parametrize("on_gpu", [True, False])
 def test_vllm_engine_sleep_mode_calls(on_gpu):
@@ -238,6 +248,7 @@ def test_vllm_engine_sleep_mode_calls(on_gpu):
     calls = []
     engine = rollout.VLLMEngine.__new__(rollout.VLLMEngine)  # no vLLM model behind it
     engine.llm, engine.on_gpu, engine.asleep, engine.dtype = FakeLLM(calls), on_gpu, set(), torch.float32
+    engine.serves_adapters = False
     engine.load_weights = lambda bucket: calls.append(f"load {[name for name, _ in bucket]}")
     engine.finish_refit = lambda: calls.append("finish_refit")
     engine.sleep()
@@ -245,6 +256,23 @@ def test_vllm_engine_sleep_mode_calls(on_gpu):
     on_gpu_calls = ["sleep level=2", "wake_up ['weights']", "load ['a', 'b']", "finish_refit",
                     "wake_up ['kv_cache']"]
     assert calls == (on_gpu_calls if on_gpu else ["load ['a', 'b']", "finish_refit"])
+
+
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_vllm_engine_sleep_mode_calls_under_lora(on_gpu):
+    """Under LoRA an adapter refit resends no base weight: sleep must keep them (level 1, in host
+    memory), and the adapter's refit wakes the engine before it reads the adapter dir in place
+    (add_lora, once), then drops the prefix cache; every later request carries the adapter."""
+    calls = []
+    engine = rollout.VLLMEngine.__new__(rollout.VLLMEngine)  # no vLLM model behind it
+    engine.llm, engine.on_gpu, engine.asleep = FakeLLM(calls), on_gpu, set()
+    engine.serves_adapters = True
+    engine.sleep()
+    engine.load_adapter("/out/refit_adapter")
+    load = ["add_lora /out/refit_adapter inplace=True", "reset_prefix_cache"]
+    on_gpu_calls = ["sleep level=1", "wake_up ['weights', 'kv_cache']", *load]
+    assert calls == (on_gpu_calls if on_gpu else load)
+    assert engine.adapter.lora_path == "/out/refit_adapter" and not engine.adapter.load_inplace
 
 
 class CudaRng:
