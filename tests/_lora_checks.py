@@ -12,9 +12,10 @@ In the order a run meets them:
    those instead). The second round catches an engine that kept its first adapters.
 2. the merged HF export and the PEFT adapter dir, each loaded by its own library (transformers;
    peft over the base): the same logits.
-3. a checkpoint saved and loaded into a freshly built policy (a resume); then every base weight,
-   of the trained and of the resumed policy, is what the checkpoint file holds, bit for bit (in
-   the stored dtype), and the resumed adapters are the trained ones.
+3. a checkpoint saved at dp=2 and loaded into a freshly built policy at tp=2 (a resume on
+   another mesh); then every base weight, of the trained and of the resumed policy, is what the
+   checkpoint file holds, bit for bit (in the stored dtype), the resumed adapters are the
+   trained ones, and the two give the same logprobs.
 
 A script, not a run_ranks body: vLLM's shutdown destroys the default process group.
 """
@@ -135,12 +136,20 @@ if rank == 0:
             measured["export_adapter_effect"] = (peft(x).logits - a).abs().max().item()
 
 
-# ---- 3. a resume: the checkpoint into a fresh policy; every base weight bit for bit -----------
+# ---- 3. a resume on another mesh (tp=2): every base weight bit for bit, the adapters too --------
 ckpt = train_ppo.save_checkpoint(os.path.join(args.dir, "ckpt"), parts, keep=1, progress={"step": 2})
 measured["checkpoint_bytes"] = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt)
                                    if f.endswith(".distcp"))
-resumed = model_parallel.load_policy(path, mesh, cfg)
+tp_mesh = model_parallel.make_mesh(world_size, 2, 1, "cpu")  # (dp, cp, tp) = (1, 1, 2)
+resumed = model_parallel.load_policy(path, tp_mesh, cfg)
 train_ppo.load_checkpoint(ckpt, {"policy": part(resumed)})
+first = tok.encode(rollout.ToyTask(cfg.seed).prompts(0, 1)[0][0])  # not this rank's own prompts:
+shared = torch.tensor([first + [5, 9, 11, 2]] * 2)  # the same rows on both ranks (tp needs it)
+with torch.no_grad():
+    lens = [shared.shape[1]] * 2
+    before = model_parallel.forward_policy(policy, shared, lens, mesh, cfg, temperature=TEMPERATURE)[0]
+    after = model_parallel.forward_policy(resumed, shared, lens, tp_mesh, cfg, temperature=TEMPERATURE)[0]
+measured["resumed_logprob_diff"] = (before - after).abs().max().item()
 for label, model in (("trained", policy), ("resumed", resumed)):
     model_parallel.reshard(model)
     base_diffs = []
@@ -149,9 +158,9 @@ for label, model in (("trained", policy), ("resumed", resumed)):
         base_diffs += [name] if not (full.dtype == stored and torch.equal(full, loaded[name])) else []
     measured[f"{label}_base_not_bit_equal"] = base_diffs
     measured[f"{label}_base_tensors"] = len(model_parallel._hf_params(model))
-measured["resumed_adapters_equal"] = all(
-    torch.equal(model_parallel._local(p), model_parallel._local(q)) for (n, p), (_, q)
-    in zip(policy.named_parameters(), resumed.named_parameters()) if p.requires_grad)
+trained_adapters = dict(model_parallel.iter_adapters(policy))
+measured["resumed_adapters_equal"] = all(  # gathered: the two meshes split them differently
+    torch.equal(trained_adapters[n], full) for n, full in model_parallel.iter_adapters(resumed))
 
 gathered = [None] * world_size
 dist.all_gather_object(gathered, measured)
