@@ -623,6 +623,9 @@ class LoRALinear(torch.nn.Linear):
         return out + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
 
 
+ADAPTERS = (".lora_A", ".lora_B")  # the adapters' parameter names end so (not in an HF checkpoint)
+
+
 def _add_adapters(model, cfg):
     """Turn each Linear named in cfg.lora_targets into a LoRALinear with adapters on the meta device
     (after the TP plan: their splits follow their base's, the section's comment), and freeze every
@@ -639,9 +642,8 @@ def _add_adapters(model, cfg):
         for leaf, shape, dim in (("lora_A", (rank, in_features), 1), ("lora_B", (out_features, rank), 0)):
             tensor = torch.empty(shape, device="meta")  # fp32, whatever the base's dtype
             if isinstance(module.weight, DTensor):
-                splits = module.weight.placements
-                placements = [Shard(dim) if p == Shard(dim) else Replicate() for p in splits]
-                tensor = distribute_tensor(tensor, module.weight.device_mesh, placements)
+                split = [Shard(dim) if p == Shard(dim) else Replicate() for p in module.weight.placements]
+                tensor = distribute_tensor(tensor, module.weight.device_mesh, split)
             module.register_parameter(leaf, torch.nn.Parameter(tensor))
 
 
@@ -1193,7 +1195,7 @@ def _gathered(param, dtype=None):
 
 def _hf_params(model):
     """(name, parameter) of what an HF checkpoint of the model holds: all but LoRA's adapters."""
-    return [(name, p) for name, p in model.named_parameters() if not name.endswith((".lora_A", ".lora_B"))]
+    return [(name, p) for name, p in model.named_parameters() if not name.endswith(ADAPTERS)]
 
 
 def iter_full_params(model, dtype=None):
@@ -1219,14 +1221,14 @@ def iter_full_params(model, dtype=None):
         yield name, full
 
 
+@torch.no_grad()  # (around each step of the generator)
 def iter_adapters(model, dtype=torch.float32):
     """Collective (every rank, to the end): yield (name, full tensor) per LoRA adapter (lora_A,
     lora_B of each target), in `dtype`, cast before the all-gather."""
     reshard(model)
     for name, param in model.named_parameters():
-        if name.endswith((".lora_A", ".lora_B")):
-            with torch.no_grad():
-                yield name, _gathered(param, dtype)
+        if name.endswith(ADAPTERS):
+            yield name, _gathered(param, dtype)
 
 
 # What a model dir holds besides config and weights, copied into an export as it is (AutoTokenizer,

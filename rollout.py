@@ -13,6 +13,7 @@ import math
 import os
 import random
 import re
+import typing
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Optional
@@ -833,7 +834,8 @@ class VLLMEngine:
         self.serves_adapters = cfg.lora_rank > 0
         self.adapter = None  # the LoRARequest every generate passes; None: the base alone
         if cfg.lora_rank:
-            ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
+            from vllm.config.lora import MaxLoRARanks  # a Literal of the ranks vLLM accepts
+            ranks = typing.get_args(MaxLoRARanks)
             kwargs.update(enable_lora=True, max_loras=1,
                           max_lora_rank=min(r for r in ranks if r >= cfg.lora_rank))
         with _trainer_state_kept():

@@ -509,7 +509,7 @@ def sft_warmup(model_dir, task, cfg, mesh):
             (weight * nll).backward()
             loss_sum.update(sft_loss=weight * nll.detach())
         norm = model_parallel.clip_grad_norm(list(policy.parameters()), cfg.max_grad_norm)
-        step_optimizer(Part(policy, optimizer, None), norm, loss_sum, mesh)
+        step_optimizer(optimizer, norm, loss_sum, mesh)
         if it % 10 == 0 or it == cfg.sft_steps - 1:
             print0(f"sft {it + 1}/{cfg.sft_steps}")
     # + the tokenizer and generation_config (the stop ids) of model_dir
@@ -659,7 +659,7 @@ def compute_advantages(batch, all_scores, cfg, mesh):
 # -----------------------------------------------------------------------------
 # Steps 7-8: the update, one optimizer step per minibatch and model.
 
-def step_optimizer(part, norm, loss_sums, mesh):
+def step_optimizer(optimizer, norm, loss_sums, mesh):
     """Collective over dp. A minibatch's optimizer step, after its microbatches' backwards (their
     gradients added up) and the clip of the global grad norm (`norm`, before clipping): step,
     unless the norm or the loss on some dp rank is NaN/inf (`loss_sums`: {name: the minibatch's
@@ -675,8 +675,8 @@ def step_optimizer(part, norm, loss_sums, mesh):
     dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=mesh["dp"].get_group())
     stepped = bool(finite.item())  # the optimizer step's host read: step or skip, on every rank
     if stepped:
-        part.optimizer.step()
-    part.optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     return stepped
 
 
@@ -724,7 +724,7 @@ def update(parts, batch, cfg, mesh, train_policy=True):
                     (weight * sum(terms.values())).backward()  # a dummy's weight is 0
                     minibatch.update({term: weight * loss.detach() for term, loss in terms.items()})
                 norm = model_parallel.clip_grad_norm(list(model.parameters()), cfg.max_grad_norm)
-                stepped = step_optimizer(parts[name], norm, minibatch, mesh)
+                stepped = step_optimizer(parts[name].optimizer, norm, minibatch, mesh)
                 losses.update(minibatch)
                 norm_name = "grad_norm" if name == "policy" else f"{name}_grad_norm"
                 norms.update({norm_name: norm, "skipped_updates": int(not stepped)})

@@ -105,7 +105,7 @@ def lora_counted(hf_config, rank):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     model_parallel._add_adapters(model, cfg)
-    adapters = sum(p.numel() for n, p in model.named_parameters() if n.endswith((".lora_A", ".lora_B")))
+    adapters = sum(p.numel() for n, p in model.named_parameters() if n.endswith(model_parallel.ADAPTERS))
     merged = sum(p.numel() for _, p in model_parallel._hf_params(model))
     # the arithmetic: r (in + out) elements a target (A (r, in), B (out, r)), per decoder layer
     h, inter = hf_config.hidden_size, hf_config.intermediate_size

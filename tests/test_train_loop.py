@@ -475,7 +475,7 @@ def _ddp_microbatches_body(rank, world_size, root):
         nll = {"nll": -train_ppo.masked_sum(lp, batch.mask[idx])}
         nll["nll"].backward()
     norm = model_parallel.clip_grad_norm(list(policy.parameters()), cfg.max_grad_norm)
-    train_ppo.step_optimizer(train_ppo.Part(policy, optimizer, None), norm, nll, mesh)
+    train_ppo.step_optimizer(optimizer, norm, nll, mesh)
     after = torch.cat([p.detach().flatten() for p in policy.parameters()])
     replicas = [torch.zeros_like(after) for _ in range(world_size)]
     torch.distributed.all_gather(replicas, after)
