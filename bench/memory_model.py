@@ -59,11 +59,27 @@ trained, the critic (if any) trained in full, as before:
   reference   0, parked 0               the reference is the policy with its adapters off: no
                                         snapshot, no swap (so no pinned host memory, unless
                                         offload_optimizer: the moments of A + Pc)
-  logits, engine: as above (vLLM also holds the adapters: MBs, left out).
+  gathered, logits                      the head frozen, the update's peak is at one of two
+                                        moments, whichever is larger (the phases of a CPU run,
+                                        timed one by one, put it there):
+    head_forward   c E/tp + s V/tp c     the forward's end: the LM head gathered (the layers are
+                                        resharded by then) and its output
+    head_backward  2 s V/tp c + block + c 2 (layer + A/L)/tp
+                                        the backward's start: the logits and their gradient, one
+                                        fp32 (chunk, V/tp) block of logprobs.py under bf16 (its
+                                        fp32 backward writes in place), the last layers gathered
+                                        (full training's backward adds the head's weight
+                                        gradient, which is why its logits term counts more)
+    on CPU under bf16, + 4 E/tp at both: oneDNN's bf16 linear on a strided input (the positions
+                                        logits_to_keep keeps, a view) first copies the head's
+                                        weight to fp32
+  engine: as above (vLLM also holds the adapters: MBs, left out).
+Under bf16, each of a layer's two RMSNorms saves its input as fp32 (HF's norm computes in fp32):
+the activations count 4 bytes, not c, for it, full training and LoRA alike.
 bench/lora_memory.py checks the weights, grads, adam and reference terms (with parked) against
 the bytes a CPU rank holds at SmolLM2-135M's shape, LoRA and full, fp32 and bf16 (each within
-0.02%: the q/k/v biases above), and the peak: full training's within 1%, LoRA's off by +10% (fp32)
-and -8% (bf16), its transient terms being the model's least exact (that file says why).
+0.02%: the q/k/v biases above), and the peak (all four within 5%: the heap, in no tensor, is the
+rest; that file gives the figures).
 """
 import argparse
 import math
@@ -157,6 +173,12 @@ def predict(shape, world, tp=1, cp=1, c=2, tokens=8192, scored=None, chunk=1024,
     t, s = tokens / cp, tokens / cp if scored is None else scored / cp
     per_token = 4 * n["h"] + 3 * n["q"] + 2 * n["kv"] + 4 * n["inter"]  # saved values of one layer
     per_token += lora_rank * len(lora_targets)  # each adapter's A x (none without LoRA)
+    # HF's RMSNorm computes in fp32 and saves its input's fp32 copy: under bf16, 4 bytes instead of
+    # c for the input of each of a layer's two norms. Measured at SmolLM2's shape under LoRA (the
+    # tensors autograd saves in one layer): 24,076 bytes a token (bf16) and 43,500 (fp32), against
+    # 23,648 and 42,688 counted here; the rest is SDPA's path on CPU's padded rows (k and v
+    # repeated to the query's heads, o_proj's input a view of SDPA's output, its logsumexp)
+    per_token += 2 * n["h"] * (4 - c) / c
     saved = n["layers"] * t * (n["h"] if activation_checkpointing else per_token) * c
     terms = dict(
         weights=(policy_bytes + 4 * pc) / world,
@@ -169,6 +191,15 @@ def predict(shape, world, tp=1, cp=1, c=2, tokens=8192, scored=None, chunk=1024,
         parked=0 if lora_rank else 4 * n["policy"] / world,
         engine=engine,
     )
+    if lora_rank:  # the LM head frozen: its peak moment is one of two (the docstring's LoRA terms)
+        block = 4 * min(chunk, s) * n["vocab"] / tp if c < 4 else 0  # logprobs.py's fp32 block
+        layers = c * 2 * (n["layer"] + adapters / n["layers"]) / tp  # the last layer, the prefetched
+        head = dict(head_forward=c * n["embed"] / tp + s * n["vocab"] / tp * c,
+                    head_backward=2 * s * n["vocab"] / tp * c + block + layers)
+        # on CPU under bf16 only: oneDNN's linear on a strided input (the positions logits_to_keep
+        # keeps, a view) copies the LM head's weight to fp32 first, 4 bytes a value, at both moments
+        cpu_copy = 4 * n["embed"] / tp if on_cpu and c < 4 else 0
+        terms.update(head, gathered=0, logits=max(head.values()) + cpu_copy)
     resident = terms["weights"] + (0 if offload_optimizer and not on_cpu else terms["adam"])
     train = (terms["weights"] + terms["adam"]
              + sum(terms[k] for k in ("grads", "gathered", "activations", "logits")))
