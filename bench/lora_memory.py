@@ -63,6 +63,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from scale_memory import memory  # noqa: E402  (a /proc/self/status field, in bytes)
+
 GB = 2**30
 # SmolLM2-135M(-Instruct)'s shape (its config.json; bench/refit.py has the same), and a tiny one
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -73,11 +75,6 @@ LORA_RANK = 16
 NAMES = {"peak": "peak (RssAnon, sampled)", "peak_hwm": "peak (VmHWM)"}
 CASES = ("fp32-full", "fp32-lora", "bf16-full", "bf16-lora")
 PROMPT, RESPONSE, SEQUENCES, MICRO = 8, 120, 4, 2  # two microbatches of 2 rows, as scale_memory's
-
-
-def memory(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
 
 
 class AnonPeak:

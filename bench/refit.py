@@ -95,7 +95,8 @@ def lora_counted(hf_config, rank):
     counted on a meta-device model given its adapters by model_parallel._add_adapters (what
     save_adapter sends, iter_adapters: every lora_A and lora_B; what iter_full_params sends:
     _hf_params, every HF weight, a tied head once), and checked against the arithmetic of the
-    shapes."""
+    shapes (memory_model.adapter_params: r (in + out) a target of each layer)."""
+    import memory_model  # (bench/, this file's folder)
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -107,13 +108,7 @@ def lora_counted(hf_config, rank):
     model_parallel._add_adapters(model, cfg)
     adapters = sum(p.numel() for n, p in model.named_parameters() if n.endswith(model_parallel.ADAPTERS))
     merged = sum(p.numel() for _, p in model_parallel._hf_params(model))
-    # the arithmetic: r (in + out) elements a target (A (r, in), B (out, r)), per decoder layer
-    h, inter = hf_config.hidden_size, hf_config.intermediate_size
-    head_dim = getattr(hf_config, "head_dim", None) or h // hf_config.num_attention_heads
-    q, kv = hf_config.num_attention_heads * head_dim, hf_config.num_key_value_heads * head_dim
-    in_out = dict(q_proj=(h, q), k_proj=(h, kv), v_proj=(h, kv), o_proj=(q, h), gate_proj=(h, inter),
-                  up_proj=(h, inter), down_proj=(inter, h))
-    by_shapes = hf_config.num_hidden_layers * sum(rank * sum(in_out[t]) for t in cfg.lora_targets.split(","))
+    by_shapes = memory_model.adapter_params(hf_config.to_dict(), rank, cfg.lora_targets.split(","))
     if adapters != by_shapes:
         sys.exit(f"LoRA at rank {rank}: _add_adapters made {adapters} adapter elements, the shapes say "
                  f"{by_shapes}")
