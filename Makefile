@@ -20,6 +20,19 @@ $(STAMP): requirements-cpu.lock
 
 setup: $(STAMP)
 
+# A long recipe's launch, $(call launch,SCRIPT,ARGS,OUT_DIR). The command line is checked first
+# by config.py in one process, as torchrun's ranks would check it: a bad one gets its one line and
+# exit 2 there, instead of the line on each rank followed by torchrun's 30-line report of children
+# that exited 2. Then torchrun. Each long recipe saves a checkpoint every few steps and starts with
+# --resume=auto, so if a rank dies (a crash, a kill, a reboot), the same make command goes on from
+# the newest checkpoint: the failure's last line says so.
+define launch
+	WORLD_SIZE=2 $(VENV)/bin/python config.py $(2) --resume=auto
+	$(VENV)/bin/torchrun --nproc_per_node=2 $(1) $(2) --resume=auto || { echo "the run stopped \
+	before its end: \`make $(strip $@ $(MAKEOVERRIDES))\` goes on from its newest checkpoint in $(3)/ckpt \
+	(remove $(3) to start over)"; exit 1; }
+endef
+
 # LORA=1 (here and in real-demo): LoRA, the base frozen, adapters of rank 16 (alpha 32) on every
 # projection; the lr 5x (the toy; measured best of 2e-3 at rank 8, 5e-3 at rank 8, 1e-3 at rank 16)
 # and 10x (SmolLM2), as LoRA needs ("LoRA Without Regret", Schulman et al., 2025)
@@ -60,8 +73,8 @@ REAL_OUT := $(if $(filter ppo,$(ALGO)),out/smollm2-ppo,out/smollm2)$(if $(filter
 REAL_LORA := $(if $(filter 1,$(LORA)),$(LORA_ARGS) --lr=1e-4)
 real-demo: $(STAMP) $(SMOL)/config.json
 	$(VENV)/bin/python scripts/smollm2.py data data
-	$(VENV)/bin/torchrun --nproc_per_node=2 train_ppo.py --config $(REAL_CONFIG) \
-		--seed=$(SEED) --out_dir=$(REAL_OUT) $(REAL_LORA)
+	$(call launch,train_ppo.py,--config $(REAL_CONFIG) --seed=$(SEED) --out_dir=$(REAL_OUT) \
+		$(REAL_LORA),$(REAL_OUT))
 	$(VENV)/bin/python scripts/smollm2.py eval --config $(REAL_CONFIG) $(SMOL) $(REAL_OUT)/hf
 
 # Optional: the real model with a tool (scripts/smollm2_tool.py): SmolLM2-135M-Instruct learns three-digit
@@ -75,8 +88,8 @@ TOOL ?= 1
 REAL_TOOL_OUT := out/smollm2-$(if $(filter 0,$(TOOL)),notool,tool)/seed$(SEED)
 REAL_TOOL_ARGS := --config configs/smollm2_tool_cpu.toml $(if $(filter 0,$(TOOL)),--max_turns=1)
 real-tool-demo: $(STAMP) $(SMOL)/config.json
-	$(VENV)/bin/torchrun --nproc_per_node=2 scripts/smollm2_tool.py train $(REAL_TOOL_ARGS) \
-		--seed=$(SEED) --out_dir=$(REAL_TOOL_OUT)
+	$(call launch,scripts/smollm2_tool.py train,$(REAL_TOOL_ARGS) --seed=$(SEED) \
+		--out_dir=$(REAL_TOOL_OUT),$(REAL_TOOL_OUT))
 	$(VENV)/bin/python scripts/smollm2_tool.py eval $(REAL_TOOL_ARGS) $(SMOL) $(REAL_TOOL_OUT)/sft \
 		$(REAL_TOOL_OUT)/hf
 
@@ -91,7 +104,7 @@ rlhf-demo: $(STAMP)
 	$(VENV)/bin/python scripts/train_reward_model.py toy-pairs $(RLHF)/pairs.jsonl
 	$(VENV)/bin/python scripts/train_reward_model.py train --config configs/rlhf_demo_cpu.toml \
 		--init $(RLHF)/sft --pairs $(RLHF)/pairs.jsonl --out $(RLHF)/rm
-	$(VENV)/bin/torchrun --nproc_per_node=2 train_ppo.py --config configs/rlhf_demo_cpu.toml
+	$(call launch,train_ppo.py,--config configs/rlhf_demo_cpu.toml,$(RLHF))
 
 # Optional: multi-turn episodes with a tool (docs/multiturn.md). The toy model learns two-digit sums
 # with a calculator it calls: "23+45=" -> "?" -> the tool's "[68]" -> "68". `make tool-demo TURNS=1`

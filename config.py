@@ -253,6 +253,9 @@ SIGNED = ("seed", "gamma", "lam")
 
 # The projections LoRA may adapt: every Linear of a decoder layer in the supported families.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the largest adapter rank vLLM serves (vllm/config/lora.py, MaxLoRARanks; tests/test_config.py
+# reads it there, so an upgrade that moves it fails a test, not a run)
+VLLM_MAX_LORA_RANK = 512
 
 
 # attention=masked builds a (B, T/cp, T) mask for a microbatch of B rows, and SDPA a score tensor
@@ -285,6 +288,13 @@ def resolve_auto(cfg: Config, device_type: str, gpu_kernel) -> str:
     if cfg.dtype == "auto":
         cfg.dtype = "bf16" if device_type == "cuda" and cfg.data_parallel == "fsdp" else "fp32"
     cfg.export_dtype = cfg.dtype if cfg.export_dtype == "auto" else cfg.export_dtype
+    # vLLM keeps adapters in the model's dtype, and its GPU LoRA kernels take fp16 or bf16 only
+    # (vllm/lora/ops/triton_ops/lora_shrink_op.py asserts both; its CPU kernels take fp32)
+    gpu_vllm = cfg.rollout_engine == "vllm" and device_type == "cuda"
+    if cfg.lora_rank and gpu_vllm and cfg.dtype == "fp32":
+        raise ConfigError(f"lora_rank={cfg.lora_rank} with rollout_engine=vllm on CUDA needs "
+                          f"dtype=bf16 (vLLM's GPU LoRA kernels take no fp32; data_parallel=ddp "
+                          f"is fp32): use data_parallel=fsdp and dtype=bf16, or rollout_engine=hf")
     kernel = gpu_kernel if device_type == "cuda" and cfg.dtype == "bf16" else None  # (flash: bf16 only)
     if cfg.attention == "auto":
         longest = cfg.max_tokens_per_microbatch if cfg.packing else cfg.max_model_len  # a row at most
@@ -417,6 +427,11 @@ def _validate_values(cfg: Config) -> None:
     if cfg.critic_warmup_steps and cfg.advantage_estimator != "gae":
         raise ConfigError(f"critic_warmup_steps={cfg.critic_warmup_steps} needs a critic: "
                           f"advantage_estimator=gae (or critic_warmup_steps=0)")
+    # the adapters' scale is lora_alpha / lora_rank: at 0 they would add nothing and learn nothing
+    if cfg.lora_rank and not cfg.lora_alpha > 0:
+        raise ConfigError(f"lora_alpha={cfg.lora_alpha:g} scales the adapters by lora_alpha / "
+                          f"lora_rank = 0: they would train nothing; use lora_alpha > 0 (often "
+                          f"2 * lora_rank = {2 * cfg.lora_rank})")
     if cfg.lora_rank and not set(cfg.lora_targets.split(",")) <= set(LORA_TARGETS):
         raise ConfigError(f"lora_targets={cfg.lora_targets!r} names a module with no adapter here: "
                           f"a comma-separated subset of {','.join(LORA_TARGETS)}")
@@ -504,6 +519,9 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.rollout_engine == "vllm" and not vllm_installed:
         raise ConfigError("rollout_engine='vllm' but vLLM is not installed: install it (see README) "
                           "or use rollout_engine=hf")
+    if cfg.rollout_engine == "vllm" and cfg.lora_rank > VLLM_MAX_LORA_RANK:
+        raise ConfigError(f"lora_rank={cfg.lora_rank} is above the largest rank vLLM serves "
+                          f"({VLLM_MAX_LORA_RANK}): use a smaller lora_rank, or rollout_engine=hf")
     if cfg.rollout_engine == "hf" and cfg.rollout_tp_size != 1:
         raise ConfigError(f"rollout_tp_size={cfg.rollout_tp_size} needs rollout_engine=vllm "
                           "(the HF engine is one full model per rank)")
@@ -548,10 +566,11 @@ def load(argv: list, world_size: int) -> Config:
     return cfg
 
 
-def save(cfg: Config, path: str) -> None:
-    """Write the resolved config as JSON (rank 0 only)."""
+def save(cfg: Config, path: str, **facts) -> None:
+    """Write the resolved config as JSON (rank 0 only), with `facts` the run learned beside it
+    (vllm_model_runner: the runner vLLM picked)."""
     with open(path, "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=1)
+        json.dump(dataclasses.asdict(cfg) | facts, f, indent=1)
 
 
 # -----------------------------------------------------------------------------
@@ -575,3 +594,10 @@ def quiet_third_party_output() -> None:
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+
+
+if __name__ == "__main__":
+    # `python config.py ARGS`: a command line checked before torchrun starts its processes (the
+    # Makefile's recipes do), with WORLD_SIZE as torchrun will set it: one line and exit 2 if it
+    # is bad, nothing printed if it is good
+    load(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", "1")))

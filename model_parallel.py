@@ -171,17 +171,19 @@ class _GatherSeq(torch.autograd.Function):
         return out.movedim(0, 2), None  # (B, H, S/cp, D)
 
 
-def masked_sdpa(query, key, value, mask, scale):
+def masked_sdpa(query, key, value, mask, scale, is_causal=False):
     """SDPA with an explicit mask. query: (..., Hq, Lq, D); key, value: (..., Hkv, Lk, D), Hkv
     dividing Hq (grouped-query attention). Each KV head is copied out to its Hq/Hkv query heads
     first: on a GPU, flash attention refuses an explicit mask and the memory-efficient kernel
     refuses fewer KV heads than query heads, so a mask with enable_gqa=True runs the math kernel,
     O(Lq * Lk) memory a head (torch's sdp_utils). transformers copies them for the same reason
-    (integrations/sdpa_attention.py). The copy is O(Lk) a head, the kernel's saving O(Lq * Lk)."""
+    (integrations/sdpa_attention.py). The copy is O(Lk) a head, the kernel's saving O(Lq * Lk).
+    mask=None with is_causal=True: causal attention with no mask, which flash accepts."""
     groups = query.shape[-3] // key.shape[-3]
     key = key.repeat_interleave(groups, -3)  # (..., Hq, Lk, D)
     value = value.repeat_interleave(groups, -3)  # (..., Hq, Lk, D)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                          is_causal=is_causal)
 
 
 def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -193,21 +195,40 @@ def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     Causal is bottom-right aligned (flash-attn >= 2.1): a segment with Lq queries and Lk >= Lq keys
     holds the *last* Lq queries, so query j sits at key position j + Lk - Lq. window_size=(left,
     right): keys at most `left` positions back, -1 = unlimited. max_seqlen_*: the kernel sizes its
-    grid with them; unused here. Returns (total_q, Hq, D)."""
+    grid with them; unused here. Returns (total_q, Hq, D).
+
+    Each segment goes to SDPA as a 4-D (1, H, L, D) batch: SDPA's fused kernels take 4-D inputs
+    only, and a 3-D call with a mask runs the math kernel, which keeps an (H, Lq, Lk) fp32 score
+    tensor for the backward (3.2 GB a layer for one 8k-token document at 12 heads). A whole
+    document (Lq = Lk) with no window needs no mask at all: is_causal lets a GPU pick its flash or
+    memory-efficient kernel, O(L) memory."""
     outs = []
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # (on a GPU: a sync per call)
+    unwindowed = window_size[0] < 0 and (causal or window_size[1] < 0)
     for q0, q1, k0, k1 in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:]):
-        q_pos = torch.arange(q1 - q0, device=q.device)[:, None] + (k1 - k0) - (q1 - q0)  # (Lq, 1)
-        k_pos = torch.arange(k1 - k0, device=q.device)[None, :]  # (1, Lk)
-        visible = (k_pos <= q_pos) if causal else (k_pos >= 0) & (q_pos >= 0)  # (Lq, Lk)
-        if window_size[0] >= 0:
-            visible &= k_pos >= q_pos - window_size[0]
-        if not causal and window_size[1] >= 0:
-            visible &= k_pos <= q_pos + window_size[1]
-        seg = masked_sdpa(q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1),
-                          visible, softmax_scale)  # (Hq, Lq, D)
-        outs.append(seg.transpose(0, 1))  # (Lq, Hq, D)
+        q_seg = q[q0:q1].transpose(0, 1)[None]  # (1, Hq, Lq, D)
+        k_seg = k[k0:k1].transpose(0, 1)[None]  # (1, Hkv, Lk, D)
+        v_seg = v[k0:k1].transpose(0, 1)[None]  # (1, Hkv, Lk, D)
+        if unwindowed and (not causal or q1 - q0 == k1 - k0):
+            # SDPA's is_causal is top-left aligned, the same as bottom-right when Lq = Lk
+            seg = masked_sdpa(q_seg, k_seg, v_seg, None, softmax_scale, is_causal=causal)
+        else:
+            seg = masked_sdpa(q_seg, k_seg, v_seg, _visible(q1 - q0, k1 - k0, causal, window_size,
+                                                            q.device), softmax_scale)
+        outs.append(seg[0].transpose(0, 1))  # (Lq, Hq, D)
     return torch.cat(outs)  # (total_q, Hq, D)
+
+
+def _visible(q_len, k_len, causal, window_size, device):
+    """The (Lq, Lk) mask of one varlen segment: causal bottom-right aligned, then the window."""
+    q_pos = torch.arange(q_len, device=device)[:, None] + k_len - q_len  # (Lq, 1)
+    k_pos = torch.arange(k_len, device=device)[None, :]  # (1, Lk)
+    visible = (k_pos <= q_pos) if causal else (k_pos >= 0) & (q_pos >= 0)  # (Lq, Lk)
+    if window_size[0] >= 0:
+        visible &= k_pos >= q_pos - window_size[0]
+    if not causal and window_size[1] >= 0:
+        visible &= k_pos <= q_pos + window_size[1]
+    return visible
 
 
 def torch_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

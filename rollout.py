@@ -807,6 +807,11 @@ def _trainer_state_kept():
 class VLLMEngine:
     def __init__(self, model_dir: str, cfg, stop_ids: list):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+        # vLLM 0.32 picks its V2 model runner wherever Triton works (a GPU), V1 elsewhere (the CPU
+        # wheel has no Triton). V2 samples seeded requests otherwise (a hash-based Gumbel draw)
+        # and maps requests to adapters otherwise: the GPU runs V1, the runner the CPU tests
+        # cover (VLLM_USE_V2_MODEL_RUNNER=1 in the environment opts in to V2; the log names it)
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         from vllm import LLM  # imported here: the HF engine works without vLLM
         self.on_gpu = torch.cuda.is_available()
         self.asleep = set()  # the memory tags sleep() freed
@@ -838,11 +843,16 @@ class VLLMEngine:
             ranks = typing.get_args(MaxLoRARanks)
             kwargs.update(enable_lora=True, max_loras=1,
                           max_lora_rank=min(r for r in ranks if r >= cfg.lora_rank))
+            # GPU only: every request carries the adapter, so one set of CUDA graphs, with LoRA
+            # (vLLM's default captures a second set without it: twice the start-up)
+            if self.on_gpu:
+                kwargs.update(compilation_config=dict(cudagraph_specialize_lora=False))
         with _trainer_state_kept():
             self.llm = LLM(**kwargs)  # a collective: every rank constructs it together
         # in-process handles, possible only without multiprocessing: refit writes here
         self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
         self.model = self.worker.model_runner.get_model()
+        self.runner = "V2" if self.worker.use_v2_model_runner else "V1"  # what vLLM picked
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.reloading = False
 

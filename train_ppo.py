@@ -474,6 +474,12 @@ def start_run(cfg, task):
             os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
             config.save(cfg, os.path.join(cfg.out_dir, "config.json"))
         resume_dir = rank0_decides(find_checkpoint(cfg.resume, cfg.out_dir))
+        saved_rank = saved_lora_rank(resume_dir) if resume_dir else cfg.lora_rank
+        if saved_rank != cfg.lora_rank:  # the checkpoint holds adapters alone, or no adapter
+            raise model_parallel.CheckpointError(
+                f"{resume_dir} was saved with lora_rank={saved_rank}, this run has "
+                f"lora_rank={cfg.lora_rank}: resume it with --lora_rank={saved_rank}, or give "
+                f"a fresh out_dir")
     except (rollout.TaskError, model_parallel.CheckpointError) as e:
         print0(f"input error: {e}")
         sys.exit(2)
@@ -865,9 +871,13 @@ def main(cfg, task=None):
     if resume_dir:
         progress = load_checkpoint(resume_dir, models.parts, cfg.offload_optimizer)
     start_step = progress["step"]
-    print0(f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir else "fresh start")
     generates = cfg.steps > start_step and not cfg.replay_rollouts
     engine = rollout.make_engine(cfg, model_dir, device, task.eos_id) if generates else None
+    started = f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir else "fresh start"
+    runner = getattr(engine, "runner", None)  # vLLM's model runner: in the log and config.json
+    print0(f"{started}, vLLM's {runner} model runner" if runner else started)
+    if runner and dist.get_rank() == 0:
+        config.save(cfg, os.path.join(cfg.out_dir, "config.json"), vllm_model_runner=runner)
     policy = models.parts["policy"].model
     if engine is not None and start_step:  # the engine loaded model_dir: give it the resumed policy
         refit(engine, policy, cfg)
@@ -1172,6 +1182,15 @@ def save_adapter(model, path, cfg, base_dir, dtype=torch.float32):
         os.replace(tmp, path)
     dist.barrier()
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def saved_lora_rank(path):
+    """The policy's LoRA rank in a save_checkpoint dir (0: every weight was saved), read from DCP's
+    metadata, before any model is loaded: lora_A is (rank, in_features)."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    ranks = [meta.size[0] for key, meta in saved.items()
+             if key.startswith("policy.") and key.endswith(".lora_A")]
+    return ranks[0] if ranks else 0
 
 
 def load_checkpoint(path, parts, offload_optimizer=False):

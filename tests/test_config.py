@@ -67,6 +67,9 @@ def test_every_field_has_a_doc_and_sizes_say_per_rank_or_global():
     # nothing in the engine), and a negative rank
     (["--lora_rank=8", "--lora_targets=q_proj,qkv_proj"], 1, "lora_targets='q_proj,qkv_proj'"),
     (["--lora_rank=-1"], 1, "lora_rank"),
+    # issue 50: a scale of 0 trained nothing; a rank above vLLM's largest died in min() of nothing
+    (["--lora_rank=8", "--lora_alpha=0"], 1, "lora_alpha=0 scales the adapters by"),
+    (["--lora_rank=4096", "--rollout_engine=vllm"], 1, "lora_rank=4096 is above the largest"),
     # 2*cp*tp = 8 leaves 512 // 8 * 8 = 512 of 519: not 513 tokens
     (["--packing=true", "--max_tokens_per_microbatch=519", "--max_model_len=513", "--tp_size=2",
       "--cp_size=2"], 4, "raise it to 520"),
@@ -196,3 +199,28 @@ def test_every_shipped_config_parses():
     assert len(files) >= 4
     for path in files:
         config.parse_args(["--config", path])
+
+
+def test_vllm_max_lora_rank_is_vllms():
+    """config refuses a rank vLLM cannot serve with its own largest, without importing vLLM."""
+    import typing
+    from vllm.config.lora import MaxLoRARanks
+    assert config.VLLM_MAX_LORA_RANK == max(typing.get_args(MaxLoRARanks))
+
+
+@pytest.mark.parametrize("argv, refused", [
+    (["--dtype=fp32"], True),
+    (["--data_parallel=ddp"], True),  # auto: fp32 under ddp
+    ([], False),  # auto: bf16 under fsdp
+    (["--dtype=fp32", "--rollout_engine=hf"], False),  # the HF engine merges: any dtype
+])
+def test_lora_with_vllm_in_fp32_on_cuda_is_refused(argv, refused):
+    """vLLM's GPU LoRA kernels take fp16/bf16 adapters only (its CPU kernels take fp32): a LoRA run
+    with the vLLM engine on CUDA in fp32 is refused when the device resolves "auto"."""
+    cfg = config.parse_args(["--lora_rank=8", "--rollout_engine=vllm", *argv])
+    if refused:
+        with pytest.raises(config.ConfigError, match="needs dtype=bf16"):
+            config.resolve_auto(cfg, "cuda", None)
+    else:
+        config.resolve_auto(cfg, "cuda", None)
+    config.resolve_auto(config.parse_args(["--lora_rank=8", *argv]), "cpu", None)  # CPU: any dtype

@@ -79,7 +79,10 @@ def test_run_writes_metrics_rollouts_plot_and_progress(generated):
     assert observations >= 12  # of 24 episodes: measured 24
     assert os.path.getsize(os.path.join(out, "curves.png")) > 1000
     with open(os.path.join(out, "config.json")) as f:
-        assert json.load(f)["steps"] == 3
+        saved = json.load(f)
+    # the runner vLLM took, named: V1, the one every CPU test covers
+    assert saved["steps"] == 3 and saved["vllm_model_runner"] == "V1", saved
+    assert "fresh start, vLLM's V1 model runner" in proc.stdout
 
 
 def test_console_has_no_traceback(generated):

@@ -174,6 +174,62 @@ def test_cli_bad_model_dir_one_line_exit_2(model_dir, tmp_path):
     assert not os.path.exists(tmp_path / "out" / "metrics.jsonl")
 
 
+def fake_checkpoint(path, lora_rank):
+    """A step_N dir as DCP writes it, holding one policy tensor: a LoRA run's lora_A (rank, in),
+    or a full run's weight."""
+    import torch.distributed.checkpoint as dcp
+    name = "model.layers.0.self_attn.q_proj." + ("lora_A" if lora_rank else "weight")
+    shape = (lora_rank, 64) if lora_rank else (64, 64)
+    dcp.save({"policy": {name: torch.zeros(shape)}}, checkpoint_id=str(path))
+    (path / "trainer_state_rank0.pt").write_bytes(b"")
+    return path
+
+
+def test_resume_across_lora_and_full_training_names_both_settings(model_dir, tmp_path):
+    """A LoRA checkpoint holds the adapters alone, a full one every weight: resumed with the other
+    setting, dcp.load died on a missing key (three tracebacks). Refused before any model loads,
+    naming both ranks; the rank is read from the checkpoint's metadata."""
+    lora = fake_checkpoint(tmp_path / "lora" / "step_4", 16)
+    full = fake_checkpoint(tmp_path / "full" / "step_4", 0)
+    assert (train_ppo.saved_lora_rank(str(lora)), train_ppo.saved_lora_rank(str(full))) == (16, 0)
+    env = cpu_env(WORLD_SIZE="1", MASTER_PORT=str(_free_port()))
+    proc = subprocess.run([sys.executable, "train_ppo.py", f"--model={model_dir}", "--rollout_engine=hf",
+                           f"--resume={lora}", f"--out_dir={tmp_path / 'out'}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last == (f"input error: {lora} was saved with lora_rank=16, this run has lora_rank=0: "
+                    f"resume it with --lora_rank=16, or give a fresh out_dir"), proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow  # a torchrun launch
+def test_a_make_recipe_checks_its_command_line_first_and_says_how_to_resume(tmp_path):
+    """The Makefile's long recipes (make real-demo here, with a stand-in checkpoint dir): a bad
+    command line is refused by config.py before torchrun starts (its one line, not followed by
+    torchrun's report of children that exited 2); a run that dies under torchrun ends with the
+    line that says how to go on from its checkpoints (the same make command: --resume=auto)."""
+    smol = tmp_path / "smol"
+    smol.mkdir()
+    (smol / "config.json").write_text("{}")  # the prerequisite, present: nothing is built
+    make = ["make", "--no-print-directory", "real-demo", f"SMOL={smol}", f"REAL_OUT={tmp_path / 'out'}"]
+    bad = subprocess.run(make + ["LORA=1", "LORA_ARGS=--lora_rank=8 --lora_alpha=0"], cwd=ROOT,
+                         env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "torchrun" not in bad.stdout, bad.stdout
+    assert [line for line in bad.stderr.splitlines() if not line.startswith("make:")] == [
+        "config error: lora_alpha=0 scales the adapters by lora_alpha / lora_rank = 0: they would "
+        "train nothing; use lora_alpha > 0 (often 2 * lora_rank = 16)"], bad.stderr
+    # the config is good; the ranks then find no model (input error, exit 2): torchrun fails
+    dead = subprocess.run(make + [f"REAL_LORA=--model={tmp_path / 'none'}"], cwd=ROOT, env=cpu_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert dead.returncode != 0
+    assert dead.stdout.strip().splitlines()[-1] == (
+        # (make names the command line's variables in its own order)
+        f"the run stopped before its end: `make real-demo REAL_LORA=--model={tmp_path / 'none'} "
+        f"REAL_OUT={tmp_path / 'out'} SMOL={smol}` goes on from its newest checkpoint in "
+        f"{tmp_path / 'out'}/ckpt (remove {tmp_path / 'out'} to start over)"), dead.stdout[-2000:]
+
+
 # ---- NaN/inf: the update is skipped, counted, and the run goes on; too many in a row stop it
 
 def write_rollouts(path, steps, nan_steps, prompts_per_step=4, samples_per_prompt=2):

@@ -11,6 +11,7 @@ compared exactly in test_model_parallel.py.
 import gc
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -273,6 +274,49 @@ def test_vllm_engine_sleep_mode_calls_under_lora(on_gpu):
     on_gpu_calls = ["sleep level=1", "wake_up ['weights', 'kv_cache']", *load]
     assert calls == (on_gpu_calls if on_gpu else load)
     assert engine.adapter.lora_path == "/out/refit_adapter" and not engine.adapter.load_inplace
+
+
+class BuiltLLM:
+    """Stands in for vllm.LLM's construction on a GPU: records its arguments and the environment
+    it saw, and picks the model runner by vLLM 0.32's rule (vllm/config/vllm.py,
+    use_v2_model_runner): VLLM_USE_V2_MODEL_RUNNER if set, else V2 wherever Triton works, which
+    is every GPU."""
+    built = []
+
+    def __init__(self, **kwargs):
+        import vllm.envs
+        chosen = vllm.envs.VLLM_USE_V2_MODEL_RUNNER  # None unless the environment sets it
+        worker = SimpleNamespace(use_v2_model_runner=True if chosen is None else chosen,
+                                 model_runner=SimpleNamespace(get_model=lambda: "model"))
+        self.llm_engine = SimpleNamespace(
+            model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=worker)),
+            model_config=SimpleNamespace(get_vocab_size=lambda: 258))
+        BuiltLLM.built.append(kwargs)
+
+
+@pytest.mark.parametrize("lora_rank", [0, 16])
+def test_vllm_engine_on_a_gpu_runs_the_v1_runner_the_tests_cover(monkeypatch, lora_rank):
+    """On a GPU vLLM would pick its V2 model runner, whose seeded sampling and adapter mapping no
+    CPU test has run (the CPU wheel has no Triton: V1): the engine asks for V1 and names the
+    runner vLLM took. Under LoRA one set of CUDA graphs (every request carries the adapter)."""
+    import vllm
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")  # unset, restored so at the end
+    monkeypatch.setattr(vllm, "LLM", BuiltLLM)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(rollout, "rng_states", lambda: None)  # no CUDA generator to read here
+    monkeypatch.setattr(rollout, "set_rng_states", lambda state: None)
+    cfg = config.parse_args([f"--lora_rank={lora_rank}", "--dtype=bf16"])
+    BuiltLLM.built.clear()
+    engine = rollout.VLLMEngine("/models/m", cfg, [1])
+    assert engine.runner == "V1" and engine.model == "model"
+    (kwargs,) = BuiltLLM.built
+    assert kwargs["enable_sleep_mode"] and kwargs["dtype"] == "bfloat16"
+    graphs = kwargs.get("compilation_config", {}).get("cudagraph_specialize_lora", True)
+    assert graphs == (lora_rank == 0), kwargs  # False (one set) under LoRA
+    # the environment's own choice is kept, and named
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert rollout.VLLMEngine("/models/m", cfg, [1]).runner == "V2"
 
 
 class CudaRng:

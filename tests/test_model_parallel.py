@@ -375,6 +375,27 @@ def test_varlen_reference_kernel_by_hand():
                     torch.testing.assert_close(got[q0 + j, h], weights @ vals, atol=1e-6, rtol=0)
 
 
+def test_varlen_reference_calls_sdpa_in_4d_and_unmasked_where_it_can(monkeypatch):
+    """SDPA's fused kernels take 4-D inputs only: a 3-D call with a mask runs the math kernel, an
+    (H, Lq, Lk) fp32 score tensor kept for the backward. The reference must call it 4-D, and with
+    no mask (is_causal) for a whole document without a window. Recorded on varlen_case's three
+    segments (Lq = Lk, Lq < Lk, Lq = Lk), without and with a window."""
+    q, k, v, cu_q, cu_k = varlen_case()
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, value, attn_mask=None, is_causal=False, **kwargs):
+        calls.append((query.dim(), attn_mask is not None, is_causal))
+        return sdpa(query, key, value, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    mp.varlen_attention_reference(q, k, v, cu_q, cu_k, 10, 10, softmax_scale=0.2)
+    assert calls == [(4, False, True), (4, True, False), (4, False, True)], calls
+    calls.clear()
+    mp.varlen_attention_reference(q, k, v, cu_q, cu_k, 10, 10, softmax_scale=0.2,
+                                  window_size=(3, 0))
+    assert calls == [(4, True, False)] * 3, calls
+
+
 def test_varlen_index_worked_example():
     """_varlen_index on its docstring's example (EXAMPLE_VARLEN, written out by hand), per cp rank;
     and with cp=1, where each document is one segment over its own keys."""
