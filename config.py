@@ -68,7 +68,7 @@ class Config:
     replay_rollouts: str = ""
 
     # ---- model ----
-    # an HF checkpoint dir, or a built-in tiny preset: tiny-llama/qwen2/qwen3/gemma3
+    # an HF checkpoint dir, or a built-in tiny preset: tiny-llama/qwen2/qwen3/mistral/gemma3
     model: str = "tiny-llama"
     # checkpoint for the critic's backbone; "" = the (warmed-up) policy's. A reward model's dir
     # (a *ForSequenceClassification checkpoint) also gives it its score head: the critic starts
@@ -197,9 +197,11 @@ class Config:
     weight_decay: float = 0.0  # AdamW weight decay (both models)
     # clip the global grad norm of each model to this (0 = no clipping)
     max_grad_norm: float = 1.0
-    # beta: a per-token reward penalty beta * KL(policy || reference)
+    # beta: with gae a per-token reward penalty beta * KL(policy || reference); with grpo/rloo
+    # (no per-token reward) the weight of the kl_loss term in the policy loss instead
     kl_coef: float = 0.001
-    # k1 = log ratio (unbiased), k3 = (r - 1) - log r (low variance, >= 0)
+    # k1 = log ratio (unbiased), k3 = (r - 1) - log r (low variance, >= 0): the reward penalty's
+    # and the logged kl's. grpo/rloo's kl_loss is k3 whatever this says (DeepSeekMath's estimator)
     kl_estimator: Literal["k1", "k3"] = "k1"
     gamma: float = 1.0  # GAE discount
     lam: float = 1.0  # GAE lambda
@@ -231,7 +233,8 @@ class Config:
     # constant). Every count is global, so the mesh never changes the loss.
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    # seq-mean-token-sum-norm's constant; 0 = max_new_tokens
+    # seq-mean-token-sum-norm's constant; 0 = max_new_tokens (max_model_len for a task with
+    # turns, max_turns > 1: an episode's responses can fill the context)
     loss_agg_norm: int = 0
 
     @property
