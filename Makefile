@@ -120,11 +120,13 @@ tool-demo: $(STAMP)
 		% (sum(r[:5]) / 5, sum(r[-5:]) / 5))"
 
 # On a machine with one GPU, whatever CUDA torch it has (no .venv: the CPU lock's torch is the CPU
-# build): tests/test_cuda.py, a PPO step at the Qwen2.5-0.5B shape on ragged prompts padded and packed,
-# the bytes optimizer offload frees, and generation at Qwen's real vocab; each stage under a time cap,
-# every figure kept in gpu_check/figures.json as each stage ends (<= 9 min: one 10-minute command;
-# docs/gpus.md). `make gpu-check STAGES=masked,real_vocab`: those stages again, the others' figures
-# kept. `make gpu-check SMOKE=1`: the same stages on CPU, tiny.
+# build; the lock's transformers wheel in .whl/ is installed by the first stage): a preflight, the
+# sampler at Qwen's vocab, LoRA and multi-turn PPO steps with the HF engine, generation at Qwen's
+# vocab, tests/test_cuda.py, a PPO step at the Qwen2.5-0.5B shape; each stage under a time cap,
+# every figure kept in gpu_check/figures.json as each stage ends (~5.3 min expected, 7.4 if every
+# stage ran to its cap, so that a rerun fits a 15-minute lease; docs/gpus.md). `make gpu-check
+# STAGES=masked,real_vocab`: those stages again, the others' figures kept. `make gpu-check SMOKE=1`:
+# the same stages on CPU, tiny.
 GPU_PYTHON ?= python3
 gpu-check:
 	$(GPU_PYTHON) bench/gpu_check.py --out gpu_check $(if $(SMOKE),--smoke) $(if $(STAGES),--stages=$(STAGES))

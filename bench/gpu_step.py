@@ -58,16 +58,23 @@ def update_flops(model_config, tokens, ppo_epochs, with_critic):
     return 6 * weights * tokens * ppo_epochs
 
 
+def read_metrics(out):
+    """The rows of a trainer run's out/metrics.jsonl ([] if it wrote none)."""
+    if not os.path.isfile(os.path.join(out, "metrics.jsonl")):
+        return []
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        lines = f.read().splitlines()
+    try:
+        return [json.loads(line) for line in lines]
+    except json.JSONDecodeError:  # a run stopped while writing: its last row is cut off
+        return [json.loads(line) for line in lines[:-1]]
+
+
 def step_figures(out, nproc, peak_tflops):
     """The figures above from a trainer run's out_dir (its metrics.jsonl and config.json), the
     first step left out (warm-up): {} if no step after the first finished. Also the first step's
     time (first_step_s) and the attention path and dtype that ran."""
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        lines = f.read().splitlines()
-    try:
-        every = [json.loads(line) for line in lines]
-    except json.JSONDecodeError:  # a run stopped while writing: its last row is cut off
-        every = [json.loads(line) for line in lines[:-1]]
+    every = read_metrics(out)
     rows = every[1:]
     if not rows:
         return {}
@@ -92,15 +99,15 @@ def step_figures(out, nproc, peak_tflops):
         params_m=matmul_weights(model_config, critic=False) / 1e6)
 
 
-def run_trainer(config_file, nproc, steps, out, extra, env, timeout=None):
+def run_trainer(config_file, nproc, steps, out, extra, env, timeout=None, **popen):
     """torchrun train_ppo.py into `out` (kept); returns its exit code (None: stopped at timeout,
     workers and all: run_capped). One process runs without torchrun (train_ppo.py sets up a world
-    of one itself)."""
+    of one itself). `popen`: stdout, stderr, as subprocess.Popen takes them."""
     torchrun = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
                 f"--nproc_per_node={nproc}"]
     cmd = [*(torchrun if nproc > 1 else [sys.executable]), "train_ppo.py", *config_file,
            f"--steps={steps}", f"--out_dir={out}", "--save_every=0", "--export_hf=false", *extra]
-    return run_capped(cmd, timeout, cwd=ROOT, env=env)
+    return run_capped(cmd, timeout, cwd=ROOT, env=env, **popen)
 
 
 def run_capped(cmd, timeout=None, grace=3, **popen):

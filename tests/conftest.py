@@ -266,7 +266,7 @@ def gumbel_step(logits, seeds, position, temperature):
     """The sampling step rollout.sample replaced (rollout.py at 48acdf0: log-softmax, then
     gumbel_sample's Gumbel-max over a hash of every (row, id)), kept as the reference that
     NewTensors must catch (21 (B, V) tensors with fp32 logits, 19 of them in gumbel_sample) and
-    that tests/test_cuda.py times."""
+    that bench/gpu_check.py's sampler stage times."""
     import rollout
 
     logp = torch.log_softmax(logits.float() / (temperature or 1.0), -1)  # (B, V)

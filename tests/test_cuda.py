@@ -8,15 +8,14 @@ kernels (cuBLAS bf16 and fp32 matmuls, SDPA's CUDA kernels, NCCL, pinned copies)
   in fp32 on CPU, one sequence at a time (conftest.hf_reference): fp32 to 1e-5, bf16 within the
   bf16 tolerance of test_gpu_paths.py; FSDP2 and DDP, masked and varlen attention (+ packing).
 - The varlen kernel (flash-attn's, else torch's own) against the CPU stand-in, forward and backward.
-- The trainer's CLI on the GPU: two PPO steps with the HF engine, resumed for a third from its
-  checkpoint, and the exported HF model loaded back.
-- The HF engine's sampler (rollout.sample) at Qwen's size: the same draws in any batch of 1 to 512
-  rows, the CPU's draws on all but a few rows, at most 3 new (B, V) tensors a token, and at least
-  twice as fast as the Gumbel-max step it replaced.
+- Optimizer offload: the moments' GPU bytes freed, and the same numbers back.
+
+It is `make gpu-check`'s test_cuda stage (bench/gpu_check.py). The trainer's CLI on the GPU (2 PPO
+steps, resumed for a third, the HF export loaded) is its multiturn stage, on toy_tool, and the HF
+engine's sampler at Qwen's vocab its sampler stage: two tests that were here, moved there so that
+no stage repeats another.
 """
-import json
 import os
-import time
 
 import pytest
 import torch
@@ -25,9 +24,8 @@ import torch.multiprocessing as torch_mp
 
 import config
 import model_parallel as mp
-import rollout
 from _dist import _free_port
-from conftest import NewTensors, gumbel_step, hf_reference, read_metrics, run_cli, toy_batch, varlen_case
+from conftest import hf_reference, toy_batch, varlen_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -115,27 +113,6 @@ def test_trainer_on_gpu_matches_the_fp32_hf_model(tmp_path, case):
     torch_mp.spawn(_passes_on_gpu, args=(path, reference, case, _free_port()), nprocs=1)
 
 
-@pytest.mark.slow
-def test_ppo_cli_on_gpu_trains_resumes_and_exports(tmp_path):
-    """dtype/attention "auto" resolve to the GPU recipe; 2 steps, then resumed for step 3."""
-    out = str(tmp_path / "run")
-    args = ["--config", "configs/test_tiny.toml", "--rollout_engine=hf", "--save_every=2", f"--out_dir={out}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run_cli(1, *args, env=env)
-    with open(os.path.join(out, "config.json")) as f:
-        resolved = json.load(f)
-    assert resolved["dtype"] == "bf16", "dtype=auto on CUDA must pick the bf16 recipe"
-    assert resolved["attention"] == ("varlen" if mp.gpu_varlen_kernel() else "masked")
-    proc = run_cli(1, *args, "--steps=3", "--resume=auto", env=env)
-    assert "resumed from" in proc.stdout, "no checkpoint was resumed (a fresh start also writes steps 0-2)"
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    assert all(torch.isfinite(torch.tensor([r["policy_loss"], r["value_loss"], r["kl"]])).all() for r in rows)
-    from transformers import AutoModelForCausalLM
-    exported = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"), dtype=torch.float32)
-    assert torch.isfinite(exported(torch.tensor([[1, 2, 3]])).logits).all()
-
-
 def _offload_on_gpu(rank, path, port):
     """One GPU: after an AdamW step, move_optimizer_state(opt, "host") frees the two moments' GPU
     bytes (8 a parameter) into pinned host memory; moved back they are the same numbers."""
@@ -172,47 +149,3 @@ def _offload_on_gpu(rank, path, port):
 def test_optimizer_state_offload_frees_its_gpu_memory(tmp_path):
     path = mp.materialize_tiny_model("tiny-llama", str(tmp_path), SEED)
     torch_mp.spawn(_offload_on_gpu, args=(path, _free_port()), nprocs=1)
-
-
-def test_sampler_on_gpu_is_batch_invariant_lean_and_faster_than_gumbel_max():
-    """rollout.sample on the GPU at Qwen's size (B=512, V=151,936, bf16 logits, T=0.7).
-
-    Rows drawn in batches of 512, 64 and 1 rows, in any order, give the same tokens exactly: the
-    cumulative sum is of integers, exact in whatever order CUDA's scan adds them (a float cumsum's
-    order changes with the batch's shape: ScanUtils.cuh, cub's scan for a row alone). The
-    logprobs agree to fp32 rounding (their normalizer is a float sum). The CPU's exp may round
-    another way: its draws agree on all but a few rows, and where they agree, the logprobs too. At
-    most 3 new (B, V) tensors a token; at least twice as fast as the Gumbel-max step it replaced
-    (21 tensors, 12 of them int64: 6-7 ms a token on an H100 by the review's count)."""
-    B, V = 512, 151936
-    g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(B, V, generator=g) * 3).bfloat16()  # (B, V) on the host
-    seeds = torch.arange(B) * 7919  # (B,)
-    on_gpu, gpu_seeds = logits.cuda(), seeds.cuda()
-    tokens, logprobs = rollout.sample(on_gpu, gpu_seeds, 5, 0.7)  # (B,), (B,)
-    order = torch.randperm(B, generator=g).cuda()
-    for rows in (order, order[:64], order[:1]):
-        some_tokens, some_logprobs = rollout.sample(on_gpu[rows], gpu_seeds[rows], 5, 0.7)
-        assert torch.equal(tokens[rows], some_tokens)
-        torch.testing.assert_close(logprobs[rows], some_logprobs, atol=1e-5, rtol=0)
-    cpu_tokens, cpu_logprobs = rollout.sample(logits, seeds, 5, 0.7)
-    same = cpu_tokens == tokens.cpu()  # (B,)
-    assert same.float().mean() > 0.98, f"{(~same).sum().item()} of {B} rows drew another token on the CPU"
-    torch.testing.assert_close(cpu_logprobs[same], logprobs.cpu()[same], atol=1e-4, rtol=0)
-    with NewTensors(B * V) as new:
-        rollout.sample(on_gpu, gpu_seeds, 5, 0.7)
-    assert new.count <= 3, new.ops
-
-    def ms_a_token(step):
-        for t in range(3):  # warm-up
-            step(on_gpu, gpu_seeds, t, 0.7)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for t in range(20):
-            step(on_gpu, gpu_seeds, t, 0.7)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / 20 * 1e3
-
-    ours, gumbel = ms_a_token(rollout.sample), ms_a_token(gumbel_step)
-    print(f"B={B}, V={V}, bf16 logits: rollout.sample {ours:.2f} ms a token, Gumbel-max {gumbel:.2f} ms")
-    assert ours < gumbel / 2, (ours, gumbel)

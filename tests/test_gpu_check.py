@@ -1,18 +1,21 @@
 """bench/gpu_check.py keeps every figure it learns (a GPU is lent for minutes): a stage that fails
-is recorded and the next one runs, figures.json holds each stage's figures as soon as it ends, a
-rerun of some stages keeps the others', a cap stops a stage's whole process tree, and --stages
-refuses an unknown name. The stages here are stand-ins (seconds in all); the real ones run at
-their --smoke size in tests/test_benches.py."""
+is recorded and the next one runs, figures.json holds each stage's figures as soon as it ends (and
+keeps them when the run is killed), a rerun of some stages keeps the others', a cap stops a stage's
+whole process tree, --stages refuses an unknown name, and the preflight installs the carried
+wheels. The stages are stand-ins (seconds in all), but for the kill's, where the first two real
+ones run at their --smoke size; all of them run so in tests/test_benches.py."""
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import types
+import zipfile
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, cpu_env
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))  # bench/ holds no package: its modules by name
 import gpu_check
@@ -27,36 +30,85 @@ def result_line(stdout):
 
 
 def test_a_failing_stage_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch, capsys):
-    at_packed = {}
+    at_masked = {}
 
-    def masked(run, cap):  # what an empty pytest log did: splitlines()[-1]
+    def test_cuda(run, cap):  # what an empty pytest log did: splitlines()[-1]
         return "".splitlines()[-1]
 
-    def packed(run, cap):  # figures.json as it stands when the stage after the failure starts
-        at_packed.update(json.loads((tmp_path / "figures.json").read_text()))
-        return {"packed_finished": 1, "packed_step_s": 2.5}
-    monkeypatch.setitem(gpu_check.STAGES, "test_cuda", lambda run, cap: {"test_cuda_finished": 1,
-                                                                         "test_cuda_passed": 7})
+    def masked(run, cap):  # figures.json as it stands when the stage after the failure starts
+        at_masked.update(json.loads((tmp_path / "figures.json").read_text()))
+        return {"masked_finished": 1, "masked_step_s": 2.5}
+    monkeypatch.setitem(gpu_check.STAGES, "lora", lambda run, cap: {"lora_finished": 1,
+                                                                    "lora_steps": 7})
+    monkeypatch.setitem(gpu_check.STAGES, "test_cuda", test_cuda)
     monkeypatch.setitem(gpu_check.STAGES, "masked", masked)
-    monkeypatch.setitem(gpu_check.STAGES, "packed", packed)
-    gpu_check.main(["--smoke", "--out", str(tmp_path), "--stages", "test_cuda,masked,packed"])
+    gpu_check.main(["--smoke", "--out", str(tmp_path), "--stages", "lora,test_cuda,masked"])
     figures = json.loads((tmp_path / "figures.json").read_text())
-    assert figures["test_cuda_passed"] == 7 and figures["packed_step_s"] == 2.5
-    assert figures["masked_finished"] == 0 and figures["masked_error"].startswith("IndexError")
-    assert at_packed["test_cuda_passed"] == 7 and at_packed["masked_finished"] == 0
+    assert figures["lora_steps"] == 7 and figures["masked_step_s"] == 2.5
+    assert figures["test_cuda_finished"] == 0
+    assert figures["test_cuda_error"].startswith("IndexError")
+    assert at_masked["lora_steps"] == 7 and at_masked["test_cuda_finished"] == 0
     stdout = capsys.readouterr().out
-    assert "masked_error" in stdout  # printed as the stage ended
+    assert "test_cuda_error" in stdout  # printed as the stage ended
     result = result_line(stdout)
-    assert result["masked_finished"] == 0 and result["packed_finished"] == 1 and "total_s" in result
+    assert result["test_cuda_finished"] == 0 and result["masked_finished"] == 1
+    assert "total_s" in result
 
-    # a rerun of two stages: their figures replaced (the error gone), test_cuda's kept
+    # a rerun of two stages: their figures replaced (the error gone), lora's kept
+    monkeypatch.setitem(gpu_check.STAGES, "test_cuda", lambda run, cap: {"test_cuda_finished": 1})
     monkeypatch.setitem(gpu_check.STAGES, "masked", lambda run, cap: {"masked_finished": 1})
-    monkeypatch.setitem(gpu_check.STAGES, "packed", lambda run, cap: {"packed_finished": 1})
-    gpu_check.main(["--smoke", "--out", str(tmp_path), "--stages", "packed,masked"])
+    gpu_check.main(["--smoke", "--out", str(tmp_path), "--stages", "masked,test_cuda"])
     figures = json.loads((tmp_path / "figures.json").read_text())
-    assert figures["test_cuda_passed"] == 7 and figures["masked_finished"] == 1
-    assert "masked_error" not in figures and "packed_step_s" not in figures
-    assert "test_cuda_passed" not in result_line(capsys.readouterr().out)  # this run's stages only
+    assert figures["lora_steps"] == 7 and figures["test_cuda_finished"] == 1
+    assert "test_cuda_error" not in figures and "masked_step_s" not in figures
+    assert "lora_steps" not in result_line(capsys.readouterr().out)  # this run's stages only
+
+
+def write_wheel(folder):
+    """A wheel of one pure-Python module, gpu_check_probe, as pip builds one: the module, METADATA,
+    WHEEL and RECORD."""
+    info = "gpu_check_probe-1.0.dist-info"
+    files = {"gpu_check_probe.py": "ANSWER = 42\n",
+             f"{info}/METADATA": "Metadata-Version: 2.1\nName: gpu-check-probe\nVersion: 1.0\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\n"
+                              "Tag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(folder / "gpu_check_probe-1.0-py3-none-any.whl", "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+
+
+def test_a_kill_keeps_the_finished_stages_figures(tmp_path):
+    """The real script at its --smoke size, SIGTERMed (as a wrapper's time limit stops it) once its
+    first stage has ended: figures.json keeps that stage's figures, whole, and the second stage's
+    processes are gone. The first stage, the preflight, installed the carried wheel into OUT/site,
+    where every later stage imports from."""
+    wheels, out = tmp_path / "whl", tmp_path / "out"
+    wheels.mkdir()
+    write_wheel(wheels)
+    cmd = [sys.executable, "bench/gpu_check.py", "--smoke", "--out", str(out), "--stages",
+           "preflight,sampler", "--wheels", str(wheels)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=cpu_env(), stdout=subprocess.PIPE, text=True)
+    figures = out / "figures.json"
+    deadline = time.monotonic() + 120
+    while not figures.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    stdout = proc.communicate(timeout=30)[0]
+    kept = json.loads(figures.read_text())
+    assert proc.returncode == 128 + signal.SIGTERM and "RESULT" not in stdout, stdout
+    assert kept["preflight_finished"] == 1 and kept["preflight_wheels"] == 1, kept
+    assert not any(key.startswith("sampler_") for key in kept), kept  # stopped before it ended
+    assert (out / "site" / "gpu_check_probe.py").is_file()
+    left = []  # the sampler's body: this file run with --out OUT
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if str(out).encode() in f.read() and gpu_step.alive(int(pid)):
+                    left.append(int(pid))
+        except OSError:  # it ended meanwhile
+            continue
+    assert not left, left
 
 
 def test_unknown_stage_exits_2_with_one_line(capsys):
@@ -107,7 +159,8 @@ def test_a_cap_is_recorded_as_unfinished(tmp_path, monkeypatch):
         [sys.executable, "-c", TREE, str(pids), "run"], cap, grace, **popen))
     monkeypatch.setattr(gpu_check, "GRACE_S", 1)
     run = types.SimpleNamespace(out=str(tmp_path), env=dict(os.environ), smoke=True)
-    assert gpu_check.real_vocab(run, cap=3) == {"real_vocab_finished": 0}
+    assert gpu_check.real_vocab(run, cap=3) == {"real_vocab_finished": 0,
+                                                "real_vocab_error": "stopped at the cap"}
     assert not any(map(gpu_step.alive, map(int, pids.read_text().split())))
 
 
