@@ -95,232 +95,15 @@ import rollout  # noqa: E402
 
 
 # -----------------------------------------------------------------------------
-# PPO math: small pure functions on (B, S) tensors in the alignment above, importable by tests and
-# readers. `mask` is 1 on response tokens. The losses are per token; aggregate_loss makes one
-# number of each, dividing by counts of the *global* minibatch (its response tokens, its
-# sequences), so neither dp, cp, packing nor the microbatch size changes them.
-
-def masked_sum(x, mask, dim=None):
-    """The sum of x where mask is 1 (dim=None: over everything). Selected, not multiplied: an
-    inf outside the mask (exp of an observation token's log-ratio) must not make 0 * inf = NaN."""
-    return torch.where(mask.bool(), x, 0.0).sum(dim)
-
-
-def ratio_from_log(log_ratio):
-    """exp of a log-ratio clamped to +-20 (as verl does): one wild token must not make inf/NaN."""
-    return torch.exp(log_ratio.clamp(-20.0, 20.0))
-
-
-def kl_penalty(logprobs, ref_logprobs, kind="k1"):
-    """Per-token estimate of KL(pi || pi_ref) from the sampled token (Schulman, "Approximating KL
-    divergence", 2020). k1 = log(pi/pi_ref): unbiased, can be negative per token.
-    k3 = (r - 1) - log r with r = pi_ref/pi: unbiased, always >= 0, lower variance; clamped to
-    <= 10 as verl's low_var_kl, since one collapsed token (log r = 88) would give e^88 = inf."""
-    log_ratio = logprobs - ref_logprobs  # (B, S)
-    if kind == "k1":
-        return log_ratio
-    if kind == "k3":
-        # the input clamp keeps exp (and its gradient, 0 past the clamp) finite
-        log_ratio = log_ratio.clamp(-20.0, 20.0)  # (B, S)
-        return (torch.expm1(-log_ratio) + log_ratio).clamp(max=10.0)  # (B, S) = (r - 1) - log r
-    raise ValueError(f"unknown KL estimator {kind!r}")
-
-
-def compute_gae(rewards, values, mask, gamma, lam):
-    """Generalized advantage estimation (Schulman et al., 2016, eq. 16), right to left:
-        delta_t = r_t + gamma * V_next(t) - V_t,   A_t = delta_t + gamma * lam * A_next(t)
-    where next(t) is the next *action* of the row, the next position with mask 1: positions
-    outside the mask (the prompt, padding, or an episode's observation, such as a tool's output)
-    are skipped. In a multi-turn episode the state after turn k's last token t is the state
-    before turn k+1's first token t', whose value the critic reads from the hidden state at
-    t' - 1, the observation's end: V_next(t) = V_t', with the observation as its context. After
-    the last action the episode ends (V_next = 0, A_next = 0). Returns (advantages, returns) with
-    returns = A + V, both 0 outside the mask."""
-    B, S = rewards.shape
-    next_value = torch.zeros(B, dtype=values.dtype, device=values.device)  # (B,)
-    next_adv = torch.zeros_like(next_value)  # (B,)
-    advantages = torch.zeros_like(values)  # (B, S)
-    for t in reversed(range(S)):
-        is_response = mask[:, t].bool()  # (B,)
-        delta = rewards[:, t] + gamma * next_value - values[:, t]  # (B,)
-        adv = delta + gamma * lam * next_adv  # (B,)
-        advantages[:, t] = torch.where(is_response, adv, 0.0)
-        next_value = torch.where(is_response, values[:, t], next_value)  # carried across gaps
-        next_adv = torch.where(is_response, adv, next_adv)
-    returns = (advantages + values) * mask  # (B, S)
-    return advantages, returns
-
-
-def grpo_advantages(scores, group_size, norm_by_std=True, eps=1e-4):
-    """GRPO's outcome-supervised advantage (Shao et al., 2024, DeepSeekMath, sec. 4.1.2): each
-    response's score minus the mean of its prompt's group of `group_size` responses, divided
-    by the group's (unbiased) std; groups with equal scores get 0. scores: (N,) for the
-    *global* batch, prompt-major (response j belongs to prompt j // group_size).
-    norm_by_std=False is Dr. GRPO's (Liu et al., 2025): the mean is subtracted, nothing divided,
-    so a group that is nearly always right (small std) is not weighted up."""
-    groups = scores.view(-1, group_size)  # (N/K, K)
-    centred = groups - groups.mean(1, keepdim=True)  # (N/K, K)
-    if norm_by_std:
-        centred = centred / (groups.std(1, keepdim=True) + eps)  # (N/K, K)
-    return centred.view(-1)  # (N,)
-
-
-def rloo_advantages(scores, group_size):
-    """REINFORCE leave-one-out (Ahmadian et al., 2024, "Back to Basics"; Kool et al., 2019): each
-    response's baseline is the mean score of the *other* responses to its prompt,
-        A_i = s_i - (sum_j s_j - s_i) / (K - 1)  =  K / (K - 1) * (s_i - mean_j s_j),
-    unbiased because a response's own score is not in its baseline. scores: (N,), prompt-major,
-    as grpo_advantages."""
-    groups = scores.view(-1, group_size)  # (N/K, K)
-    others = (groups.sum(1, keepdim=True) - groups) / (group_size - 1)  # (N/K, K)
-    return (groups - others).view(-1)  # (N,)
-
-
-# The critic-free advantage estimators, by their config name: every sample's score (N,) of the
-# global batch, prompt-major -> its advantage (N,), put on each of its response tokens. A new
-# estimator is one entry here and its name in config.Config.advantage_estimator's Literal; without
-# an entry, the name would need a critic (gae, the learned critic with GAE below, is the one that
-# does). The KL to the reference is then a loss term (policy_loss_terms), not a per-token reward.
-GROUP_ADVANTAGES = {
-    "grpo": lambda scores, cfg: grpo_advantages(scores, cfg.samples_per_prompt, cfg.grpo_norm_by_std),
-    "rloo": lambda scores, cfg: rloo_advantages(scores, cfg.samples_per_prompt),
-}
-
-
-def masked_whiten(x, mask, group=None, eps=1e-8):
-    """Collective over `group` (dp). (x - mean) / std over the masked tokens of the *global*
-    batch (sum, sum of squares and count all-reduced over the group), never per rank.
-    Unbiased, as TRL's masked_whiten."""
-    stats = torch.stack([masked_sum(x, mask), masked_sum(x * x, mask), mask.sum()]).double()
-    if group is not None:
-        dist.all_reduce(stats, group=group)
-    total, total_sq, n = stats
-    mean = total / n
-    var = (total_sq - n * mean * mean) / (n - 1).clamp(min=1)
-    return ((x - mean) * torch.rsqrt(var + eps)).to(x.dtype) * mask
-
-
-def policy_loss(logprobs, old_logprobs, advantages, clip_ratio, clip_ratio_high=None, clip_ratio_c=0.0,
-                tis_weight=None, sequence_mask=None):
-    """Clipped surrogate (Schulman et al., 2017, eq. 7), per token, as a loss to minimize:
-        ratio = pi / pi_old,  loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1-eps_lo, 1+eps_hi))
-    eps_lo = clip_ratio, eps_hi = clip_ratio_high (None: eps_lo). An upper bound above the lower
-    is DAPO's clip-higher (Yu et al., 2025): a rare token with A > 0 may grow further per update.
-    Dual clip (Ye et al., 2020, "Mastering complex control in MOBA games"; verl's clip_ratio_c),
-    if clip_ratio_c = c > 1: where A_t < 0 the loss is also capped at -A_t * c, so a token whose
-    ratio has exploded cannot dominate the update. `tis_weight` (B, S), optional: truncated
-    importance weights for the engine/trainer mismatch. Returns (the per-token loss, which tokens
-    were clipped either way), both (B, S): aggregate_loss makes the loss one number.
-
-    GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"), with `sequence_mask` (B, S),
-    the response mask: every token of a sequence gets the sequence's ratio, clipped as one,
-        s_b = exp((1/L_b) sum_t m log(pi/pi_old)),
-    written as the paper's GSPO-token (eq. 13): on token t, the value log s_b, with the gradient
-    of log pi_t alone (log s_b - log pi_t detached + log pi_t). With seq-mean-token-mean the
-    gradient is GSPO's: A_b s_b (1/L_b) sum_t grad log pi_t per unclipped sequence. A row is one
-    whole sequence wherever this runs (cp gathers rows; packed rows are unpacked before any loss),
-    so the mean holds under every mesh."""
-    clip_ratio_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
-    log_ratio = logprobs - old_logprobs  # (B, S)
-    if sequence_mask is not None:
-        per_seq = masked_sum(log_ratio, sequence_mask, -1) / sequence_mask.sum(-1).clamp(min=1)  # (B,)
-        log_ratio = per_seq.detach()[:, None] + logprobs - logprobs.detach()  # (B, S)
-    ratio = ratio_from_log(log_ratio)  # (B, S)
-    unclipped = -advantages * ratio  # (B, S)
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio_high)  # (B, S)
-    per_token = torch.maximum(unclipped, clipped)  # (B, S) the pessimistic bound
-    is_clipped = clipped > unclipped  # (B, S) no gradient through the ratio
-    if clip_ratio_c > 0:
-        dual = (advantages < 0) & (per_token > -advantages * clip_ratio_c)  # (B, S)
-        per_token = torch.where(dual, -advantages * clip_ratio_c, per_token)  # (B, S)
-        is_clipped |= dual
-    if tis_weight is not None:
-        per_token = per_token * tis_weight
-    return per_token, is_clipped
-
-
-def value_loss(values, old_values, returns, value_clip):
-    """Clipped value loss (PPO2 baselines; "N+ details" #9), per token (B, S):
-        v_clip = V_old + clip(V - V_old, -c, c),  loss_t = 0.5 * max((V - R)^2, (v_clip - R)^2)
-    value_clip = 0 turns the clipping off (plain 0.5 * (V - R)^2)."""
-    loss = (values - returns) ** 2  # (B, S)
-    if value_clip > 0:
-        v_clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
-        loss = torch.maximum(loss, (v_clipped - returns) ** 2)  # (B, S)
-    return 0.5 * loss
-
-
-def aggregate_loss(per_token, mask, mode="token-mean", num_tokens=None, num_seqs=None, norm=1.0):
-    """One number from a per-token loss (B, S) and its response mask, as `loss_agg_mode` says
-    (docs/losses.md compares the modes; the names are verl's, core_algos.agg_loss):
-
-        token-mean               sum_b sum_t m l / N_tok              every token weighs the same
-        seq-mean-token-sum       sum_b (sum_t m l) / N_seq
-        seq-mean-token-mean      sum_b (sum_t m l / L_b) / N_seq      every response the same
-        seq-mean-token-sum-norm  sum_b (sum_t m l) / (N_seq * norm)   Dr. GRPO (Liu et al., 2025)
-
-    with L_b = sum_t m[b, t], the length of response b. N_tok and N_seq are the response tokens
-    and the sequences of the *global* minibatch, so that the shares which dp ranks and
-    microbatches compute add up to the single-process number (default: this (B, S)'s own, as one
-    process with one microbatch sees it). L_b needs no count across ranks: a cp rank sees whole
-    rows (the logprobs are gathered over cp) and packed rows are unpacked before any loss. The
-    last mode divides each token sum by a constant (Dr. GRPO's code: max_new_tokens), then
-    averages over responses."""
-    # masked_sum selects, not multiplies: GSPO's log pi - (log pi).detach() is NaN where a trainer
-    # logprob on an observation is -inf, and NaN * 0 is NaN
-    if mode == "token-mean":
-        return masked_sum(per_token, mask) / (mask.sum() if num_tokens is None else num_tokens)
-    per_seq = masked_sum(per_token, mask, -1)  # (B,) each response's token sum
-    if mode == "seq-mean-token-mean":
-        per_seq = per_seq / mask.sum(-1).clamp(min=1)  # (B,) its token mean
-    elif mode == "seq-mean-token-sum-norm":
-        per_seq = per_seq / norm  # (B,)
-    elif mode != "seq-mean-token-sum":
-        raise ValueError(f"unknown loss_agg_mode {mode!r}")
-    return per_seq.sum() / (mask.shape[0] if num_seqs is None else num_seqs)
-
-
-# -----------------------------------------------------------------------------
-# Plumbing: rank 0's prints and decisions, the run's models, the step's Batch and the update's
-# split of the samples over dp ranks (training_batch, balanced_split), timing.
-
-def print0(*args):
-    if dist.get_rank() == 0:  # rank 0 alone prints (and writes files)
-        print(*args, flush=True)
-
-
-def rank0_decides(value):
-    """Collective (every rank): rank 0's `value`, on every rank. What the run reads from a shared
-    file system (the checkpoint to resume, whether the SFT dir is done) is decided once: a node
-    whose directory listing lags would pick another step, and the collectives that follow would
-    not match (a hang, or a crash in the checkpoint reader)."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def dp_sum(tensor, mesh):
-    """Collective over dp. In-place sum over the dp ranks (each holds a share of the global
-    batch)."""
-    dist.all_reduce(tensor, group=mesh["dp"].get_group())
-    return tensor
-
-
-class Models(NamedTuple):
-    """Every model of the run: the trained ones as {name: Part} (the policy, and the critic with
-    gae), the reference (the policy's initial shards, snapshot_weights; None under LoRA, where the
-    reference is the policy with its adapters off) and the reward model (or None)."""
-    parts: dict
-    reference: Optional[dict]
-    reward_model: Optional[torch.nn.Module]
-
-
-class Part(NamedTuple):
-    """A trained model with its AdamW and LR schedule: what a checkpoint holds of it."""
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    schedule: torch.optim.lr_scheduler.LRScheduler
-
+# One PPO step, read front to back: ppo_step, then every function it calls, in the order it first
+# calls them (steps 1-10 of the module docstring). The PPO math among them (kl_penalty,
+# compute_gae, masked_whiten, policy_loss, aggregate_loss, value_loss) is small pure functions on
+# (B, S) tensors in the alignment above, importable by tests and readers: `mask` is 1 on response
+# tokens; the losses are per token, and aggregate_loss makes one number of each, dividing by
+# counts of the *global* minibatch (its response tokens, its sequences), so neither dp, cp,
+# packing nor the microbatch size changes them. What a first reading skips (the variants, the
+# set-up and the loop of steps, the run's plumbing, checkpoints) comes after the banner "Beyond
+# one step".
 
 @dataclass
 class Batch:
@@ -346,20 +129,52 @@ class Batch:
     tis: Optional[torch.Tensor] = None  # (b, S) truncated importance weights
 
 
-def make_batch(prompts, responses, pad_id, engine_logprobs=None, device="cpu", action_masks=None):
-    """A Batch on `device` from token id lists (prompt i, response i, its engine logprobs, its
-    action mask: 1 on the model's tokens, 0 on an episode's observations, which are context and
-    out of every loss and statistic; None: all the model's). On a GPU the whole step then stays
-    there: nothing goes back to the CPU in the update."""
-    lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
-    ids = torch.full((len(lens), max(lens)), pad_id, dtype=torch.long)  # (b, S)
-    mask, engine_lp = torch.zeros(ids.shape), torch.zeros(ids.shape)  # (b, S) each
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, :lens[i]] = torch.tensor(p + r)
-        mask[i, len(p):lens[i]] = 1 if action_masks is None else torch.tensor(action_masks[i])
-        if engine_logprobs is not None:
-            engine_lp[i, len(p):lens[i]] = torch.tensor(engine_logprobs[i], dtype=torch.float32)
-    return Batch(ids.to(device), mask.to(device), engine_lp.to(device), lens, min(map(len, prompts)))
+def ppo_step(progress, models, engine, task, cfg, mesh, device):
+    """Collective (every rank). One PPO step, phases 1-10 of the module docstring in order, each
+    handing what it computed to the next; `progress` holds the steps done and the prompt stream's
+    position. Returns the step's metrics and the names of the loss terms the update reported, in
+    its order."""
+    step = progress["step"]
+    evaluate = engine is not None and bool(task.val) and cfg.eval_every > 0
+    metrics = {"step": step}  # and each phase's wall time (timed)
+    with timed(metrics, "time_step_s"):
+        if evaluate and step % cfg.eval_every == 0:  # before the step's update
+            metrics["val_accuracy"] = rollout.validation_accuracy(engine, task, cfg)
+        with timed(metrics, "time_rollout_s"):  # 1-3. prompts, rollout, reward
+            start = progress["prompts_drawn"]  # the prompt stream's position
+            every, metrics["rollout_samples"] = rollout.rollouts(engine, task, cfg, step, start)
+            metrics.update(rollout.episode_metrics(every.values()))  # turns, tool calls, endings
+            batch = training_batch(every, cfg, mesh, task.pad_id, device)
+        with timed(metrics, "time_logprobs_s"), torch.no_grad():  # 4-6. forward passes, rewards, advantages
+            if models.reward_model is not None:  # 3. the reward: a learned reward model's score
+                batch = replace(batch, **reward_model_scores(models.reward_model, batch, cfg, mesh))
+            batch = replace(batch, **score(models, batch, cfg, mesh))
+            all_scores = global_scores(batch, len(every), mesh)  # (N,)
+            batch = replace(batch, **compute_advantages(batch, all_scores, cfg, mesh))
+        with timed(metrics, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches
+            update_sums = update(models.parts, batch, cfg, mesh, train_policy=step >= cfg.critic_warmup_steps)
+            # (on a GPU the memory in use: the caching allocator still holds the update's peak)
+            metrics["mem_used_gb"] = memory_used_gb()
+        with timed(metrics, "time_refit_s"):  # 9. push the policy into the engine (a collective)
+            # also after skipped updates: on GPU the engine dropped its weights
+            if engine is not None:
+                metrics.update(refit(engine, models.parts["policy"].model, cfg))
+        rollout.dump_rollouts(every, all_scores, cfg, step)  # rank 0, in the background
+        if evaluate and step + 1 == cfg.steps:  # the policy that is exported: after the last update
+            metrics["final_val_accuracy"] = rollout.validation_accuracy(engine, task, cfg)
+        named = step_metrics(batch, update_sums, cfg, mesh)  # 10. one all-reduce, then named means
+    metrics.update(named, tokens_per_s=named["tokens"] / metrics["time_step_s"])
+    return metrics, list(update_sums[0])
+
+
+@contextmanager
+def timed(times, name):
+    """times[name] = wall seconds of the block (after the GPU's queued work is done)."""
+    start = time.time()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # GPU only: kernels run asynchronously
+    times[name] = time.time() - start
 
 
 def training_batch(every, cfg, mesh, pad_id, device):
@@ -432,160 +247,20 @@ def balanced_split(lengths, num_minibatches, dp_size, chunk=1):
     return split
 
 
-def memory_used_gb():
-    """GPU: memory in use by any allocator (mem_get_info: vLLM's sleeping pool, back with the
-    driver, would still count in max_memory_allocated). CPU: the peak resident set (ru_maxrss,
-    KiB on Linux)."""
-    if torch.cuda.is_available():
-        free, total = torch.cuda.mem_get_info()
-        return (total - free) / 2**30
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-@contextmanager
-def timed(times, name):
-    """times[name] = wall seconds of the block (after the GPU's queued work is done)."""
-    start = time.time()
-    yield
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # GPU only: kernels run asynchronously
-    times[name] = time.time() - start
-
-
-# -----------------------------------------------------------------------------
-# Set-up: distributed, inputs checked, models loaded (after an optional SFT warm-up).
-
-def start_run(cfg, task):
-    """Collective (every rank). The process group, the (dp, cp, tp) mesh and the policy's model dir
-    (model_parallel.setup: every model dir is checked, a tiny preset written as a real HF
-    checkpoint, the "auto" options resolved); rank 0 makes out_dir and saves the resolved config
-    there; the checkpoint to resume from and the task (None: the config's). Bad input is refused
-    here, before any heavy work: one line, exit 2. Returns (device, mesh, model_dir, resume_dir,
-    task)."""
-    try:
-        device, mesh, model_dir, kernel = model_parallel.setup(cfg)
-        task = rollout.make_task(cfg, model_dir) if task is None else task
-        # Dr. GRPO's constant is the longest response (verl: its response length): in an episode of
-        # turns, up to max_model_len tokens, not one turn's max_new_tokens (docs/losses.md)
-        if getattr(task, "observe", None) and cfg.max_turns > 1 and not cfg.loss_agg_norm:
-            cfg.loss_agg_norm = cfg.max_model_len
-        if dist.get_rank() == 0:
-            os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
-            config.save(cfg, os.path.join(cfg.out_dir, "config.json"))
-        resume_dir = rank0_decides(find_checkpoint(cfg.resume, cfg.out_dir))
-        saved_rank = saved_lora_rank(resume_dir) if resume_dir else cfg.lora_rank
-        if saved_rank != cfg.lora_rank:  # the checkpoint holds adapters alone, or no adapter
-            raise model_parallel.CheckpointError(
-                f"{resume_dir} was saved with lora_rank={saved_rank}, this run has "
-                f"lora_rank={cfg.lora_rank}: resume it with --lora_rank={saved_rank}, or give "
-                f"a fresh out_dir")
-    except (rollout.TaskError, model_parallel.CheckpointError) as e:
-        print0(f"input error: {e}")
-        sys.exit(2)
-    print0(f"mesh dp={mesh['dp'].size()} cp={cfg.cp_size} tp={cfg.tp_size} on {dist.get_world_size()} x "
-           f"{device.type}, {cfg.dtype}, {'packed' if cfg.packing else 'padded'} rows, attention: {kernel}, "
-           f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine, "
-           f"{cfg.prompts_per_step}x{cfg.samples_per_prompt} samples a step")
-    return device, mesh, model_dir, resume_dir, task
-
-
-def sft_warmup(model_dir, task, cfg, mesh):
-    """Collective (every rank). Supervised warm-up on the task's reference answers, the usual
-    first stage of RLHF, kept short on purpose: PPO should start from a policy that knows the
-    format and is right sometimes. Saved as out_dir/sft (reused when present); returns that dir.
-    It trains every weight, also under LoRA: it stands in for the pretraining and instruction
-    tuning that a toy model lacks, and LoRA then adapts its result in PPO (adapters on a random
-    model learn nothing: make demo with lora_rank=8 and a LoRA warm-up stayed at reward 0.04)."""
-    sft_dir = os.path.join(cfg.out_dir, "sft")
-    if rank0_decides(os.path.isfile(os.path.join(sft_dir, "config.json"))):
-        return sft_dir
-    policy = model_parallel.load_policy(model_dir, mesh, replace(cfg, lora_rank=0))
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft_lr, weight_decay=0.0, fused=True)
-    for it in range(cfg.sft_steps):
-        prompts, answers, masks = rollout.sft_examples(task, cfg, it, mesh["dp"].get_local_rank(),
-                                                       mesh["dp"].size())
-        # the mask: the model's tokens of each answer (a tool's output in a trace is not trained on)
-        batch = make_batch(prompts, answers, task.pad_id, device=mesh.device_type, action_masks=masks)
-        num_tokens = dp_sum(batch.mask.sum(), mesh)  # global answer tokens
-        loss_sum = Counter()
-        for idx, lens, weight in micro_rows(list(range(len(prompts))), batch, cfg, mesh, policy):
-            lp, _ = model_parallel.forward_policy(policy, batch.ids[idx], lens, mesh, cfg)
-            nll = -masked_sum(lp, batch.mask[idx]) / num_tokens  # the answers' mean negative log-likelihood
-            (weight * nll).backward()
-            loss_sum.update(sft_loss=weight * nll.detach())
-        norm = model_parallel.clip_grad_norm(list(policy.parameters()), cfg.max_grad_norm)
-        step_optimizer(optimizer, norm, loss_sum, mesh)
-        if it % 10 == 0 or it == cfg.sft_steps - 1:
-            print0(f"sft {it + 1}/{cfg.sft_steps}")
-    # + the tokenizer and generation_config (the stop ids) of model_dir
-    model_parallel.save_hf(policy, sft_dir, copy_from=model_dir)
-    return sft_dir
-
-
-def build_models(model_dir, cfg, mesh):
-    """Collective (every rank). {name: (model, AdamW, LR schedule)} for the policy and (gae only)
-    the critic, which is what a checkpoint holds; the reference policy, a copy of the policy's
-    initial shards (none under LoRA: the frozen base is the reference); and the reward model if any
-    (frozen: no optimizer, not checkpointed)."""
-    policy = model_parallel.load_policy(model_dir, mesh, cfg)
-    reference = None
-    if not cfg.lora_rank:
-        reference = model_parallel.snapshot_weights(policy, torch.bfloat16 if cfg.dtype == "bf16" else None)
-
-    def warmup(step):  # the LR's factor: linear up to 1 over warmup_steps, then 1
-        return min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
-
-    def part(model, lr):
-        # fused: one kernel over every parameter (torch's default on CPU is a per-tensor loop,
-        # 20x slower here); the same math, in a different order of float operations
-        # (under LoRA the adapters alone: the frozen base gets no moments)
-        trained = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=cfg.weight_decay, fused=True)
-        return Part(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup))
-
-    parts = {"policy": part(policy, cfg.lr)}
-    if cfg.advantage_estimator == "gae":  # GRPO has no critic: none is loaded, trained or saved
-        critic = model_parallel.load_critic(cfg.critic_model or model_dir, mesh, cfg)
-        parts["critic"] = part(critic, cfg.critic_lr)
-    reward_model = model_parallel.load_reward_model(cfg.reward_model, mesh, cfg) if cfg.reward_model else None
-    return Models(parts, reference, reward_model)
-
-
-# -----------------------------------------------------------------------------
-# Steps 3-6 under no_grad: a reward model's scores, the policy's and critic's passes, per-token
-# rewards, advantages.
-
-def micro_rows(rows, batch, cfg, mesh, model=None):
-    """Collective over dp. Yields the microbatches of the batch rows `rows`
-    (model_parallel.microbatches: packed or padded, the same count on every dp rank) as (idx, lens,
-    weight): the rows' indices as a device tensor (copied without a host sync), their lengths, and
-    the weight of their loss, 0 for a dummy (a rank with fewer microbatches runs rows[0] again, so
-    that FSDP's or DDP's collectives still match): a dummy's outputs are dropped, its loss counts
-    0 times. `model` (for a backward): DDP all-reduces the gradients in the last microbatch's
-    backward only, and decides it at the forward: its flag is set before each is yielded."""
-    micros = model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh)  # positions in `rows`
-    for i, (micro, weight) in enumerate(micros):
-        idx = [rows[j] for j in micro]  # batch row indices
-        if model is not None:
-            model_parallel.sync_gradients(model, sync=i == len(micros) - 1)
-        yield model_parallel.to_device(idx, batch.ids.device), [batch.lens[k] for k in idx], weight
-
-
-def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
-    """Collective over the mesh. `forward(model, ids, lens, mesh, cfg, **kwargs)` (a tensor or a
-    tuple of (rows, S) tensors) over every microbatch, dummies included; full (b, S) tensors in
-    row order (packing reorders rows)."""
-    outs = None
-    for idx, lens, weight in micro_rows(range(len(batch.lens)), batch, cfg, mesh):
-        result = forward(model, batch.ids[idx], lens, mesh, cfg, **kwargs)
-        result = result if isinstance(result, tuple) else (result,)
-        if outs is None:
-            outs = [None if r is None else r.new_zeros(batch.ids.shape) for r in result]
-        for out, r in zip(outs, result):
-            if weight and out is not None:
-                out[idx] = r  # (rows, S); a dummy's output is dropped
-    return outs
+def make_batch(prompts, responses, pad_id, engine_logprobs=None, device="cpu", action_masks=None):
+    """A Batch on `device` from token id lists (prompt i, response i, its engine logprobs, its
+    action mask: 1 on the model's tokens, 0 on an episode's observations, which are context and
+    out of every loss and statistic; None: all the model's). On a GPU the whole step then stays
+    there: nothing goes back to the CPU in the update."""
+    lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    ids = torch.full((len(lens), max(lens)), pad_id, dtype=torch.long)  # (b, S)
+    mask, engine_lp = torch.zeros(ids.shape), torch.zeros(ids.shape)  # (b, S) each
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, :lens[i]] = torch.tensor(p + r)
+        mask[i, len(p):lens[i]] = 1 if action_masks is None else torch.tensor(action_masks[i])
+        if engine_logprobs is not None:
+            engine_lp[i, len(p):lens[i]] = torch.tensor(engine_logprobs[i], dtype=torch.float32)
+    return Batch(ids.to(device), mask.to(device), engine_lp.to(device), lens, min(map(len, prompts)))
 
 
 def score(models, batch, cfg, mesh):
@@ -613,18 +288,36 @@ def score(models, batch, cfg, mesh):
     return fields
 
 
-def reward_model_scores(reward_model, batch, cfg, mesh):
-    """Collective over the mesh. Step 3 with a learned reward model, under no_grad: its score of
-    each sequence, its output at the sequence's last token (forward_reward_model: an unshifted
-    read, unlike the critic's), which replaces the task's as the reward. The task's are kept as
-    task_scores, logged beside it: the reward model's opinion and the truth side by side, where
-    reward hacking shows. Returned as Batch fields."""
-    (outputs,) = forward_batch(model_parallel.forward_reward_model, reward_model, batch, cfg, mesh)
-    # not gathered through the update and generation (reshard_after_forward=false keeps every
-    # unit gathered after a pass)
-    model_parallel.reshard(reward_model)
-    last = torch.tensor(batch.lens, device=outputs.device) - 1  # (b,) each row's last token
-    return dict(task_scores=batch.scores, scores=outputs[torch.arange(len(batch.lens)), last])  # (b,)
+def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
+    """Collective over the mesh. `forward(model, ids, lens, mesh, cfg, **kwargs)` (a tensor or a
+    tuple of (rows, S) tensors) over every microbatch, dummies included; full (b, S) tensors in
+    row order (packing reorders rows)."""
+    outs = None
+    for idx, lens, weight in micro_rows(range(len(batch.lens)), batch, cfg, mesh):
+        result = forward(model, batch.ids[idx], lens, mesh, cfg, **kwargs)
+        result = result if isinstance(result, tuple) else (result,)
+        if outs is None:
+            outs = [None if r is None else r.new_zeros(batch.ids.shape) for r in result]
+        for out, r in zip(outs, result):
+            if weight and out is not None:
+                out[idx] = r  # (rows, S); a dummy's output is dropped
+    return outs
+
+
+def micro_rows(rows, batch, cfg, mesh, model=None):
+    """Collective over dp. Yields the microbatches of the batch rows `rows`
+    (model_parallel.microbatches: packed or padded, the same count on every dp rank) as (idx, lens,
+    weight): the rows' indices as a device tensor (copied without a host sync), their lengths, and
+    the weight of their loss, 0 for a dummy (a rank with fewer microbatches runs rows[0] again, so
+    that FSDP's or DDP's collectives still match): a dummy's outputs are dropped, its loss counts
+    0 times. `model` (for a backward): DDP all-reduces the gradients in the last microbatch's
+    backward only, and decides it at the forward: its flag is set before each is yielded."""
+    micros = model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh)  # positions in `rows`
+    for i, (micro, weight) in enumerate(micros):
+        idx = [rows[j] for j in micro]  # batch row indices
+        if model is not None:
+            model_parallel.sync_gradients(model, sync=i == len(micros) - 1)
+        yield model_parallel.to_device(idx, batch.ids.device), [batch.lens[k] for k in idx], weight
 
 
 def global_scores(batch, n, mesh):
@@ -636,6 +329,13 @@ def global_scores(batch, n, mesh):
     scores = torch.zeros(n, dtype=torch.float64, device=batch.scores.device)  # (N,)
     scores[batch.index] = batch.scores.double()
     return dp_sum(scores, mesh).float()
+
+
+def dp_sum(tensor, mesh):
+    """Collective over dp. In-place sum over the dp ranks (each holds a share of the global
+    batch)."""
+    dist.all_reduce(tensor, group=mesh["dp"].get_group())
+    return tensor
 
 
 def compute_advantages(batch, all_scores, cfg, mesh):
@@ -662,28 +362,68 @@ def compute_advantages(batch, all_scores, cfg, mesh):
     return dict(advantages=advantages, returns=returns, tis=tis)
 
 
-# -----------------------------------------------------------------------------
-# Steps 7-8: the update, one optimizer step per minibatch and model.
+def ratio_from_log(log_ratio):
+    """exp of a log-ratio clamped to +-20 (as verl does): one wild token must not make inf/NaN."""
+    return torch.exp(log_ratio.clamp(-20.0, 20.0))
 
-def step_optimizer(optimizer, norm, loss_sums, mesh):
-    """Collective over dp. A minibatch's optimizer step, after its microbatches' backwards (their
-    gradients added up) and the clip of the global grad norm (`norm`, before clipping): step,
-    unless the norm or the loss on some dp rank is NaN/inf (`loss_sums`: {name: the minibatch's
-    sum of each loss term}): then skip, weights and AdamW state untouched, as Megatron-LM does.
-    Returns whether the step was taken.
 
-    The sums stay on the device: no microbatch reads one back (on a GPU each read would wait for
-    the queued kernels, and the host could not queue the next microbatch ahead). An optimizer
-    step reads two numbers: the microbatch count (microbatches) and the NaN flag."""
-    sums = list(loss_sums.values())
-    # the loss is the sum of its terms: finite where each term's sum is
-    finite = torch.stack([norm.to(sums[0].device), *sums]).isfinite().all().float()
-    dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=mesh["dp"].get_group())
-    stepped = bool(finite.item())  # the optimizer step's host read: step or skip, on every rank
-    if stepped:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return stepped
+def kl_penalty(logprobs, ref_logprobs, kind="k1"):
+    """Per-token estimate of KL(pi || pi_ref) from the sampled token (Schulman, "Approximating KL
+    divergence", 2020). k1 = log(pi/pi_ref): unbiased, can be negative per token.
+    k3 = (r - 1) - log r with r = pi_ref/pi: unbiased, always >= 0, lower variance; clamped to
+    <= 10 as verl's low_var_kl, since one collapsed token (log r = 88) would give e^88 = inf."""
+    log_ratio = logprobs - ref_logprobs  # (B, S)
+    if kind == "k1":
+        return log_ratio
+    if kind == "k3":
+        # the input clamp keeps exp (and its gradient, 0 past the clamp) finite
+        log_ratio = log_ratio.clamp(-20.0, 20.0)  # (B, S)
+        return (torch.expm1(-log_ratio) + log_ratio).clamp(max=10.0)  # (B, S) = (r - 1) - log r
+    raise ValueError(f"unknown KL estimator {kind!r}")
+
+
+def compute_gae(rewards, values, mask, gamma, lam):
+    """Generalized advantage estimation (Schulman et al., 2016, eq. 16), right to left:
+        delta_t = r_t + gamma * V_next(t) - V_t,   A_t = delta_t + gamma * lam * A_next(t)
+    where next(t) is the next *action* of the row, the next position with mask 1: positions
+    outside the mask (the prompt, padding, or an episode's observation, such as a tool's output)
+    are skipped. In a multi-turn episode the state after turn k's last token t is the state
+    before turn k+1's first token t', whose value the critic reads from the hidden state at
+    t' - 1, the observation's end: V_next(t) = V_t', with the observation as its context. After
+    the last action the episode ends (V_next = 0, A_next = 0). Returns (advantages, returns) with
+    returns = A + V, both 0 outside the mask."""
+    B, S = rewards.shape
+    next_value = torch.zeros(B, dtype=values.dtype, device=values.device)  # (B,)
+    next_adv = torch.zeros_like(next_value)  # (B,)
+    advantages = torch.zeros_like(values)  # (B, S)
+    for t in reversed(range(S)):
+        is_response = mask[:, t].bool()  # (B,)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # (B,)
+        adv = delta + gamma * lam * next_adv  # (B,)
+        advantages[:, t] = torch.where(is_response, adv, 0.0)
+        next_value = torch.where(is_response, values[:, t], next_value)  # carried across gaps
+        next_adv = torch.where(is_response, adv, next_adv)
+    returns = (advantages + values) * mask  # (B, S)
+    return advantages, returns
+
+
+def masked_whiten(x, mask, group=None, eps=1e-8):
+    """Collective over `group` (dp). (x - mean) / std over the masked tokens of the *global*
+    batch (sum, sum of squares and count all-reduced over the group), never per rank.
+    Unbiased, as TRL's masked_whiten."""
+    stats = torch.stack([masked_sum(x, mask), masked_sum(x * x, mask), mask.sum()]).double()
+    if group is not None:
+        dist.all_reduce(stats, group=group)
+    total, total_sq, n = stats
+    mean = total / n
+    var = (total_sq - n * mean * mean) / (n - 1).clamp(min=1)
+    return ((x - mean) * torch.rsqrt(var + eps)).to(x.dtype) * mask
+
+
+def masked_sum(x, mask, dim=None):
+    """The sum of x where mask is 1 (dim=None: over everything). Selected, not multiplied: an
+    inf outside the mask (exp of an observation token's log-ratio) must not make 0 * inf = NaN."""
+    return torch.where(mask.bool(), x, 0.0).sum(dim)
 
 
 def update(parts, batch, cfg, mesh, train_policy=True):
@@ -794,17 +534,122 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
     return terms, masked_sum(clipped.float(), mask).detach()
 
 
-# -----------------------------------------------------------------------------
-# Steps 9-10 and the run: refit, one PPO step in order, the loop of steps.
+def policy_loss(logprobs, old_logprobs, advantages, clip_ratio, clip_ratio_high=None, clip_ratio_c=0.0,
+                tis_weight=None, sequence_mask=None):
+    """Clipped surrogate (Schulman et al., 2017, eq. 7), per token, as a loss to minimize:
+        ratio = pi / pi_old,  loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1-eps_lo, 1+eps_hi))
+    eps_lo = clip_ratio, eps_hi = clip_ratio_high (None: eps_lo). An upper bound above the lower
+    is DAPO's clip-higher (Yu et al., 2025): a rare token with A > 0 may grow further per update.
+    Dual clip (Ye et al., 2020, "Mastering complex control in MOBA games"; verl's clip_ratio_c),
+    if clip_ratio_c = c > 1: where A_t < 0 the loss is also capped at -A_t * c, so a token whose
+    ratio has exploded cannot dominate the update. `tis_weight` (B, S), optional: truncated
+    importance weights for the engine/trainer mismatch. Returns (the per-token loss, which tokens
+    were clipped either way), both (B, S): aggregate_loss makes the loss one number.
 
-def finish_run(cfg, engine, mesh, t_start):
-    """Collective (every rank). The end of a run: the summary line, then the data side (the last
-    rollout dumps on disk, the engine and the process group let go: rollout.close) and the mesh."""
-    dist.barrier()
-    if dist.get_rank() == 0:
-        print(summary(cfg, time.time() - t_start), flush=True)
-    rollout.close(engine)
-    model_parallel.release_mesh(mesh)
+    GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"), with `sequence_mask` (B, S),
+    the response mask: every token of a sequence gets the sequence's ratio, clipped as one,
+        s_b = exp((1/L_b) sum_t m log(pi/pi_old)),
+    written as the paper's GSPO-token (eq. 13): on token t, the value log s_b, with the gradient
+    of log pi_t alone (log s_b - log pi_t detached + log pi_t). With seq-mean-token-mean the
+    gradient is GSPO's: A_b s_b (1/L_b) sum_t grad log pi_t per unclipped sequence. A row is one
+    whole sequence wherever this runs (cp gathers rows; packed rows are unpacked before any loss),
+    so the mean holds under every mesh."""
+    clip_ratio_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    log_ratio = logprobs - old_logprobs  # (B, S)
+    if sequence_mask is not None:
+        per_seq = masked_sum(log_ratio, sequence_mask, -1) / sequence_mask.sum(-1).clamp(min=1)  # (B,)
+        log_ratio = per_seq.detach()[:, None] + logprobs - logprobs.detach()  # (B, S)
+    ratio = ratio_from_log(log_ratio)  # (B, S)
+    unclipped = -advantages * ratio  # (B, S)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio_high)  # (B, S)
+    per_token = torch.maximum(unclipped, clipped)  # (B, S) the pessimistic bound
+    is_clipped = clipped > unclipped  # (B, S) no gradient through the ratio
+    if clip_ratio_c > 0:
+        dual = (advantages < 0) & (per_token > -advantages * clip_ratio_c)  # (B, S)
+        per_token = torch.where(dual, -advantages * clip_ratio_c, per_token)  # (B, S)
+        is_clipped |= dual
+    if tis_weight is not None:
+        per_token = per_token * tis_weight
+    return per_token, is_clipped
+
+
+def aggregate_loss(per_token, mask, mode="token-mean", num_tokens=None, num_seqs=None, norm=1.0):
+    """One number from a per-token loss (B, S) and its response mask, as `loss_agg_mode` says
+    (docs/losses.md compares the modes; the names are verl's, core_algos.agg_loss):
+
+        token-mean               sum_b sum_t m l / N_tok              every token weighs the same
+        seq-mean-token-sum       sum_b (sum_t m l) / N_seq
+        seq-mean-token-mean      sum_b (sum_t m l / L_b) / N_seq      every response the same
+        seq-mean-token-sum-norm  sum_b (sum_t m l) / (N_seq * norm)   Dr. GRPO (Liu et al., 2025)
+
+    with L_b = sum_t m[b, t], the length of response b. N_tok and N_seq are the response tokens
+    and the sequences of the *global* minibatch, so that the shares which dp ranks and
+    microbatches compute add up to the single-process number (default: this (B, S)'s own, as one
+    process with one microbatch sees it). L_b needs no count across ranks: a cp rank sees whole
+    rows (the logprobs are gathered over cp) and packed rows are unpacked before any loss. The
+    last mode divides each token sum by a constant (Dr. GRPO's code: max_new_tokens), then
+    averages over responses."""
+    # masked_sum selects, not multiplies: GSPO's log pi - (log pi).detach() is NaN where a trainer
+    # logprob on an observation is -inf, and NaN * 0 is NaN
+    if mode == "token-mean":
+        return masked_sum(per_token, mask) / (mask.sum() if num_tokens is None else num_tokens)
+    per_seq = masked_sum(per_token, mask, -1)  # (B,) each response's token sum
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / mask.sum(-1).clamp(min=1)  # (B,) its token mean
+    elif mode == "seq-mean-token-sum-norm":
+        per_seq = per_seq / norm  # (B,)
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"unknown loss_agg_mode {mode!r}")
+    return per_seq.sum() / (mask.shape[0] if num_seqs is None else num_seqs)
+
+
+def step_optimizer(optimizer, norm, loss_sums, mesh):
+    """Collective over dp. A minibatch's optimizer step, after its microbatches' backwards (their
+    gradients added up) and the clip of the global grad norm (`norm`, before clipping): step,
+    unless the norm or the loss on some dp rank is NaN/inf (`loss_sums`: {name: the minibatch's
+    sum of each loss term}): then skip, weights and AdamW state untouched, as Megatron-LM does.
+    Returns whether the step was taken.
+
+    The sums stay on the device: no microbatch reads one back (on a GPU each read would wait for
+    the queued kernels, and the host could not queue the next microbatch ahead). An optimizer
+    step reads two numbers: the microbatch count (microbatches) and the NaN flag."""
+    sums = list(loss_sums.values())
+    # the loss is the sum of its terms: finite where each term's sum is
+    finite = torch.stack([norm.to(sums[0].device), *sums]).isfinite().all().float()
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=mesh["dp"].get_group())
+    stepped = bool(finite.item())  # the optimizer step's host read: step or skip, on every rank
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return stepped
+
+
+def lr_factor(step, warmup_steps):
+    """The LR schedule's factor after `step` optimizer steps: linear up to 1 over warmup_steps (in
+    PPO steps), then 1 (build_models gives it to each model's LambdaLR)."""
+    return min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
+
+
+def value_loss(values, old_values, returns, value_clip):
+    """Clipped value loss (PPO2 baselines; "N+ details" #9), per token (B, S):
+        v_clip = V_old + clip(V - V_old, -c, c),  loss_t = 0.5 * max((V - R)^2, (v_clip - R)^2)
+    value_clip = 0 turns the clipping off (plain 0.5 * (V - R)^2)."""
+    loss = (values - returns) ** 2  # (B, S)
+    if value_clip > 0:
+        v_clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
+        loss = torch.maximum(loss, (v_clipped - returns) ** 2)  # (B, S)
+    return 0.5 * loss
+
+
+def memory_used_gb():
+    """GPU: memory in use by any allocator (mem_get_info: vLLM's sleeping pool, back with the
+    driver, would still count in max_memory_allocated). CPU: the peak resident set (ru_maxrss,
+    KiB on Linux)."""
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        return (total - free) / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def refit(engine, policy, cfg):
@@ -820,42 +665,149 @@ def refit(engine, policy, cfg):
     return rollout.refit(engine, model_parallel.iter_full_params(policy, engine.dtype), cfg.refit_bucket_mb)
 
 
-def ppo_step(progress, models, engine, task, cfg, mesh, device):
-    """Collective (every rank). One PPO step, phases 1-10 of the module docstring in order, each
-    handing what it computed to the next; `progress` holds the steps done and the prompt stream's
-    position. Returns the step's metrics and the names of the loss terms the update reported, in
-    its order."""
-    step = progress["step"]
-    evaluate = engine is not None and bool(task.val) and cfg.eval_every > 0
-    metrics = {"step": step}  # and each phase's wall time (timed)
-    with timed(metrics, "time_step_s"):
-        if evaluate and step % cfg.eval_every == 0:  # before the step's update
-            metrics["val_accuracy"] = rollout.validation_accuracy(engine, task, cfg)
-        with timed(metrics, "time_rollout_s"):  # 1-3. prompts, rollout, reward
-            start = progress["prompts_drawn"]  # the prompt stream's position
-            every, metrics["rollout_samples"] = rollout.rollouts(engine, task, cfg, step, start)
-            metrics.update(rollout.episode_metrics(every.values()))  # turns, tool calls, endings
-            batch = training_batch(every, cfg, mesh, task.pad_id, device)
-        with timed(metrics, "time_logprobs_s"), torch.no_grad():  # 4-6. forward passes, rewards, advantages
-            if models.reward_model is not None:  # 3. the reward: a learned reward model's score
-                batch = replace(batch, **reward_model_scores(models.reward_model, batch, cfg, mesh))
-            batch = replace(batch, **score(models, batch, cfg, mesh))
-            all_scores = global_scores(batch, len(every), mesh)  # (N,)
-            batch = replace(batch, **compute_advantages(batch, all_scores, cfg, mesh))
-        with timed(metrics, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches
-            update_sums = update(models.parts, batch, cfg, mesh, train_policy=step >= cfg.critic_warmup_steps)
-            # (on a GPU the memory in use: the caching allocator still holds the update's peak)
-            metrics["mem_used_gb"] = memory_used_gb()
-        with timed(metrics, "time_refit_s"):  # 9. push the policy into the engine (a collective)
-            # also after skipped updates: on GPU the engine dropped its weights
-            if engine is not None:
-                metrics.update(refit(engine, models.parts["policy"].model, cfg))
-        rollout.dump_rollouts(every, all_scores, cfg, step)  # rank 0, in the background
-        if evaluate and step + 1 == cfg.steps:  # the policy that is exported: after the last update
-            metrics["final_val_accuracy"] = rollout.validation_accuracy(engine, task, cfg)
-        named = step_metrics(batch, update_sums, cfg, mesh)  # 10. one all-reduce, then named means
-    metrics.update(named, tokens_per_s=named["tokens"] / metrics["time_step_s"])
-    return metrics, list(update_sums[0])
+@torch.no_grad()
+def step_metrics(batch, update_sums, cfg, mesh):
+    """Collective over dp. The step's named numbers (every key: docs/metrics.md) from this rank's
+    rows and the sums of its update (update's (losses, counts, norms)). Every rank's shares of the
+    global sums below are all-reduced together, in one tensor, and read back once; then each
+    metric is divided out next to the sums it needs. Every loss term and grad norm the update
+    reported is logged under its own name, as a mean over the step's optimizer steps. (Every rank
+    reports the same names in the same order: their sums travel in one tensor.)"""
+    losses, counts, norms = update_sums
+    mask, scores = batch.mask, batch.scores  # (b, S), (b,)
+    kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
+    mismatch = (batch.old_lp - batch.engine_lp).abs()  # (b, S)
+    shares = dict(tokens=mask.sum(), sequences=len(batch.lens), all_tokens=sum(batch.lens),
+                  reward=scores.sum(), reward_sq=(scores ** 2).sum(), kl=masked_sum(kl, mask),
+                  mismatch=masked_sum(mismatch, mask), mult_prob_error=masked_sum(torch.exp(mismatch), mask))
+    if batch.entropy is not None:  # none with old_logprobs=engine or log_entropy=false
+        shares["entropy"] = masked_sum(batch.entropy, mask)
+    if batch.task_scores is not None:  # the rule, beside a reward model's score
+        shares["task_score"] = batch.task_scores.sum()
+    if batch.returns is not None:  # for the explained variance 1 - Var(R - V) / Var(R)
+        err = (batch.returns - batch.values) * mask  # (b, S)
+        shares.update(ret=batch.returns.sum(), ret_sq=(batch.returns ** 2).sum(), err=err.sum(),
+                      err_sq=(err ** 2).sum())
+    # the loss terms last, in the order the update reported them, under names of their own: a
+    # fork's term may be called anything ("kl", "tokens")
+    shares.update(counts)
+    shares.update({f"loss {name}": term for name, term in losses.items()})
+
+    def column(numbers):  # numbers and device scalars -> one (n,) float64 tensor on the device
+        return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=mask.device) for v in numbers])
+    # the shares summed over dp; the norms are global already: one host read for everything
+    values = torch.cat([dp_sum(column(shares.values()), mesh), column(norms.values())]).tolist()
+    s = dict(zip([*shares, *norms], values))
+    n_tok, n_seq = s["tokens"], s["sequences"]
+
+    def variance(name, n):  # E[x^2] - E[x]^2 from the sums of x and of x^2 over n
+        return s[name + "_sq"] / n - (s[name] / n) ** 2
+    m = dict(reward_mean=s["reward"] / n_seq, reward_std=math.sqrt(max(variance("reward", n_seq), 0.0)),
+             kl=s["kl"] / n_tok, response_len_mean=n_tok / n_seq, logprob_mismatch=s["mismatch"] / n_tok,
+             token_mult_prob_error=s["mult_prob_error"] / n_tok,
+             # each epoch's update sees all n_tok tokens again
+             clip_frac=s.get("clipped_tokens", 0.0) / (n_tok * cfg.ppo_epochs),
+             skipped_updates=int(s.get("skipped_updates", 0)))
+    # the entropy per token, if computed; the task's rule per sequence, beside a reward model's
+    # score (reward_mean)
+    m.update({name: s[name] / n for name, n in (("entropy", n_tok), ("task_score", n_seq)) if name in s})
+    if "ret" in s:
+        m["value_explained_var"] = 1 - variance("err", n_tok) / max(variance("ret", n_tok), 1e-12)
+    updates = cfg.ppo_epochs * cfg.num_minibatches  # optimizer steps of each trained model
+    m.update({name: s[f"loss {name}"] / updates for name in losses})
+    m.update({name: s[name] / updates for name in norms if name != "skipped_updates"})
+    m["tokens"] = int(s["all_tokens"])  # prompt + response tokens of the global batch
+    return m
+
+
+# -----------------------------------------------------------------------------
+# Beyond one step: what a first reading skips. First the variants that the step calls when the
+# config asks for them: the critic-free advantage estimators (GRPO, RLOO; compute_advantages
+# calls them) and a learned reward model's pass (score calls it).
+
+def grpo_advantages(scores, group_size, norm_by_std=True, eps=1e-4):
+    """GRPO's outcome-supervised advantage (Shao et al., 2024, DeepSeekMath, sec. 4.1.2): each
+    response's score minus the mean of its prompt's group of `group_size` responses, divided
+    by the group's (unbiased) std; groups with equal scores get 0. scores: (N,) for the
+    *global* batch, prompt-major (response j belongs to prompt j // group_size).
+    norm_by_std=False is Dr. GRPO's (Liu et al., 2025): the mean is subtracted, nothing divided,
+    so a group that is nearly always right (small std) is not weighted up."""
+    groups = scores.view(-1, group_size)  # (N/K, K)
+    centred = groups - groups.mean(1, keepdim=True)  # (N/K, K)
+    if norm_by_std:
+        centred = centred / (groups.std(1, keepdim=True) + eps)  # (N/K, K)
+    return centred.view(-1)  # (N,)
+
+
+def rloo_advantages(scores, group_size):
+    """REINFORCE leave-one-out (Ahmadian et al., 2024, "Back to Basics"; Kool et al., 2019): each
+    response's baseline is the mean score of the *other* responses to its prompt,
+        A_i = s_i - (sum_j s_j - s_i) / (K - 1)  =  K / (K - 1) * (s_i - mean_j s_j),
+    unbiased because a response's own score is not in its baseline. scores: (N,), prompt-major,
+    as grpo_advantages."""
+    groups = scores.view(-1, group_size)  # (N/K, K)
+    others = (groups.sum(1, keepdim=True) - groups) / (group_size - 1)  # (N/K, K)
+    return (groups - others).view(-1)  # (N,)
+
+
+# The critic-free advantage estimators, by their config name: every sample's score (N,) of the
+# global batch, prompt-major -> its advantage (N,), put on each of its response tokens. A new
+# estimator is one entry here and its name in config.Config.advantage_estimator's Literal; without
+# an entry, the name would need a critic (gae, the learned critic with GAE in compute_advantages, is the
+# one that does). The KL to the reference is then a loss term (policy_loss_terms), not a per-token reward.
+GROUP_ADVANTAGES = {
+    "grpo": lambda scores, cfg: grpo_advantages(scores, cfg.samples_per_prompt, cfg.grpo_norm_by_std),
+    "rloo": lambda scores, cfg: rloo_advantages(scores, cfg.samples_per_prompt),
+}
+
+
+def reward_model_scores(reward_model, batch, cfg, mesh):
+    """Collective over the mesh. Step 3 with a learned reward model, under no_grad: its score of
+    each sequence, its output at the sequence's last token (forward_reward_model: an unshifted
+    read, unlike the critic's), which replaces the task's as the reward. The task's are kept as
+    task_scores, logged beside it: the reward model's opinion and the truth side by side, where
+    reward hacking shows. Returned as Batch fields."""
+    (outputs,) = forward_batch(model_parallel.forward_reward_model, reward_model, batch, cfg, mesh)
+    # not gathered through the update and generation (reshard_after_forward=false keeps every
+    # unit gathered after a pass)
+    model_parallel.reshard(reward_model)
+    last = torch.tensor(batch.lens, device=outputs.device) - 1  # (b,) each row's last token
+    return dict(task_scores=batch.scores, scores=outputs[torch.arange(len(batch.lens)), last])  # (b,)
+
+
+# -----------------------------------------------------------------------------
+# Set-up and the loop of steps: distributed, inputs checked, models loaded (after an optional SFT
+# warm-up); main runs ppo_step once a step.
+
+def print0(*args):
+    if dist.get_rank() == 0:  # rank 0 alone prints (and writes files)
+        print(*args, flush=True)
+
+
+def rank0_decides(value):
+    """Collective (every rank): rank 0's `value`, on every rank. What the run reads from a shared
+    file system (the checkpoint to resume, whether the SFT dir is done) is decided once: a node
+    whose directory listing lags would pick another step, and the collectives that follow would
+    not match (a hang, or a crash in the checkpoint reader)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Models(NamedTuple):
+    """Every model of the run: the trained ones as {name: Part} (the policy, and the critic with
+    gae), the reference (the policy's initial shards, snapshot_weights; None under LoRA, where the
+    reference is the policy with its adapters off) and the reward model (or None)."""
+    parts: dict
+    reference: Optional[dict]
+    reward_model: Optional[torch.nn.Module]
+
+
+class Part(NamedTuple):
+    """A trained model with its AdamW and LR schedule: what a checkpoint holds of it."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
 
 
 def main(cfg, task=None):
@@ -913,64 +865,103 @@ def main(cfg, task=None):
     finish_run(cfg, engine, mesh, t_start)
 
 
+def start_run(cfg, task):
+    """Collective (every rank). The process group, the (dp, cp, tp) mesh and the policy's model dir
+    (model_parallel.setup: every model dir is checked, a tiny preset written as a real HF
+    checkpoint, the "auto" options resolved); rank 0 makes out_dir and saves the resolved config
+    there; the checkpoint to resume from and the task (None: the config's). Bad input is refused
+    here, before any heavy work: one line, exit 2. Returns (device, mesh, model_dir, resume_dir,
+    task)."""
+    try:
+        device, mesh, model_dir, kernel = model_parallel.setup(cfg)
+        task = rollout.make_task(cfg, model_dir) if task is None else task
+        # Dr. GRPO's constant is the longest response (verl: its response length): in an episode of
+        # turns, up to max_model_len tokens, not one turn's max_new_tokens (docs/losses.md)
+        if getattr(task, "observe", None) and cfg.max_turns > 1 and not cfg.loss_agg_norm:
+            cfg.loss_agg_norm = cfg.max_model_len
+        if dist.get_rank() == 0:
+            os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
+            config.save(cfg, os.path.join(cfg.out_dir, "config.json"))
+        resume_dir = rank0_decides(find_checkpoint(cfg.resume, cfg.out_dir))
+        saved_rank = saved_lora_rank(resume_dir) if resume_dir else cfg.lora_rank
+        if saved_rank != cfg.lora_rank:  # the checkpoint holds adapters alone, or no adapter
+            raise model_parallel.CheckpointError(
+                f"{resume_dir} was saved with lora_rank={saved_rank}, this run has "
+                f"lora_rank={cfg.lora_rank}: resume it with --lora_rank={saved_rank}, or give "
+                f"a fresh out_dir")
+    except (rollout.TaskError, model_parallel.CheckpointError) as e:
+        print0(f"input error: {e}")
+        sys.exit(2)
+    print0(f"mesh dp={mesh['dp'].size()} cp={cfg.cp_size} tp={cfg.tp_size} on {dist.get_world_size()} x "
+           f"{device.type}, {cfg.dtype}, {'packed' if cfg.packing else 'padded'} rows, attention: {kernel}, "
+           f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine, "
+           f"{cfg.prompts_per_step}x{cfg.samples_per_prompt} samples a step")
+    return device, mesh, model_dir, resume_dir, task
+
+
+def sft_warmup(model_dir, task, cfg, mesh):
+    """Collective (every rank). Supervised warm-up on the task's reference answers, the usual
+    first stage of RLHF, kept short on purpose: PPO should start from a policy that knows the
+    format and is right sometimes. Saved as out_dir/sft (reused when present); returns that dir.
+    It trains every weight, also under LoRA: it stands in for the pretraining and instruction
+    tuning that a toy model lacks, and LoRA then adapts its result in PPO (adapters on a random
+    model learn nothing: make demo with lora_rank=8 and a LoRA warm-up stayed at reward 0.04)."""
+    sft_dir = os.path.join(cfg.out_dir, "sft")
+    if rank0_decides(os.path.isfile(os.path.join(sft_dir, "config.json"))):
+        return sft_dir
+    policy = model_parallel.load_policy(model_dir, mesh, replace(cfg, lora_rank=0))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft_lr, weight_decay=0.0, fused=True)
+    for it in range(cfg.sft_steps):
+        prompts, answers, masks = rollout.sft_examples(task, cfg, it, mesh["dp"].get_local_rank(),
+                                                       mesh["dp"].size())
+        # the mask: the model's tokens of each answer (a tool's output in a trace is not trained on)
+        batch = make_batch(prompts, answers, task.pad_id, device=mesh.device_type, action_masks=masks)
+        num_tokens = dp_sum(batch.mask.sum(), mesh)  # global answer tokens
+        loss_sum = Counter()
+        for idx, lens, weight in micro_rows(list(range(len(prompts))), batch, cfg, mesh, policy):
+            lp, _ = model_parallel.forward_policy(policy, batch.ids[idx], lens, mesh, cfg)
+            nll = -masked_sum(lp, batch.mask[idx]) / num_tokens  # the answers' mean negative log-likelihood
+            (weight * nll).backward()
+            loss_sum.update(sft_loss=weight * nll.detach())
+        norm = model_parallel.clip_grad_norm(list(policy.parameters()), cfg.max_grad_norm)
+        step_optimizer(optimizer, norm, loss_sum, mesh)
+        if it % 10 == 0 or it == cfg.sft_steps - 1:
+            print0(f"sft {it + 1}/{cfg.sft_steps}")
+    # + the tokenizer and generation_config (the stop ids) of model_dir
+    model_parallel.save_hf(policy, sft_dir, copy_from=model_dir)
+    return sft_dir
+
+
+def build_models(model_dir, cfg, mesh):
+    """Collective (every rank). {name: (model, AdamW, LR schedule)} for the policy and (gae only)
+    the critic, which is what a checkpoint holds; the reference policy, a copy of the policy's
+    initial shards (none under LoRA: the frozen base is the reference); and the reward model if any
+    (frozen: no optimizer, not checkpointed)."""
+    policy = model_parallel.load_policy(model_dir, mesh, cfg)
+    reference = None
+    if not cfg.lora_rank:
+        reference = model_parallel.snapshot_weights(policy, torch.bfloat16 if cfg.dtype == "bf16" else None)
+
+    def part(model, lr):
+        # fused: one kernel over every parameter (torch's default on CPU is a per-tensor loop,
+        # 20x slower here); the same math, in a different order of float operations
+        # (under LoRA the adapters alone: the frozen base gets no moments)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=cfg.weight_decay, fused=True)
+        warmup = functools.partial(lr_factor, warmup_steps=cfg.warmup_steps)
+        return Part(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup))
+
+    parts = {"policy": part(policy, cfg.lr)}
+    if cfg.advantage_estimator == "gae":  # GRPO has no critic: none is loaded, trained or saved
+        critic = model_parallel.load_critic(cfg.critic_model or model_dir, mesh, cfg)
+        parts["critic"] = part(critic, cfg.critic_lr)
+    reward_model = model_parallel.load_reward_model(cfg.reward_model, mesh, cfg) if cfg.reward_model else None
+    return Models(parts, reference, reward_model)
+
+
 # -----------------------------------------------------------------------------
-# Run plumbing, after the step it serves: step 10's metrics, plot and console line, the stop
-# signal, the metrics log; then checkpoints and the adapter export.
-
-@torch.no_grad()
-def step_metrics(batch, update_sums, cfg, mesh):
-    """Collective over dp. The step's named numbers (every key: docs/metrics.md) from this rank's
-    rows and the sums of its update (update's (losses, counts, norms)). Every rank's shares of the
-    global sums below are all-reduced together, in one tensor, and read back once; then each
-    metric is divided out next to the sums it needs. Every loss term and grad norm the update
-    reported is logged under its own name, as a mean over the step's optimizer steps. (Every rank
-    reports the same names in the same order: their sums travel in one tensor.)"""
-    losses, counts, norms = update_sums
-    mask, scores = batch.mask, batch.scores  # (b, S), (b,)
-    kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
-    mismatch = (batch.old_lp - batch.engine_lp).abs()  # (b, S)
-    shares = dict(tokens=mask.sum(), sequences=len(batch.lens), all_tokens=sum(batch.lens),
-                  reward=scores.sum(), reward_sq=(scores ** 2).sum(), kl=masked_sum(kl, mask),
-                  mismatch=masked_sum(mismatch, mask), mult_prob_error=masked_sum(torch.exp(mismatch), mask))
-    if batch.entropy is not None:  # none with old_logprobs=engine or log_entropy=false
-        shares["entropy"] = masked_sum(batch.entropy, mask)
-    if batch.task_scores is not None:  # the rule, beside a reward model's score
-        shares["task_score"] = batch.task_scores.sum()
-    if batch.returns is not None:  # for the explained variance 1 - Var(R - V) / Var(R)
-        err = (batch.returns - batch.values) * mask  # (b, S)
-        shares.update(ret=batch.returns.sum(), ret_sq=(batch.returns ** 2).sum(), err=err.sum(),
-                      err_sq=(err ** 2).sum())
-    # the loss terms last, in the order the update reported them, under names of their own: a
-    # fork's term may be called anything ("kl", "tokens")
-    shares.update(counts)
-    shares.update({f"loss {name}": term for name, term in losses.items()})
-
-    def column(numbers):  # numbers and device scalars -> one (n,) float64 tensor on the device
-        return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=mask.device) for v in numbers])
-    # the shares summed over dp; the norms are global already: one host read for everything
-    values = torch.cat([dp_sum(column(shares.values()), mesh), column(norms.values())]).tolist()
-    s = dict(zip([*shares, *norms], values))
-    n_tok, n_seq = s["tokens"], s["sequences"]
-
-    def variance(name, n):  # E[x^2] - E[x]^2 from the sums of x and of x^2 over n
-        return s[name + "_sq"] / n - (s[name] / n) ** 2
-    m = dict(reward_mean=s["reward"] / n_seq, reward_std=math.sqrt(max(variance("reward", n_seq), 0.0)),
-             kl=s["kl"] / n_tok, response_len_mean=n_tok / n_seq, logprob_mismatch=s["mismatch"] / n_tok,
-             token_mult_prob_error=s["mult_prob_error"] / n_tok,
-             # each epoch's update sees all n_tok tokens again
-             clip_frac=s.get("clipped_tokens", 0.0) / (n_tok * cfg.ppo_epochs),
-             skipped_updates=int(s.get("skipped_updates", 0)))
-    # the entropy per token, if computed; the task's rule per sequence, beside a reward model's
-    # score (reward_mean)
-    m.update({name: s[name] / n for name, n in (("entropy", n_tok), ("task_score", n_seq)) if name in s})
-    if "ret" in s:
-        m["value_explained_var"] = 1 - variance("err", n_tok) / max(variance("ret", n_tok), 1e-12)
-    updates = cfg.ppo_epochs * cfg.num_minibatches  # optimizer steps of each trained model
-    m.update({name: s[f"loss {name}"] / updates for name in losses})
-    m.update({name: s[name] / updates for name in norms if name != "skipped_updates"})
-    m["tokens"] = int(s["all_tokens"])  # prompt + response tokens of the global batch
-    return m
-
+# Run plumbing, after the step it serves: the console line and metrics log, the plot, the stop
+# signal; the run's end.
 
 def log_step(metrics, loss_names, cfg, t_start, start_step, tensorboard):
     """Rank 0: append the step's row to metrics.jsonl (and TensorBoard's scalars), print one line,
@@ -1020,30 +1011,6 @@ def plot_curves(metrics_path, png_path, loss_names):
     os.replace(png_path + ".tmp.png", png_path)
 
 
-def summary(cfg, seconds):
-    """The run's last line (rank 0): steps, time, reward at the start and at the end (means of
-    the first and the last 5 steps), with a reward model the task's rule the same way, validation
-    accuracy first -> last (and the best), and where the run wrote what."""
-    rows = [json.loads(line) for line in open(os.path.join(cfg.out_dir, "metrics.jsonl"))]
-
-    def first_last(key):
-        """The means of the first and the last 5 rows that have `key`."""
-        values = [r[key] for r in rows if key in r]
-        return sum(values[:5]) / len(values[:5]), sum(values[-5:]) / len(values[-5:])
-    text = f"done: {len(rows)} steps in {seconds / 60:.1f} min"
-    if rows:  # (none with steps=0: the SFT warm-up alone)
-        text += " | reward {:.3f} (first 5 steps) -> {:.3f} (last 5)".format(*first_last("reward_mean"))
-    if rows and cfg.reward_model:  # the reward model's score above, the truth here
-        text += " | task_score {:.3f} -> {:.3f}".format(*first_last("task_score"))
-    val = [r[k] for r in rows for k in ("val_accuracy", "final_val_accuracy") if k in r]
-    if val:
-        text += f" | val_accuracy {val[0]:.3f} -> {val[-1]:.3f} (best {max(val):.3f})"
-    # what is in out_dir now (hf/: the policy, for transformers and vLLM; ckpt/: resume=auto's)
-    names = sorted(n for n in os.listdir(cfg.out_dir) if not n.startswith(".") and not n.endswith(".tmp"))
-    wrote = [name + ("/" if os.path.isdir(os.path.join(cfg.out_dir, name)) else "") for name in names]
-    return f"{text} | in {cfg.out_dir}: {', '.join(wrote)}"
-
-
 def install_stop_handler(device):
     """SIGTERM (preemption) or Ctrl-C: finish the step, save, exit 0. A second signal kills.
     Returns stop_requested(): collective (every rank calls it); True once any rank got a signal."""
@@ -1080,6 +1047,40 @@ def start_metrics_log(cfg, start_step):
     # imported here: the package is optional (config refuses tensorboard=true without it)
     from torch.utils.tensorboard import SummaryWriter
     return SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
+
+
+def finish_run(cfg, engine, mesh, t_start):
+    """Collective (every rank). The end of a run: the summary line, then the data side (the last
+    rollout dumps on disk, the engine and the process group let go: rollout.close) and the mesh."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print(summary(cfg, time.time() - t_start), flush=True)
+    rollout.close(engine)
+    model_parallel.release_mesh(mesh)
+
+
+def summary(cfg, seconds):
+    """The run's last line (rank 0): steps, time, reward at the start and at the end (means of
+    the first and the last 5 steps), with a reward model the task's rule the same way, validation
+    accuracy first -> last (and the best), and where the run wrote what."""
+    rows = [json.loads(line) for line in open(os.path.join(cfg.out_dir, "metrics.jsonl"))]
+
+    def first_last(key):
+        """The means of the first and the last 5 rows that have `key`."""
+        values = [r[key] for r in rows if key in r]
+        return sum(values[:5]) / len(values[:5]), sum(values[-5:]) / len(values[-5:])
+    text = f"done: {len(rows)} steps in {seconds / 60:.1f} min"
+    if rows:  # (none with steps=0: the SFT warm-up alone)
+        text += " | reward {:.3f} (first 5 steps) -> {:.3f} (last 5)".format(*first_last("reward_mean"))
+    if rows and cfg.reward_model:  # the reward model's score above, the truth here
+        text += " | task_score {:.3f} -> {:.3f}".format(*first_last("task_score"))
+    val = [r[k] for r in rows for k in ("val_accuracy", "final_val_accuracy") if k in r]
+    if val:
+        text += f" | val_accuracy {val[0]:.3f} -> {val[-1]:.3f} (best {max(val):.3f})"
+    # what is in out_dir now (hf/: the policy, for transformers and vLLM; ckpt/: resume=auto's)
+    names = sorted(n for n in os.listdir(cfg.out_dir) if not n.startswith(".") and not n.endswith(".tmp"))
+    wrote = [name + ("/" if os.path.isdir(os.path.join(cfg.out_dir, name)) else "") for name in names]
+    return f"{text} | in {cfg.out_dir}: {', '.join(wrote)}"
 
 
 # -----------------------------------------------------------------------------
