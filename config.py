@@ -232,7 +232,8 @@ class Config:
     # (every response weighs the same), seq-mean-token-sum-norm (Dr. GRPO: token sums over a
     # constant). Every count is global, so the mesh never changes the loss.
     loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
     # seq-mean-token-sum-norm's constant; 0 = max_new_tokens (max_model_len for a task with
     # turns, max_turns > 1: an episode's responses can fill the context)
     loss_agg_norm: int = 0
@@ -247,7 +248,8 @@ class Config:
 POSITIVE = ("tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size", "max_turns",
             "prompts_per_step", "samples_per_prompt", "max_new_tokens", "rollout_tp_size",
             "refit_bucket_mb", "max_model_len", "vllm_gpu_memory_utilization", "vllm_kv_cache_gb",
-            "sft_batch_size", "ppo_epochs", "num_minibatches", "temperature", "collective_timeout_s")
+            "sft_batch_size", "ppo_epochs", "num_minibatches", "temperature",
+            "collective_timeout_s")
 # Every other int or float field must be >= 0: a coefficient, a rate or a count where 0 means
 # "off" or "never" (a new field is checked too), except these: the seed, and gamma and lam, which
 # _validate_values checks against [0, 1] with a message of their own.
@@ -273,7 +275,8 @@ def masked_attention_error(row_tokens: int, cp_size: int, rows: int = 1):
     if rows * row_tokens ** 2 // cp_size > MASK_LIMIT:
         return (f"attention=masked would build a dense {rows}x{row_tokens // cp_size}x{row_tokens} "
                 f"mask per microbatch (limit 4096x4096 entries): use attention=varlen, or shorter "
-                f"or fewer rows (max_tokens_per_microbatch packed; max_model_len, micro_batch_size)")
+                f"or fewer rows (max_tokens_per_microbatch packed; "
+                f"max_model_len, micro_batch_size)")
     return None
 
 
@@ -298,9 +301,11 @@ def resolve_auto(cfg: Config, device_type: str, gpu_kernel) -> str:
         raise ConfigError(f"lora_rank={cfg.lora_rank} with rollout_engine=vllm on CUDA needs "
                           f"dtype=bf16 (vLLM's GPU LoRA kernels take no fp32; data_parallel=ddp "
                           f"is fp32): use data_parallel=fsdp and dtype=bf16, or rollout_engine=hf")
-    kernel = gpu_kernel if device_type == "cuda" and cfg.dtype == "bf16" else None  # (flash: bf16 only)
+    # flash: bf16 only
+    kernel = gpu_kernel if device_type == "cuda" and cfg.dtype == "bf16" else None
     if cfg.attention == "auto":
-        longest = cfg.max_tokens_per_microbatch if cfg.packing else cfg.max_model_len  # a row at most
+        longest = (cfg.max_tokens_per_microbatch if cfg.packing
+                   else cfg.max_model_len)  # a row at most
         rows = 1 if cfg.packing else cfg.micro_batch_size
         packed_gpu = cfg.packing and device_type == "cuda"
         dense_ok = not packed_gpu and not masked_attention_error(longest, cfg.cp_size, rows)
@@ -322,7 +327,8 @@ def field_docs(cls=Config) -> dict:
     source = inspect.getsource(cls)
     # {line number: comment text}; tokenize, not a split on "#": a string default may hold a "#"
     tokens = tokenize.generate_tokens(io.StringIO(source).readline)
-    comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT}
+    comments = {t.start[0]: t.string.lstrip("#").strip()
+                for t in tokens if t.type == tokenize.COMMENT}
     docs, above = {}, []
     for number, line in enumerate(source.splitlines(), 1):
         text = line.strip()
@@ -344,7 +350,8 @@ def print_help() -> None:
     for f in dataclasses.fields(Config):
         print(f"  --{f.name}={f.default!r}")
         # never break inside a word: "tiny-llama" or "data_parallel=ddp" must read whole
-        print(textwrap.fill(docs[f.name], width=100, initial_indent=" " * 6, subsequent_indent=" " * 6,
+        print(textwrap.fill(docs[f.name], width=100,
+                            initial_indent=" " * 6, subsequent_indent=" " * 6,
                             break_long_words=False, break_on_hyphens=False))
 
 
@@ -367,7 +374,8 @@ def _coerce(key: str, value, typ):
         return value
     default = Config.__dataclass_fields__[key].default
     example = str(default).lower() if typ is bool else default
-    raise ConfigError(f"{key}={value!r} is not of type {typ.__name__}: write it like --{key}={example}")
+    raise ConfigError(f"{key}={value!r} is not of type {typ.__name__}: "
+                      f"write it like --{key}={example}")
 
 
 def parse_args(argv: list) -> Config:
@@ -425,8 +433,8 @@ def _validate_values(cfg: Config) -> None:
                           f"or 0 for no dual clip")
     if cfg.advantage_estimator != "gae" and cfg.samples_per_prompt < 2:  # a group estimator
         raise ConfigError(f"advantage_estimator={cfg.advantage_estimator} needs samples_per_prompt "
-                          f">= 2 (got {cfg.samples_per_prompt}): its advantage is a response's score "
-                          f"against the other responses to its prompt")
+                          f">= 2 (got {cfg.samples_per_prompt}): its advantage is a response's "
+                          f"score against the other responses to its prompt")
     if cfg.critic_warmup_steps and cfg.advantage_estimator != "gae":
         raise ConfigError(f"critic_warmup_steps={cfg.critic_warmup_steps} needs a critic: "
                           f"advantage_estimator=gae (or critic_warmup_steps=0)")
@@ -459,8 +467,9 @@ def _validate_sizes(cfg: Config, world_size: int) -> None:
                           f"prompts_per_step*samples_per_prompt = {cfg.global_batch_size}")
     minibatch = cfg.global_batch_size // cfg.num_minibatches
     if minibatch % dp:
-        raise ConfigError(f"a global minibatch of {minibatch} sequences does not split over dp={dp} "
-                          f"ranks: change prompts_per_step, samples_per_prompt or num_minibatches")
+        raise ConfigError(f"a global minibatch of {minibatch} sequences does not split over "
+                          f"dp={dp} ranks: change prompts_per_step, samples_per_prompt or "
+                          f"num_minibatches")
     if not cfg.packing and (minibatch // dp) % cfg.micro_batch_size:
         raise ConfigError(f"micro_batch_size={cfg.micro_batch_size} does not divide the per-rank "
                           f"minibatch of {minibatch // dp} sequences: pick a divisor of it")
@@ -472,26 +481,30 @@ def _validate_sizes(cfg: Config, world_size: int) -> None:
     multiple = 2 * cfg.cp_size * cfg.tp_size
     if cfg.packing and cfg.max_tokens_per_microbatch // multiple * multiple < cfg.max_model_len:
         least = -(-cfg.max_model_len // multiple) * multiple
-        raise ConfigError(f"max_tokens_per_microbatch={cfg.max_tokens_per_microbatch} cannot hold a sequence "
-                          f"of max_model_len={cfg.max_model_len} tokens (a packed row is a multiple of "
-                          f"2*cp*tp={multiple}): raise it to {least} or more, or lower max_model_len")
+        raise ConfigError(f"max_tokens_per_microbatch={cfg.max_tokens_per_microbatch} cannot hold "
+                          f"a sequence of max_model_len={cfg.max_model_len} tokens (a packed row "
+                          f"is a multiple of 2*cp*tp={multiple}): raise it to {least} or more, "
+                          f"or lower max_model_len")
 
 
 def _validate_paths(cfg: Config) -> None:
     """Files and directories the run reads, and out_dir, which it writes."""
     if cfg.resume and cfg.resume != "auto" and not is_checkpoint(cfg.resume):
-        raise ConfigError(f"resume={cfg.resume!r} is not a complete checkpoint (a step_N dir with .metadata "
-                          f"and trainer_state_rank0.pt): give out_dir/ckpt/step_N, or resume=auto")
+        raise ConfigError(f"resume={cfg.resume!r} is not a complete checkpoint (a step_N dir with "
+                          f".metadata and trainer_state_rank0.pt): give out_dir/ckpt/step_N, "
+                          f"or resume=auto")
     if cfg.task == "gsm8k" and not os.path.isfile(cfg.prompts):
         raise ConfigError(f"task=gsm8k needs prompts=FILE (a GSM8K-format JSONL file); "
                           f"{cfg.prompts!r} is not a file")
     if cfg.reward_model and not os.path.isdir(cfg.reward_model):
         raise ConfigError(f"reward_model={cfg.reward_model!r} is not a directory: give a "
-                          f"*ForSequenceClassification checkpoint dir (scripts/train_reward_model.py)")
+                          f"*ForSequenceClassification checkpoint dir "
+                          f"(scripts/train_reward_model.py)")
     if cfg.val_prompts and not os.path.isfile(cfg.val_prompts):
         raise ConfigError(f"val_prompts={cfg.val_prompts!r} is not a file")
     if cfg.replay_rollouts and not os.path.isdir(cfg.replay_rollouts):
-        raise ConfigError(f"replay_rollouts={cfg.replay_rollouts!r} is not a directory of step_N.jsonl")
+        raise ConfigError(f"replay_rollouts={cfg.replay_rollouts!r} is not a directory of "
+                          f"step_N.jsonl")
     # last, so that a refused config leaves nothing behind; fail now, not in an hour
     try:
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -499,7 +512,8 @@ def _validate_paths(cfg: Config) -> None:
         open(probe, "w").close()
         os.remove(probe)
     except OSError as e:
-        raise ConfigError(f"out_dir={cfg.out_dir!r} is not writable ({e.strerror}): choose another out_dir")
+        raise ConfigError(f"out_dir={cfg.out_dir!r} is not writable ({e.strerror}): "
+                          f"choose another out_dir")
 
 
 def is_checkpoint(path: str) -> bool:
@@ -520,8 +534,8 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.rollout_engine == "auto":
         cfg.rollout_engine = "vllm" if vllm_installed else "hf"
     if cfg.rollout_engine == "vllm" and not vllm_installed:
-        raise ConfigError("rollout_engine='vllm' but vLLM is not installed: install it (see README) "
-                          "or use rollout_engine=hf")
+        raise ConfigError("rollout_engine='vllm' but vLLM is not installed: install it "
+                          "(see README) or use rollout_engine=hf")
     if cfg.rollout_engine == "vllm" and cfg.lora_rank > VLLM_MAX_LORA_RANK:
         raise ConfigError(f"lora_rank={cfg.lora_rank} is above the largest rank vLLM serves "
                           f"({VLLM_MAX_LORA_RANK}): use a smaller lora_rank, or rollout_engine=hf")
@@ -532,8 +546,8 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("tis_cap corrects pi_old vs the engine; old_logprobs=engine makes them "
                           "equal: set tis_cap=0")
     if cfg.data_parallel == "ddp" and (cfg.tp_size > 1 or cfg.dtype == "bf16" or cfg.cpu_offload):
-        raise ConfigError("data_parallel=ddp (plain fp32 replicas) needs tp_size=1, dtype=fp32/auto, "
-                          "cpu_offload=false")
+        raise ConfigError("data_parallel=ddp (plain fp32 replicas) needs tp_size=1, "
+                          "dtype=fp32/auto, cpu_offload=false")
     # refused now, not at the first long rollout hours in: a packed row is at most
     # max_tokens_per_microbatch; an unpacked microbatch is micro_batch_size rows of at most
     # max_model_len (prompt + response)
@@ -547,7 +561,8 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("offload_optimizer=true with cpu_offload=true: cpu_offload already keeps "
                           "AdamW's state in host memory; set offload_optimizer=false")
     if cfg.sequence_parallel and cfg.tp_size == 1:
-        raise ConfigError("sequence_parallel=true needs tp_size > 1 (it shards activations over tp)")
+        raise ConfigError("sequence_parallel=true needs tp_size > 1 "
+                          "(it shards activations over tp)")
     _validate_paths(cfg)
 
 

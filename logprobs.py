@@ -76,7 +76,8 @@ def zigzag_positions(seq_len, cp_size, cp_rank, device=None):
     # under a causal mask late positions attend to more keys; pairing chunk r with its mirror
     # 2cp-1-r gives every rank one cheap and one costly chunk, hence equal attention work
     pair = (cp_rank, 2 * cp_size - 1 - cp_rank)
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in pair])  # (S/cp,)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device)
+                      for c in pair])  # (S/cp,)
 
 
 def zigzag_split(x, cp_size, cp_rank, dim=1):
@@ -98,7 +99,8 @@ class _CPGather(torch.autograd.Function):
         # rank r's part is [chunk r, chunk 2cp-1-r]: put its two halves back where they belong, so
         # chunks 0..cp-1 are the ranks' first halves in rank order, chunks cp..2cp-1 their second
         # halves in reverse rank order
-        firsts, seconds = zip(*[part.chunk(2, dim) for part in parts])  # cp x (..., S/2cp, ...) each
+        firsts, seconds = zip(*[part.chunk(2, dim)
+                                for part in parts])  # cp x (..., S/2cp, ...) each
         return torch.cat(firsts + seconds[::-1], dim)  # (..., S, ...)
 
     @staticmethod
@@ -166,7 +168,8 @@ def _logprob_chunk(x, local_target, owned, tp_group, temperature, with_entropy=F
     # shift promotes to fp32: this is the block's one fp32 buffer (two with the entropy)
     shifted = torch.add(-max_logit[:, None] / temperature, x, alpha=1 / temperature)  # (n, V/tp)
     exps = shifted.exp() if with_entropy else shifted.exp_()  # (n, V/tp)
-    target_logit = x.gather(1, local_target[:, None]).squeeze(1).to(math_dtype) / temperature  # (n,)
+    target_logit = (x.gather(1, local_target[:, None]).squeeze(1).to(math_dtype)
+                    / temperature)  # (n,)
     # all-reduce 2 (SUM), numbers per token in one message: the partition function's terms Z from
     # every shard, the target's logit, which only the rank owning it contributes, and for the
     # entropy sum_v exp(s_v) s_v (a row-wise dot product, no (n, V/tp) temporary)
@@ -232,7 +235,8 @@ class _VocabParallelLogprob(torch.autograd.Function):
     def forward(ctx, logits, local_target, owned, tp_group, chunk_size, temperature, with_entropy):
         keep_probs = chunk_size == 0 and not with_entropy
         logprob, logsumexp, probs, entropy = _logprob_forward(
-            logits, local_target, owned, tp_group, chunk_size, keep_probs, temperature, with_entropy)
+            logits, local_target, owned, tp_group,
+            chunk_size, keep_probs, temperature, with_entropy)
         ctx.keep_probs = keep_probs
         ctx.logits_dtype = logits.dtype
         ctx.temperature = temperature
@@ -253,9 +257,11 @@ class _VocabParallelLogprob(torch.autograd.Function):
             probs, local_target, owned = ctx.saved_tensors  # (N, V/tp), (N,), (N,)
             # a fresh buffer, not probs in place: a second backward (retain_graph, gradcheck)
             # must still find the softmax intact
-            grad = _grad_from_probs_(probs.clone(), grad_logprob[:, None], grad_logprob, local_target, owned)
+            grad = _grad_from_probs_(probs.clone(), grad_logprob[:, None], grad_logprob,
+                                     local_target, owned)
             return grad.to(ctx.logits_dtype), None, None, None, None, None, None  # (N, V/tp)
-        logits, local_target, owned, logsumexp, entropy = ctx.saved_tensors  # (N, V/tp), (N,) x3 or x4
+        (logits, local_target, owned,
+         logsumexp, entropy) = ctx.saved_tensors  # (N, V/tp), (N,) x3 or x4
         if grad_entropy is not None:
             grad_entropy = grad_entropy / ctx.temperature  # (N,)
         # in the logits' dtype: the backward's only full-size buffer
@@ -273,14 +279,15 @@ class _VocabParallelLogprob(torch.autograd.Function):
                 log_p_plus_h = log_probs + entropy[rows, None]  # (n, V/tp)
                 coef = log_p_plus_h.mul_(grad_entropy[rows, None]).add_(coef)  # (n, V/tp)
             probs = log_probs.exp_()  # (n, V/tp)  p, in place of log p
-            block = _grad_from_probs_(probs, coef, grad_logprob[rows], local_target[rows], owned[rows])
+            block = _grad_from_probs_(probs, coef, grad_logprob[rows],
+                                      local_target[rows], owned[rows])
             if not same_dtype:
                 grad[rows] = block  # (n, V/tp)  cast to the logits' dtype
         return grad, None, None, None, None, None, None
 
 
-def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlens=None, chunk_size=0,
-                   temperature=1.0, with_entropy=False):
+def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlens=None,
+                   chunk_size=0, temperature=1.0, with_entropy=False):
     """Collective over tp and cp. log pi(x_i | x_<i) at every position i of input_ids, from this
     rank's logits, for the distribution pi = softmax(logits / temperature).
 
@@ -313,12 +320,14 @@ def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlen
     local_ids = local_ids.clamp(0, logits.shape[-1] - 1)  # (N,)  any valid column when not owned
     flat_logits = logits.reshape(-1, logits.shape[-1])  # (N, V/tp)
     if torch.is_grad_enabled() and logits.requires_grad:
-        logprob, entropy = _VocabParallelLogprob.apply(flat_logits, local_ids, owned, tp_group, chunk_size,
-                                                       temperature, with_entropy)  # (N,), (N,) or None
+        logprob, entropy = _VocabParallelLogprob.apply(
+            flat_logits, local_ids, owned, tp_group,
+            chunk_size, temperature, with_entropy)  # (N,), (N,) or None
     else:
         # inference (old/reference policy): same math, nothing saved, chunking still bounds temps
-        logprob, _, _, entropy = _logprob_forward(flat_logits, local_ids, owned, tp_group, chunk_size, False,
-                                                  temperature, with_entropy)  # (N,), (N,) or None
+        logprob, _, _, entropy = _logprob_forward(
+            flat_logits, local_ids, owned, tp_group,
+            chunk_size, False, temperature, with_entropy)  # (N,), (N,) or None
 
     def align(per_row):
         """(N,) at this rank's rows -> (B, S): gathered over cp, shifted right by one."""

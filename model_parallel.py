@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch.distributed._composable.replicate import DDP, replicate
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
-                                    fully_shard)
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                    OffloadPolicy, fully_shard)
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
@@ -59,7 +59,8 @@ except ImportError:
 # GPU only, without flash-attn: PyTorch's own FlashAttention-2 varlen kernel
 try:
     from torch.nn.attention.varlen import varlen_attn
-    VARLEN_ARGS = inspect.signature(varlen_attn).parameters  # window_size since 2.11, enable_gqa 2.13
+    # window_size since 2.11, enable_gqa 2.13
+    VARLEN_ARGS = inspect.signature(varlen_attn).parameters
 except ImportError:
     varlen_attn, VARLEN_ARGS = None, {}
 
@@ -95,7 +96,8 @@ def make_mesh(world_size, tp_size, cp_size, device_type):
     tp_size * cp_size must divide the world: config.validate refuses other sizes, in one line,
     before torch is imported (tests/test_config.py)."""
     dp_size = world_size // (tp_size * cp_size)
-    mesh = init_device_mesh(device_type, (dp_size, cp_size, tp_size), mesh_dim_names=("dp", "cp", "tp"))
+    mesh = init_device_mesh(device_type, (dp_size, cp_size, tp_size),
+                            mesh_dim_names=("dp", "cp", "tp"))
     # kept on the mesh object (torch deprecates slicing a flattened dim back out of the root mesh);
     # _flatten is private in torch 2.13, the way torchtitan builds its FSDP mesh
     mesh.dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
@@ -251,7 +253,8 @@ def gpu_varlen_kernel():
     itself is asked."""
     if torch.cuda.get_device_capability() < (8, 0):
         return None
-    torch_has_it = "window_size" in VARLEN_ARGS and torch.backends.cuda.is_flash_attention_available()
+    torch_has_it = ("window_size" in VARLEN_ARGS
+                    and torch.backends.cuda.is_flash_attention_available())
     return flash_attn_varlen_func or (torch_varlen_attention if torch_has_it else None)
 
 
@@ -268,7 +271,8 @@ def _varlen_kernel(cfg, device):
 def gpu_kernel_name():
     """The name of gpu_varlen_kernel()'s kernel, None if there is none (config.resolve_auto)."""
     kernel = gpu_varlen_kernel()
-    return {None: None, torch_varlen_attention: "torch varlen_attn"}.get(kernel, "flash-attn varlen")
+    return {None: None,
+            torch_varlen_attention: "torch varlen_attn"}.get(kernel, "flash-attn varlen")
 
 
 @dataclass
@@ -355,7 +359,8 @@ def _varlen_index(doc_lens, num_rows, row_len, cp_size, cp_rank, kv_rows):
     # of the row positions; its argsort is the inverse permutation)
     if cp_size > 1:
         slot = kv_rows.argsort()  # (T,)
-        kv_index = torch.cat([row * row_len + slot[start:end] for row, start, end in k_spans])  # (total_k,)
+        kv_index = torch.cat([row * row_len + slot[start:end]
+                              for row, start, end in k_spans])  # (total_k,)
 
     def boundaries(lens):  # segment lengths -> (segments + 1,) int32 offsets
         return to_device([0, *itertools.accumulate(lens)], kv_rows.device).to(torch.int32)
@@ -396,8 +401,9 @@ def _layout(input_ids, seq_lens, mesh, cfg):
         doc_lens = lens + [tail] if tail else lens
         lengths = to_device(doc_lens, device)  # (docs,)
         cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # (docs + 1,)
+        # its output size given: no sync
         docs = torch.repeat_interleave(torch.arange(len(doc_lens), device=device), lengths,
-                                       output_size=ids.shape[1])[None]  # (1, T) (its size given: no sync)
+                                       output_size=ids.shape[1])[None]  # (1, T)
         # position ids restart at 0 in each sequence: RoPE sees every sequence as if alone
         positions = torch.arange(ids.shape[1], device=device)[None] - cu_seqlens[docs]  # (1, T)
     else:
@@ -409,13 +415,15 @@ def _layout(input_ids, seq_lens, mesh, cfg):
     # queries: this rank's zigzag share (chunks r, 2cp-1-r); keys: every share, all-gathered in
     # rank order
     q_rows = zigzag_positions(ids.shape[1], cp_size, cp_rank, device)  # (T/cp,)
-    kv_rows = torch.cat([zigzag_positions(ids.shape[1], cp_size, r, device) for r in range(cp_size)])  # (T,)
+    kv_rows = torch.cat([zigzag_positions(ids.shape[1], cp_size, r, device)
+                         for r in range(cp_size)])  # (T,)
     # (unpacked rows: their length is known only now; config.validate refused the worst case)
     error = masked_attention_error(ids.shape[1], cp_size, ids.shape[0])
     if cfg.attention == "masked" and error:
         raise ValueError(error)
     return Layout(ids=ids, positions=positions, seq_lens=to_device(list(seq_lens), device),
-                  cu_seqlens=cu_seqlens, kernel=_varlen_kernel(cfg, device), cp_group=_group(mesh, "cp"),
+                  cu_seqlens=cu_seqlens, kernel=_varlen_kernel(cfg, device),
+                  cp_group=_group(mesh, "cp"),
                   q_rows=q_rows, kv_rows=kv_rows, q_docs=docs[:, q_rows], kv_docs=docs[:, kv_rows],
                   **_varlen_index(doc_lens, ids.shape[0], ids.shape[1], cp_size, cp_rank, kv_rows))
 
@@ -426,7 +434,8 @@ def unpack_packed(packed, cu_seqlens, seq_len):
     starts = cu_seqlens[:-1].long().to(packed.device)  # (n,)
     lengths = cu_seqlens[1:].long().to(packed.device) - starts  # (n,)
     # checked on the device (no host read): on a GPU a device-side assert
-    torch._assert_async(lengths.max() <= seq_len, f"a packed sequence is longer than seq_len={seq_len}")
+    torch._assert_async(lengths.max() <= seq_len,
+                        f"a packed sequence is longer than seq_len={seq_len}")
     offsets = torch.arange(seq_len, device=packed.device)  # (S,)
     valid = offsets[None, :] < lengths[:, None]  # (n, S)
     index = (starts[:, None] + offsets[None, :]).clamp(max=packed.shape[1] - 1)  # (n, S)
@@ -439,8 +448,10 @@ def _unlayout(per_token, layout, like):
     seq_len = like.shape[1]
     if layout.cu_seqlens is None:  # zero past each row's end, as unpacking does
         # the layout was trimmed to the rows' longest, then padded: back to the batch's width
-        per_token = F.pad(per_token[:, :seq_len], (0, seq_len - min(seq_len, per_token.shape[1])))  # (b, S)
-        valid = torch.arange(seq_len, device=per_token.device)[None] < layout.seq_lens[:, None]  # (b, S)
+        per_token = F.pad(per_token[:, :seq_len],
+                          (0, seq_len - min(seq_len, per_token.shape[1])))  # (b, S)
+        valid = (torch.arange(seq_len, device=per_token.device)[None]
+                 < layout.seq_lens[:, None])  # (b, S)
         return (per_token * valid).to(like.device)  # (b, S)
     sequences = layout.cu_seqlens[: len(layout.seq_lens) + 1]  # (b + 1,) without the padding tail
     return unpack_packed(per_token, sequences, seq_len).to(like.device)  # (b, S)
@@ -496,7 +507,8 @@ def ppo_attention(module, query, key, value, attention_mask, scaling=None, dropo
         key = _GatherSeq.apply(key, ppo_layout.cp_group)  # (B, Hkv/tp, T, D)
         value = _GatherSeq.apply(value, ppo_layout.cp_group)  # (B, Hkv/tp, T, D)
     attend = _masked_attention if ppo_layout.kernel is None else _varlen_attention
-    return attend(query, key, value, scaling, sliding_window, ppo_layout), None  # no attention weights
+    return (attend(query, key, value, scaling, sliding_window, ppo_layout),
+            None)  # no attention weights
 
 
 AttentionInterface.register("ppo", ppo_attention)
@@ -534,7 +546,8 @@ TINY_PRESETS = {
     # a window of 8 tokens, shorter than most rows (the tests' reach 14): the mask matters
     "tiny-mistral": dict(_TINY, model_type="mistral", sliding_window=8),
     # Gemma3 text: sliding-window layers, (1 + w) norms, scaled embedding; tp = 1 only
-    "tiny-gemma3": dict(_TINY, model_type="gemma3_text", query_pre_attn_scalar=64, sliding_window=128),
+    "tiny-gemma3": dict(_TINY, model_type="gemma3_text", query_pre_attn_scalar=64,
+                        sliding_window=128),
 }
 
 
@@ -543,7 +556,8 @@ def materialize_tiny_model(name, dir, seed, **overrides):
     path. Rank 0 writes to a temp dir then renames it, so a dir with config.json is complete and a
     second call only waits at the barrier."""
     path = os.path.join(dir, name)
-    rank = dist.get_rank() if dist.is_initialized() else 0  # also usable before init (scripts, tests)
+    # also usable before init (scripts, tests)
+    rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0 and not os.path.isfile(os.path.join(path, "config.json")):
         fields = dict(TINY_PRESETS[name], **overrides)
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)
@@ -586,8 +600,10 @@ def _tp_plan(model, sequence_parallel):
         # per-head q/k norms see only this rank's heads (dim 2 of (B, S, H/tp, D)); marking
         # that split (SP's style on the head dim) makes the replicated weight's gradient a sum
         # over tp
-        plan["model.layers.*.self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        plan["model.layers.*.self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["model.layers.*.self_attn.q_norm"] = SequenceParallel(
+            sequence_dim=2, use_local_output=True)
+        plan["model.layers.*.self_attn.k_norm"] = SequenceParallel(
+            sequence_dim=2, use_local_output=True)
     if sequence_parallel:
         # norms run on S/tp tokens; their replicated weights get gradients summed over tp
         plan["model.layers.*.input_layernorm"] = SequenceParallel()
@@ -601,8 +617,8 @@ def _tp_plan(model, sequence_parallel):
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
     if isinstance(model.get_output_embeddings(), ValueHead):
         # the value head is tiny and replicated over tp: it just needs every token
-        plan["lm_head"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
-                                             use_local_output=True)
+        plan["lm_head"] = PrepareModuleInput(
+            input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_output=True)
     else:
         # vocab split over tp; forward_policy hands each rank's (B, S, V/tp) shard to logprobs.py
         # (left a DTensor here: to_local() is a view, and FSDP2 cannot hook a module output that
@@ -660,10 +676,12 @@ def _add_adapters(model, cfg):
         module.lora_scale = cfg.lora_alpha / rank
         out_features, in_features = module.weight.shape  # the full shape, also of a DTensor
         # A keeps the base's split of the inputs (rowwise), B the split of the outputs (colwise)
-        for leaf, shape, dim in (("lora_A", (rank, in_features), 1), ("lora_B", (out_features, rank), 0)):
+        for leaf, shape, dim in (("lora_A", (rank, in_features), 1),
+                                 ("lora_B", (out_features, rank), 0)):
             tensor = torch.empty(shape, device="meta")  # fp32, whatever the base's dtype
             if isinstance(module.weight, DTensor):
-                split = [Shard(dim) if p == Shard(dim) else Replicate() for p in module.weight.placements]
+                split = [Shard(dim) if p == Shard(dim) else Replicate()
+                         for p in module.weight.placements]
                 tensor = distribute_tensor(tensor, module.weight.device_mesh, split)
             module.register_parameter(leaf, torch.nn.Parameter(tensor))
 
@@ -675,7 +693,8 @@ def _adapter_init(model, seed):
     init = {}
     for name, param in model.named_parameters():
         if name.endswith(".lora_A"):
-            init[name] = (torch.rand(param.shape, generator=generator) * 2 - 1) / math.sqrt(param.shape[1])
+            init[name] = ((torch.rand(param.shape, generator=generator) * 2 - 1)
+                          / math.sqrt(param.shape[1]))
         elif name.endswith(".lora_B"):
             init[name] = torch.zeros(param.shape)
     return init
@@ -705,12 +724,14 @@ def check_hf_dir(path, tp_size):
     or corrupt weights. Reads only config.json and the safetensors headers: fast, on every rank.
     Returns the HF config it read (_build builds from it)."""
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise CheckpointError(f"model={path!r} is not an HF checkpoint dir (no config.json): give a dir "
-                              f"written by save_pretrained, or a tiny preset (see --help)")
+        raise CheckpointError(f"model={path!r} is not an HF checkpoint dir (no config.json): "
+                              f"give a dir written by save_pretrained, or a tiny preset "
+                              f"(see --help)")
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{path}/config.json cannot be read: {str(e).splitlines()[0]}") from None
+        raise CheckpointError(f"{path}/config.json cannot be read: "
+                              f"{str(e).splitlines()[0]}") from None
     family = config.model_type
     if family not in FAMILIES:
         raise CheckpointError(f"model_type {family!r} is not supported: {', '.join(FAMILIES)} "
@@ -720,7 +741,8 @@ def check_hf_dir(path, tp_size):
                               "no TP plan for it here")
     for field in ("num_attention_heads", "num_key_value_heads"):
         if getattr(config, field) % tp_size:
-            raise CheckpointError(f"tp_size={tp_size} must divide {field}={getattr(config, field)}: "
+            raise CheckpointError(f"tp_size={tp_size} must divide "
+                                  f"{field}={getattr(config, field)}: "
                                   f"each tp rank computes whole heads")
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
@@ -731,7 +753,8 @@ def check_hf_dir(path, tp_size):
         try:
             safe_open(os.path.join(path, f), framework="pt")
         except SafetensorError as e:
-            raise CheckpointError(f"{path}/{f} is corrupt ({e}): download or save it again") from None
+            raise CheckpointError(f"{path}/{f} is corrupt ({e}): "
+                                  f"download or save it again") from None
     return config
 
 
@@ -745,8 +768,8 @@ def checked_model_dir(cfg):
         if path:  # no critic_model: the critic starts from the policy's checkpoint
             check_hf_dir(path, cfg.tp_size)
     if cfg.reward_model and score_head(cfg.reward_model) is None:
-        raise CheckpointError(f"reward_model={cfg.reward_model!r} has no one-label score head: give a "
-                              f"*ForSequenceClassification checkpoint with num_labels=1 "
+        raise CheckpointError(f"reward_model={cfg.reward_model!r} has no one-label score head: "
+                              f"give a *ForSequenceClassification checkpoint with num_labels=1 "
                               f"(scripts/train_reward_model.py)")
     return model_dir
 
@@ -806,7 +829,8 @@ def _on_meta(config, critic, dtype):
         # attn_implementation="ppo": every layer calls ppo_attention (registered above)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="ppo", dtype=dtype)
         if critic:
-            model.set_output_embeddings(ValueHead(config.hidden_size, 1))  # lm_head, whatever its name
+            # lm_head, whatever its name
+            model.set_output_embeddings(ValueHead(config.hidden_size, 1))
     return model
 
 
@@ -900,7 +924,8 @@ def _allocate(model, device, offload):
         if module._non_persistent_buffers_set:
             model._init_weights(module)
         if offload:  # buffers are not FSDP's: they stay on the GPU
-            module._buffers.update({n: b.to(device) for n, b in module._buffers.items() if b is not None})
+            module._buffers.update({n: b.to(device)
+                                    for n, b in module._buffers.items() if b is not None})
 
 
 def _load_weights(model, path, extra):
@@ -914,15 +939,16 @@ def _load_weights(model, path, extra):
     in_files = dcp.HuggingFaceStorageReader(path).read_metadata().state_dict_metadata
     missing = [n for n in params if n not in in_files and n not in extra]
     if missing:
-        raise ValueError(f"{path} has no tensor named {missing[0]} ({len(missing)} missing): not an HF "
-                         f"checkpoint of a supported CausalLM?")
+        raise ValueError(f"{path} has no tensor named {missing[0]} ({len(missing)} missing): "
+                         f"not an HF checkpoint of a supported CausalLM?")
     from_files = {n: p for n, p in params.items() if n not in extra}
     dcp.load(from_files, storage_reader=dcp.HuggingFaceStorageReader(path))
     for name, full in extra.items():
         param = params[name]
         # a DTensor: our shard of the full tensor, cut locally as its placements say
         if isinstance(param, DTensor):
-            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            full = distribute_tensor(full, param.device_mesh, param.placements,
+                                     src_data_rank=None).to_local()
         with torch.no_grad():
             _local(param).copy_(full)
     return model
@@ -959,9 +985,11 @@ def load_critic(path, mesh, cfg, frozen=False):
         hidden = model.config.hidden_size
         generator = torch.Generator().manual_seed(cfg.seed)
         weight = torch.randn(1, hidden, generator=generator) / math.sqrt(hidden + 1)
-    head = next(name for name, module in model.named_modules() if module is model.get_output_embeddings())
+    head = next(name for name, module in model.named_modules()
+                if module is model.get_output_embeddings())
     # (HF's score heads have no bias: 0 reads the same)
-    return _load_weights(model, path, extra={f"{head}.weight": weight, f"{head}.bias": torch.zeros(1)})
+    return _load_weights(model, path,
+                         extra={f"{head}.weight": weight, f"{head}.bias": torch.zeros(1)})
 
 
 def load_reward_model(path, mesh, cfg):
@@ -990,9 +1018,9 @@ def microbatches(seq_lens, cfg, mesh):
         bins, room = [], []
         for i in sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i]):  # longest first
             if seq_lens[i] > capacity:
-                raise ValueError(f"a sequence of {seq_lens[i]} tokens does not fit max_tokens_per_microbatch="
-                                 f"{cfg.max_tokens_per_microbatch} (usable {capacity}: a multiple "
-                                 f"of 2*cp*tp={multiple}); raise it")
+                raise ValueError(f"a sequence of {seq_lens[i]} tokens does not fit "
+                                 f"max_tokens_per_microbatch={cfg.max_tokens_per_microbatch} "
+                                 f"(usable {capacity}: a multiple of 2*cp*tp={multiple}); raise it")
             # the first bin with room, else a new one
             fit = next((k for k in range(len(bins)) if room[k] >= seq_lens[i]), len(bins))
             if fit == len(bins):
@@ -1009,7 +1037,8 @@ def microbatches(seq_lens, cfg, mesh):
     return [(rows, 1.0) for rows in bins] + [([0], 0.0)] * (int(count) - len(bins))
 
 
-def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_entropy=False, unscored=0):
+def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_entropy=False,
+                   unscored=0):
     """Collective (every rank): per-token logprobs (b, S) under pi(.)^(1/temperature), and the
     entropy if asked (else None), aligned as in train_ppo.py's docstring (0 at position 0). Four
     steps: the rows' layout (this rank's tokens), the model (this rank's vocab shard of the logits
@@ -1024,13 +1053,16 @@ def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_
         logits = logits.to_local()  # (B, T/cp - skip, V/tp)
     # the logits are divided by the sampling temperature: pi/pi_old compares the distributions the
     # engine sampled from (as NeMo-RL and verl do)
-    shards = dict(tp_group=_group(mesh, "tp"), cp_group=_group(mesh, "cp"), cu_seqlens=layout.cu_seqlens,
-                  chunk_size=cfg.logprob_chunk_size, temperature=temperature)
+    shards = dict(tp_group=_group(mesh, "tp"), cp_group=_group(mesh, "cp"),
+                  cu_seqlens=layout.cu_seqlens, chunk_size=cfg.logprob_chunk_size,
+                  temperature=temperature)
     # the entropy (a metric, or the bonus with its gradient) from the logprobs' own softmax pass
-    out = token_logprobs(logits, layout.ids[:, skip:], with_entropy=with_entropy, **shards)  # (B, T - skip)
+    out = token_logprobs(logits, layout.ids[:, skip:],
+                         with_entropy=with_entropy, **shards)  # (B, T - skip)
     per_token = out if with_entropy else (out, None)
     # back in the trainer's (b, S) rows, 0 at the skipped positions
-    return tuple(None if x is None else _unlayout(F.pad(x, (skip, 0)), layout, input_ids) for x in per_token)
+    return tuple(None if x is None else _unlayout(F.pad(x, (skip, 0)), layout, input_ids)
+                 for x in per_token)
 
 
 def _skipped_by_lm_head(unscored, mesh, cfg):
@@ -1058,7 +1090,8 @@ def forward_critic(critic, input_ids, seq_lens, mesh, cfg, shift=True):
     layout = _layout(input_ids, seq_lens, mesh, cfg)
     # the one-output head stands where lm_head was (_on_meta): HF returns its output as `.logits`
     values = critic(**layout.model_inputs()).logits[..., 0].float()  # (B, T/cp)
-    values = cp_gather(values, _group(mesh, "cp"), dim=1)  # (B, T)  collective over cp, natural order
+    # collective over cp, natural order
+    values = cp_gather(values, _group(mesh, "cp"), dim=1)  # (B, T)
     if shift:  # the shift crosses zigzag chunks: after the gather
         values = shift_right(values, layout.cu_seqlens)  # (B, T)
     return _unlayout(values, layout, input_ids)  # (b, S)
@@ -1179,11 +1212,13 @@ def clip_grad_norm(params, max_norm):
     for grad in grads:
         # per row, then summed: one pass, no squared copy; a single fp32 running sum over a whole
         # 28M-element gradient would drift by ~3e-3 (bench/ddp_update.py)
-        sq = torch.linalg.vector_norm(_local(grad), dim=-1, dtype=torch.float32).square().sum()  # ()
+        sq = torch.linalg.vector_norm(_local(grad), dim=-1,
+                                      dtype=torch.float32).square().sum()  # ()
         groups = ()
         if isinstance(grad, DTensor):
             if any(p.is_partial() for p in grad.placements):
-                raise ValueError("a gradient is still a pending sum (Partial): call after backward completes")
+                raise ValueError("a gradient is still a pending sum (Partial): "
+                                 "call after backward completes")
             # Shard or FSDP-over-TP's _StridedShard: any split that is not a replica
             groups = tuple(grad.device_mesh.get_group(dim) for dim, p in enumerate(grad.placements)
                            if not p.is_replicate())
@@ -1196,7 +1231,8 @@ def clip_grad_norm(params, max_norm):
     norm = torch.stack(list(by_groups.values())).sum().sqrt() if grads else torch.zeros(())
     if max_norm > 0:  # 0 = no clipping, only the norm
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
-        scales = {_local(g).device: scale.to(_local(g).device) for g in grads}  # one copy per device
+        scales = {_local(g).device: scale.to(_local(g).device)
+                  for g in grads}  # one copy per device
         for grad in grads:
             _local(grad).mul_(scales[_local(grad).device])
     return norm  # () on the device: the caller reads it when it must (the NaN check), once
@@ -1235,7 +1271,8 @@ def iter_full_params(model, dtype=None):
         module = modules[name.rpartition(".")[0]]
         with torch.no_grad():
             if isinstance(module, LoRALinear) and name.endswith(".weight"):
-                delta = _gathered(module.lora_B) @ _gathered(module.lora_A) * module.lora_scale  # fp32
+                delta = (_gathered(module.lora_B) @ _gathered(module.lora_A)
+                         * module.lora_scale)  # fp32
                 full = (_gathered(param).float() + delta).to(dtype or param.dtype)
             else:
                 full = _gathered(param, dtype)
@@ -1254,9 +1291,9 @@ def iter_adapters(model, dtype=torch.float32):
 
 # What a model dir holds besides config and weights, copied into an export as it is (AutoTokenizer,
 # vLLM's tokenizer and its default sampling settings read these).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
-                   "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "chat_template.jinja", "generation_config.json")
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
@@ -1311,10 +1348,12 @@ def save_hf(model, path, dtype=torch.float32, copy_from=None, shard_gb=5.0):
                     f.write(full.contiguous().view(torch.uint8).cpu().numpy())  # its raw bytes
     if master:
         if len(files) > 1:
-            weight_map = {name: file_name for file_name, tensors in zip(names, files) for name, _ in tensors}
+            weight_map = {name: file_name for file_name, tensors in zip(names, files)
+                          for name, _ in tensors}
             total = sum(shape.numel() * dtype.itemsize for tensors in files for _, shape in tensors)
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map},
+                          f, indent=1)
         config = copy.deepcopy(model.config)
         # vLLM and from_pretrained(dtype="auto") load it as written
         config.dtype = dtype

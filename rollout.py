@@ -58,7 +58,8 @@ def generate_share(engine, task, cfg, step, start):
     n = len(prompts) * K  # the step's samples
     wanted = [j for member in group for j in generated_by(n, member, world_size)]  # in order
     keys = [(step, j // K, j % K) for j in wanted]  # what each sample is: its seeds' key
-    outs = run_episodes(engine, task, cfg, [prompt_ids[j // K] for j in wanted], keys, cfg.temperature)
+    outs = run_episodes(engine, task, cfg, [prompt_ids[j // K] for j in wanted], keys,
+                        cfg.temperature)
     by_index = dict(zip(wanted, outs))
     samples = []
     for j in generated_by(n, rank, world_size):
@@ -68,9 +69,11 @@ def generate_share(engine, task, cfg, step, start):
         # The dump shows the whole episode; the reward reads the model's last turn, its answer
         # (not a number a tool returned)
         samples.append(dict(index=j, prompt=prompt, response=task.decode(response), answer=answer,
-                            prompt_ids=prompt_ids[j // K], response_ids=response, engine_logprobs=lps,
-                            action_mask=action_mask, calls=calls, ended=ended, finished=ended == "stop",
-                            reward=task.reward(task.decode(last_turn(response, action_mask)), answer, ended)))
+                            prompt_ids=prompt_ids[j // K], response_ids=response,
+                            engine_logprobs=lps, action_mask=action_mask,
+                            calls=calls, ended=ended, finished=ended == "stop",
+                            reward=task.reward(task.decode(last_turn(response, action_mask)),
+                                               answer, ended)))
     return samples, len(wanted)
 
 
@@ -113,7 +116,8 @@ def run_episodes(engine, task, cfg, prompt_ids, keys, temperature):
         outs = engine.generate(contexts, seeds, budgets, temperature) if running else []
         for k, context, (ids, lps) in zip(running, contexts, outs):
             episode = episodes[k]
-            for part, new in zip(("ids", "logprobs", "mask"), (ids, lps, [1] * len(ids))):  # the model's turn
+            for part, new in zip(("ids", "logprobs", "mask"),
+                                 (ids, lps, [1] * len(ids))):  # the model's turn
                 episode[part] += new
             if not finished(ids, engine.stop_ids):
                 episode["ended"] = "length"
@@ -125,15 +129,17 @@ def run_episodes(engine, task, cfg, prompt_ids, keys, temperature):
             # an empty list would merge two turns into one run of 1s: a turn the metrics lose
             if not (isinstance(observation, list) and len(observation) > 0 and all(
                     isinstance(i, int) and 0 <= i < engine.vocab_size for i in observation)):
-                raise TaskError(f"observe() must return a list of token ids in [0, {engine.vocab_size}), not "
-                                f"empty, or None, not {str(observation)[:60]}")
+                raise TaskError(f"observe() must return a list of token ids in "
+                                f"[0, {engine.vocab_size}), not empty, or None, "
+                                f"not {str(observation)[:60]}")
             episode["calls"] += 1  # a call, answered or not
             room = len(context) + len(ids) + len(observation) < cfg.max_model_len
             if turn + 1 == turns or not room:
                 episode["ended"] = "max_turns" if turn + 1 == turns else "context"
                 continue
             n = len(observation)
-            for part, new in zip(("ids", "logprobs", "mask"), (observation, [0.0] * n, [0] * n)):  # context
+            for part, new in zip(("ids", "logprobs", "mask"),
+                                 (observation, [0.0] * n, [0] * n)):  # context
                 episode[part] += new
         running = [k for k in running if episodes[k]["ended"] is None]  # the episodes that go on
     return [(e["ids"], e["logprobs"], e["mask"], e["calls"], e["ended"]) for e in episodes]
@@ -150,7 +156,8 @@ def episode_metrics(samples) -> dict:
     and the rate of each way an episode ended (ENDINGS). `samples`: every sample of the step."""
     n = len(samples)
     # an episode's turns: its runs of the model's tokens (observations lie between them)
-    turns = sum(1 + sum(a < b for a, b in zip(s["action_mask"], s["action_mask"][1:])) for s in samples)
+    turns = sum(1 + sum(a < b for a, b in zip(s["action_mask"], s["action_mask"][1:]))
+                for s in samples)
     calls = sum(s["calls"] for s in samples)
     rates = {f"ended_{name}_rate": sum(s["ended"] == name for s in samples) / n for name in ENDINGS}
     return dict(turns_per_episode=turns / n, tool_calls_per_episode=calls / n, **rates)
@@ -214,9 +221,11 @@ def epoch_order(seed: int, size: int, start: int, n: int) -> list:
     before all were drawn. A function of the position alone, the same on every rank, so a run
     resumed from its saved position draws what the straight run would have."""
     positions = range(start, start + n)
-    epochs = {p // size for p in positions}  # the epochs these positions fall in, each shuffled once:
+    # the epochs these positions fall in, each shuffled once:
+    epochs = {p // size for p in positions}
     orders = {e: random.Random(f"{seed}/epoch/{e}").sample(range(size), size) for e in epochs}
-    return [orders[p // size][p % size] for p in positions]  # position p: item p % size of epoch p // size
+    # position p: item p % size of epoch p // size
+    return [orders[p // size][p % size] for p in positions]
 
 
 TOY_FACTS = [(f"{a}+{b}=", str(a + b)) for a in range(TOY_OPERANDS) for b in range(TOY_OPERANDS)]
@@ -246,7 +255,8 @@ ANSWER_FORMS = [
     # A unit's square or cube, 24 cm^2 or 8 m^{3}: the exponent is not the answer
     (r"(?<=[A-Za-z])\s*\^\{?[23]\}?", ""),
     # A mixed number, 2\frac{1}{2}, is 5/2 (and not 21/2, which the next entry would make of it)
-    (r"(\d+)\s*\\[dt]?frac\{(\d+)\}\{(\d+)\}", lambda m: f"{int(m[1]) * int(m[3]) + int(m[2])}/{m[3]}"),
+    (r"(\d+)\s*\\[dt]?frac\{(\d+)\}\{(\d+)\}",
+     lambda m: f"{int(m[1]) * int(m[3]) + int(m[2])}/{m[3]}"),
     # \frac{3}{4}, \dfrac{3}{4}, \tfrac{3}{4} become 3/4, which _NUMBER reads as a fraction
     (r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"\1/\2"),
     # \frac34, TeX's brace-free form for single digits
@@ -259,8 +269,10 @@ ANSWER_FORMS = [
 ]
 
 _NUMBER = re.compile(r"""
-    -?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?  # an integer or a decimal: 1200, 1,200, -3.5 (12,5 is two)
-    (?:/[1-9]\d*(?:,\d{3})*)?              # over a denominator, not 0: 3/4 and 1,000/8 are fractions
+    -?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?  # an integer or a decimal: 1200, 1,200, -3.5
+                                           # (12,5 is two)
+    (?:/[1-9]\d*(?:,\d{3})*)?              # over a denominator, not 0: 3/4 and 1,000/8 are
+                                           # fractions
   | -?\.\d+                                # a decimal without its 0: .5
 """, re.VERBOSE)
 
@@ -331,7 +343,8 @@ def finished(response_ids: list, stop_ids: list) -> bool:
 def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int, turn: int = 0) -> int:
     """The seed of one sample's turn depends on what it is, not on which rank draws it or with
     which batch, so that the same config samples the same tokens on any mesh."""
-    key = f"{seed}/{step}/{prompt_index}/{sample_index}" + (f"/{turn}" if turn else "")  # turn 0: no suffix
+    key = (f"{seed}/{step}/{prompt_index}/{sample_index}"
+           + (f"/{turn}" if turn else ""))  # turn 0: no suffix
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "little")
 
 
@@ -356,7 +369,8 @@ class ToyTask:
         self.val = []  # held-out (prompt, answer) pairs for validation, or []
         # ends a response (with generation_config's: stop_token_ids); None = never stop
         self.eos_id = self.tok.encode_single_token(EOS)
-        self.pad_id = self.tok.encode_single_token(PAD)  # fills the right-padded rows; never a loss token
+        # fills the right-padded rows; never a loss token
+        self.pad_id = self.tok.encode_single_token(PAD)
 
     def prompts(self, start, n):
         """(prompt, answer) text pairs start .. start+n-1 of the task's stream (shuffled epochs of
@@ -454,17 +468,19 @@ def chat_tool_message(tok, content: str, role: str = "tool", stop_ids=None, name
     if max_tokens is not None and len(words) > max_tokens:
         content = tok.decode(words[:max_tokens]) + "...(truncated)"
     call = {"type": "function", "function": {"name": name, "arguments": {}}}
-    chat = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2", "tool_calls": [call]}]
+    chat = [{"role": "user", "content": "1"},
+            {"role": "assistant", "content": "2", "tool_calls": [call]}]
     before = list(tok.apply_chat_template(chat, tokenize=True, return_dict=False))
     after = list(tok.apply_chat_template(chat + [{"role": role, "content": content, "name": name}],
-                                         tokenize=True, add_generation_prompt=True, return_dict=False))
+                                         tokenize=True, add_generation_prompt=True,
+                                         return_dict=False))
     stops = [tok.eos_token_id] if stop_ids is None else stop_ids
     ends = [i + 1 for i, t in enumerate(before) if t in stops]  # after a turn's stop token
     if not ends or after[:ends[-1]] != before[:ends[-1]]:
-        raise TaskError(f"the chat template does not end an assistant turn with a stop token ({stops}: "
-                        "pass the turn's stop_ids), or "
-                        f"writes it differently once a {role} message follows: observations cannot be "
-                        "appended to the sampled ids (render the episode yourself in observe)")
+        raise TaskError(f"the chat template does not end an assistant turn with a stop token "
+                        f"({stops}: pass the turn's stop_ids), or writes it differently once a "
+                        f"{role} message follows: observations cannot be appended to the sampled "
+                        "ids (render the episode yourself in observe)")
     return after[ends[-1]:]
 
 
@@ -507,23 +523,26 @@ class GSM8KTask:
         try:
             self.tok = AutoTokenizer.from_pretrained(model_dir)
         except (OSError, ValueError) as e:  # no tokenizer files, or none transformers can build
-            raise TaskError(f"task=gsm8k needs the checkpoint's own tokenizer, and {model_dir} has none that "
-                            f"transformers can load ({str(e).splitlines()[0].strip()}): give a checkpoint "
-                            f"dir with its tokenizer files (tokenizer.json, tokenizer_config.json)") from None
+            raise TaskError(f"task=gsm8k needs the checkpoint's own tokenizer, and {model_dir} has "
+                            f"none that transformers can load ({str(e).splitlines()[0].strip()}): "
+                            f"give a checkpoint dir with its tokenizer files (tokenizer.json, "
+                            f"tokenizer_config.json)") from None
         self.seed = cfg.seed
         self.format_reward = cfg.format_reward
         if len(self.tok) > model_vocab_size:
-            raise TaskError(f"the tokenizer of {model_dir} has {len(self.tok)} tokens but the model's "
-                            f"vocab is {model_vocab_size}: tokenizer and checkpoint do not match")
+            raise TaskError(f"the tokenizer of {model_dir} has {len(self.tok)} tokens but the "
+                            f"model's vocab is {model_vocab_size}: "
+                            f"tokenizer and checkpoint do not match")
         self.instruction = cfg.instruction or GSM8K_INSTRUCTION
         self.train = read_gsm8k(cfg.prompts)
         self.val = read_gsm8k(cfg.val_prompts) if cfg.val_prompts else []
         for name, pairs in (("prompts", self.train), ("val_prompts", self.val)):
             for i, (question, _) in enumerate(pairs):
                 if len(self.encode(question)) + cfg.max_new_tokens > cfg.max_model_len:
-                    raise TaskError(f"{name} line {i + 1}: prompt of {len(self.encode(question))} tokens + "
-                                    f"max_new_tokens={cfg.max_new_tokens} exceeds max_model_len="
-                                    f"{cfg.max_model_len}: raise max_model_len or shorten the prompt")
+                    raise TaskError(f"{name} line {i + 1}: prompt of {len(self.encode(question))} "
+                                    f"tokens + max_new_tokens={cfg.max_new_tokens} exceeds "
+                                    f"max_model_len={cfg.max_model_len}: raise max_model_len or "
+                                    f"shorten the prompt")
         self.eos_id = self.tok.eos_token_id
         # checkpoints without a pad token pad with EOS: padding is never a loss token anyway
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
@@ -559,7 +578,8 @@ def sft_examples(task, cfg, step: int, dp_rank: int, dp_size: int):
     pass max_model_len (as SFT trainers' max_length): a packed row holds max_model_len tokens
     (config.validate), and no row may be longer."""
     per_rank = cfg.sft_batch_size // dp_size
-    pairs = task.prompts(step * cfg.sft_batch_size, cfg.sft_batch_size)[dp_rank * per_rank:][:per_rank]
+    pairs = task.prompts(step * cfg.sft_batch_size,
+                         cfg.sft_batch_size)[dp_rank * per_rank:][:per_rank]
     prompts = [task.encode(p) for p, _ in pairs]
     targets = [task.target(a) for _, a in pairs]
     targets = [t if isinstance(t, tuple) else (t, [1] * len(t)) for t in targets]  # (ids, mask)
@@ -574,7 +594,8 @@ def make_task(cfg, model_dir: str, model_vocab_size: Optional[int] = None):
     toys = {"toy_add": ToyTask, "toy_tool": lambda seed: ToyToolTask(seed, tool=cfg.max_turns > 1)}
     if cfg.task in toys:
         return toys[cfg.task](cfg.seed)
-    return GSM8KTask(cfg, model_dir, model_vocab_size or AutoConfig.from_pretrained(model_dir).vocab_size)
+    return GSM8KTask(cfg, model_dir,
+                     model_vocab_size or AutoConfig.from_pretrained(model_dir).vocab_size)
 
 
 def validation_accuracy(engine, task, cfg) -> float:
@@ -587,8 +608,8 @@ def validation_accuracy(engine, task, cfg) -> float:
     mine = task.val[dist.get_rank() // cfg.rollout_tp_size::groups]
     solved = getattr(task, "solved_at", 1.0)  # the reward that counts as correct (ToyTask.reward)
     try:
-        outs = run_episodes(engine, task, cfg, [task.encode(q) for q, _ in mine], [(0, 0, 0)] * len(mine),
-                            0.0)  # greedy: no seeds
+        outs = run_episodes(engine, task, cfg, [task.encode(q) for q, _ in mine],
+                            [(0, 0, 0)] * len(mine), 0.0)  # greedy: no seeds
         # (the reward reads the model's last turn, as in training: generate_share)
         correct = sum(task.reward(task.decode(last_turn(ids, mask)), a, ended) >= solved
                       for (ids, _, mask, _, ended), (_, a) in zip(outs, mine))
@@ -689,7 +710,8 @@ class HFEngine:
         B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
         on = dict(device=self.device)
         ids = torch.tensor([[0] * (P - len(p)) + p for p in prompt_ids], **on)  # (B, P) left-padded
-        mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompt_ids], **on)  # (B, P) 1 = real
+        mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p)
+                             for p in prompt_ids], **on)  # (B, P) 1 = real
         # Position ids count real tokens only, so a left-padded prompt sees the same positions as
         # it would alone (otherwise RoPE would shift by the padding).
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
@@ -713,7 +735,8 @@ class HFEngine:
             drawn.append((token, logprob))
             done |= torch.isin(token, stop)
             # the last token needs no stop check, nor a forward pass after it
-            if t + 1 == max(budgets) or bool(done.all()):  # the stop check: a host read (a GPU sync)
+            if (t + 1 == max(budgets)
+                    or bool(done.all())):  # the stop check: a host read (a GPU sync)
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # (B, P + t + 1)
             pos = pos[:, -1:] + 1  # (B, 1)
@@ -728,8 +751,10 @@ class HFEngine:
                              past_key_values=out.past_key_values, use_cache=True)
         # each response ends at its first stop token or its budget (what came after was drawn, not
         # kept)
-        rows, row_logprobs = (torch.stack(column, 1).tolist() for column in zip(*drawn))  # (B, steps) each
-        ends = [next((k + 1 for k, token in enumerate(row[:limit]) if token in self.stop_ids), limit)
+        rows, row_logprobs = (torch.stack(column, 1).tolist()
+                              for column in zip(*drawn))  # (B, steps) each
+        ends = [next((k + 1 for k, token in enumerate(row[:limit])
+                      if token in self.stop_ids), limit)
                 for row, limit in zip(rows, budgets)]
         return [(row[:end], lps[:end]) for row, lps, end in zip(rows, row_logprobs, ends)]
 
@@ -818,7 +843,8 @@ class VLLMEngine:
         self.stop_ids = stop_ids
         self.dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32  # refit casts to this
         kwargs = dict(model=model_dir, distributed_executor_backend="external_launcher",
-                      tensor_parallel_size=cfg.rollout_tp_size, dtype=str(self.dtype).removeprefix("torch."),
+                      tensor_parallel_size=cfg.rollout_tp_size,
+                      dtype=str(self.dtype).removeprefix("torch."),
                       # one engine per rollout_tp_size ranks; >1 makes vLLM sync every decode step
                       # over ranks
                       data_parallel_size=1,
@@ -862,7 +888,8 @@ class VLLMEngine:
         # tokenizer vLLM knows only generation_config's EOS ids: stop_token_ids names the whole set
         # (and keeps the token in the output); an empty set must ignore generation_config's too
         params = [SamplingParams(seed=s, temperature=temperature, max_tokens=m, logprobs=0,
-                                 stop_token_ids=self.stop_ids, ignore_eos=not self.stop_ids, detokenize=False)
+                                 stop_token_ids=self.stop_ids, ignore_eos=not self.stop_ids,
+                                 detokenize=False)
                   for s, m in zip(seeds, budgets)]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
         with _trainer_state_kept():
@@ -943,7 +970,8 @@ def make_engine(cfg, model_dir: str, device: torch.device, eos_id):
     stop_ids = stop_token_ids(model_dir, eos_id)
     if cfg.rollout_engine == "vllm":
         return VLLMEngine(model_dir, cfg, stop_ids)
-    return HFEngine(model_dir, device, stop_ids, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
+    return HFEngine(model_dir, device, stop_ids,
+                    torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
 
 
 # -----------------------------------------------------------------------------
@@ -972,8 +1000,8 @@ def refit(engine, named_full_tensors, bucket_mb: float) -> dict:
     largest, total = 0, 0
     for name, tensor in named_full_tensors:
         if tensor.dtype != engine.dtype:
-            raise TypeError(f"refit: {name} arrived in {tensor.dtype} for a {engine.dtype} engine: gather "
-                            f"in the engine's dtype (iter_full_params(model, engine.dtype))")
+            raise TypeError(f"refit: {name} arrived in {tensor.dtype} for a {engine.dtype} engine: "
+                            f"gather in the engine's dtype (iter_full_params(model, engine.dtype))")
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > limit:  # flush before overflowing
             engine.load_weights(bucket)
@@ -1018,7 +1046,8 @@ def dump_rollouts(every: dict, scores, cfg, step: int) -> None:
             sample["task_score"] = sample.get("task_score", sample["reward"])
             sample["reward"] = trained_on[j]
     path = os.path.join(cfg.out_dir, "rollouts", f"step_{step}.jsonl")
-    _pending.append(_DUMPS.submit(_write_jsonl, path, sorted(every.values(), key=lambda s: s["index"])))
+    _pending.append(_DUMPS.submit(_write_jsonl, path,
+                                  sorted(every.values(), key=lambda s: s["index"])))
 
 
 def close(engine) -> None:
@@ -1057,8 +1086,9 @@ def load_rollouts(path: str) -> dict:
             # what a dump of an older version lacks
             missing = [key for key in ("action_mask", "calls", "ended") if key not in sample]
             if missing:
-                raise TaskError(f"{path}:{number}: the sample has no {', '.join(missing)}: a dump of an "
-                                "older version of this trainer; generate the rollouts again")
+                raise TaskError(f"{path}:{number}: the sample has no {', '.join(missing)}: "
+                                "a dump of an older version of this trainer; "
+                                "generate the rollouts again")
             # the score sits on the last token, which must be an action (run_episodes ends so)
             if sample["action_mask"][-1:] != [1]:
                 raise TaskError(f"{path}:{number}: the response's last token is not the model's "
