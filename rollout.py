@@ -1,11 +1,13 @@
 """Where the data of a PPO step comes from: tasks, prompts, tokenizer, rewards, the generation
 engine, and refit (pushing the trained weights into the engine).
 
-Its first section is steps 1-3 of train_ppo.py's step (rollouts), then what they use. Nothing here
-knows about PPO losses: the trainer asks for "these prompts, sampled with these seeds" and gets back
-token ids, the engine's own logprob of each sampled token, and a score per sequence. A response may
-be an episode of several model turns with observations (a tool's output) between them
-(run_episodes); its action mask says which tokens were the model's.
+Its first section is what one step of train_ppo.py calls here, in order: steps 1-3 (rollouts,
+then what it uses), the refit of step 9 and the dump of step 10; then the engines, the tasks, and
+reading dumps back. Nothing here knows about PPO losses: the trainer asks for "these prompts,
+sampled with these seeds" and gets back token ids, the engine's own logprob of each sampled token,
+and a score per sequence. A response may be an episode of several model turns with observations
+(a tool's output) between them (run_episodes); its action mask says which tokens were the
+model's.
 """
 import hashlib
 import json
@@ -197,149 +199,6 @@ def rollouts(engine, task, cfg, step, start):
     return {s["index"]: s for share in gathered for s in share}, generated
 
 
-# -----------------------------------------------------------------------------
-# The toy task: small-number addition, "3+4=" -> "7". Reward 1 for the exact sum followed by
-# end-of-text, 0 otherwise: a verifiable, rule-based reward like GSM8K's. Operands are 0..4 (25
-# facts: a 1M-parameter model learns 0..9 too slowly for a CPU demo). Its tokenizer, built in
-# code, is a byte-level BPE with no merges (ids 0..255) plus two special tokens. The toy model's
-# vocab (262) is larger than these 258 ids on purpose, as with real checkpoints whose embedding
-# matrix is padded (Qwen2.5: 151,936 rows for 151,665 tokens).
-TOY_OPERANDS = 5
-EOS, PAD = "<|endoftext|>", "<|pad|>"
-
-
-def toy_tokenizer() -> tiktoken.Encoding:
-    # pat_str is the pre-tokenization split: irrelevant without merges
-    return tiktoken.Encoding(name="toy_bytes", pat_str=r"[^\n]+|\n",
-                             mergeable_ranks={bytes([i]): i for i in range(256)},
-                             special_tokens={EOS: 256, PAD: 257})
-
-
-def epoch_order(seed: int, size: int, start: int, n: int) -> list:
-    """Indices of items start .. start+n-1 of an endless stream of epochs over `size` items, each
-    epoch shuffled anew (seeded by (seed, epoch)): every item once per epoch, none drawn twice
-    before all were drawn. A function of the position alone, the same on every rank, so a run
-    resumed from its saved position draws what the straight run would have."""
-    positions = range(start, start + n)
-    # the epochs these positions fall in, each shuffled once:
-    epochs = {p // size for p in positions}
-    orders = {e: random.Random(f"{seed}/epoch/{e}").sample(range(size), size) for e in epochs}
-    # position p: item p % size of epoch p // size
-    return [orders[p // size][p % size] for p in positions]
-
-
-TOY_FACTS = [(f"{a}+{b}=", str(a + b)) for a in range(TOY_OPERANDS) for b in range(TOY_OPERANDS)]
-
-
-# -----------------------------------------------------------------------------
-# Math answers (GSM8K and the like): the reward is exact match of the final number. GSM8K's
-# references end in "#### 72" (Cobbe et al., 2021); a model's answer is taken from its last
-# \boxed{...} if any (the convention of MATH, Hendrycks et al., 2021), else from the number after
-# the last "####", else the last number in the text (the "flexible extract" of common eval
-# harnesses, e.g. verl's GSM8K scorer). Before the number is read, the LaTeX that instruct models
-# wrap around it is rewritten to plain text (the table below), so that \boxed{1{,}200} reads 1200,
-# not 200. Numbers then compare by value: "72.00" equals "72", and "3/4" equals "0.75".
-#
-# Hugging Face's math-verify parses LaTeX into sympy and compares expressions; it is the fuller
-# tool, and tests/test_math_answers.py checks where the two agree. It is not used here: the reward
-# needs one number, and a table a reader can check line by line.
-
-# (pattern, replacement) pairs applied in order, each one form that models write around a number.
-ANSWER_FORMS = [
-    # Digit groups: 1{,}200 (LaTeX's comma without a space after it), 1\,200 (thin space),
-    # 1\!200 (negative thin space), 1\ 200 (a control space) all become 1,200. _NUMBER then
-    # decides whether it is a thousands group (1,200) or two numbers (12,5).
-    (r"(?<=\d)(?:\{,\}|\\[,! ])(?=\d)", ","),
-    # Units and words: \text{ dollars}, \mathrm{kg}, \textbf{18} keep their words, lose the command
-    (r"\\(?:text|textbf|mathrm|mathbf)\{([^{}]*)\}", r" \1"),
-    # A unit's square or cube, 24 cm^2 or 8 m^{3}: the exponent is not the answer
-    (r"(?<=[A-Za-z])\s*\^\{?[23]\}?", ""),
-    # A mixed number, 2\frac{1}{2}, is 5/2 (and not 21/2, which the next entry would make of it)
-    (r"(\d+)\s*\\[dt]?frac\{(\d+)\}\{(\d+)\}",
-     lambda m: f"{int(m[1]) * int(m[3]) + int(m[2])}/{m[3]}"),
-    # \frac{3}{4}, \dfrac{3}{4}, \tfrac{3}{4} become 3/4, which _NUMBER reads as a fraction
-    (r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"\1/\2"),
-    # \frac34, TeX's brace-free form for single digits
-    (r"\\[dt]?frac(\d)(\d)", r"\1/\2"),
-    # Dollar and percent signs, escaped (\$, \%) or not; this also drops $...$ math delimiters.
-    # "50%" reads 50, as GSM8K's references write a percentage.
-    (r"\\?[$%]", ""),
-    # The Unicode minus sign (U+2212), which models sometimes write instead of "-"
-    ("\u2212", "-"),
-]
-
-_NUMBER = re.compile(r"""
-    -?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?  # an integer or a decimal: 1200, 1,200, -3.5
-                                           # (12,5 is two)
-    (?:/[1-9]\d*(?:,\d{3})*)?              # over a denominator, not 0: 3/4 and 1,000/8 are
-                                           # fractions
-  | -?\.\d+                                # a decimal without its 0: .5
-""", re.VERBOSE)
-
-
-def _last_number(text: str):
-    found = _NUMBER.findall(text)
-    return found[-1] if found else None
-
-
-def extract_answer(text: str):
-    r"""The final number a response gives, as a canonical string ("1200", "-3.5", "0.75"), or None.
-    An empty or non-numeric last \boxed{} gives None, even when the text has numbers elsewhere."""
-    for pattern, replacement in ANSWER_FORMS:
-        text = re.sub(pattern, replacement, text)
-    boxed = re.findall(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}", text)  # one level of braces inside
-    if boxed:
-        candidate = _last_number(boxed[-1])
-    elif "####" in text:  # the number right after the marker, whatever follows it
-        found = _NUMBER.findall(text.rsplit("####", 1)[1])
-        candidate = found[0] if found else None
-    else:
-        candidate = _last_number(text)
-    if candidate is None:
-        return None
-    numerator, _, denominator = candidate.replace(",", "").partition("/")
-    value = float(numerator) / float(denominator or 1)
-    if not math.isfinite(value):  # 309 digits or more (a policy looping on digits): no answer
-        return None
-    return str(int(value)) if value == int(value) else repr(value)
-
-
-def math_reward(response_text: str, reference: str, format_weight: float = 0.0) -> float:
-    r"""1.0 if the response's final number equals the reference's. With format_weight > 0, a wrong
-    answer that is at least given in the expected form (\boxed{} or ####) earns format_weight: a
-    small shaping reward, as in DeepSeek-R1's format reward (2025)."""
-    answer = extract_answer(response_text)
-    if answer is not None and answer == extract_answer(reference):
-        return 1.0
-    formatted = "\\boxed{" in response_text or "####" in response_text
-    return format_weight if formatted else 0.0
-
-
-def stop_token_ids(model_dir: str, eos_id) -> list:
-    """Every token that ends a response: the task's EOS, and each eos_token_id of the checkpoint's
-    generation_config.json (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama 3: three) and of
-    its config.json. vLLM stops at those by itself (config.json's when the checkpoint has no
-    generation_config.json), so the HF engine, `finished`, the reward and the dumps must know them
-    too; both engines are handed this whole set. [] when eos_id is None: every response runs to
-    max_new_tokens."""
-    if eos_id is None:
-        return []
-    ids = {eos_id}
-    for name in ("generation_config.json", "config.json"):
-        path = os.path.join(model_dir, name)
-        if os.path.isfile(path):
-            with open(path) as f:
-                eos = json.load(f).get("eos_token_id")
-            # a file holds one id, a list of them, or none
-            ids.update([eos] if isinstance(eos, int) else eos or [])
-    return sorted(ids)
-
-
-def finished(response_ids: list, stop_ids: list) -> bool:
-    """The response ended by itself (a stop token), rather than being cut off by max_new_tokens."""
-    return bool(response_ids) and response_ids[-1] in stop_ids
-
-
 def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int, turn: int = 0) -> int:
     """The seed of one sample's turn depends on what it is, not on which rank draws it or with
     which batch, so that the same config samples the same tokens on any mesh."""
@@ -348,282 +207,105 @@ def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int, turn
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "little")
 
 
+def finished(response_ids: list, stop_ids: list) -> bool:
+    """The response ended by itself (a stop token), rather than being cut off by max_new_tokens."""
+    return bool(response_ids) and response_ids[-1] in stop_ids
+
+
 # -----------------------------------------------------------------------------
-# Tasks. A task is everything the trainer asks of the data side: any object with the attributes
-# and methods of ToyTask below, each documented there (the task contract); GSM8KTask has them, and
-# so does a forker's own task (README, "How to fork").
+# Refit: stream the trained weights into the engine in bounded buckets. Every rank iterates
+# `named_full_tensors` together (each item is a collective that gathers one parameter, already in
+# the engine's dtype: iter_full_params casts the shards before the gather, so a bf16 engine
+# receives half the bytes of the fp32 master weights) and hands the engine a bucket whenever
+# the next tensor would overflow `bucket_mb`. One bucket (or one larger parameter) is built at a
+# time and vLLM keeps at most one incomplete layer from earlier buckets, so the transient memory
+# does not grow with the model, unlike a full state dict (verl and NeMo-RL bucket their refit for
+# this reason). On GPU the sleeping engine gets its weight memory back first and its KV cache only
+# after the last bucket is gone (vLLM's documented order, also TRL's and verl's): the gathered
+# tensors never coexist with the KV cache.
 
-class TaskError(ValueError):
-    """Bad task input (file, line, prompt length, tokenizer): one line, exit 2."""
-
-
-class ToyTask:
-    """`a+b=` with operands 0..4 and the byte tokenizer above; subclass it for a toy task of your
-    own. Its attributes and methods are the task contract: what the trainer asks of any task."""
-
-    facts = TOY_FACTS  # (prompt, answer) pairs
-
-    def __init__(self, seed: int):
-        self.seed = seed
-        self.tok = toy_tokenizer()
-        self.val = []  # held-out (prompt, answer) pairs for validation, or []
-        # ends a response (with generation_config's: stop_token_ids); None = never stop
-        self.eos_id = self.tok.encode_single_token(EOS)
-        # fills the right-padded rows; never a loss token
-        self.pad_id = self.tok.encode_single_token(PAD)
-
-    def prompts(self, start, n):
-        """(prompt, answer) text pairs start .. start+n-1 of the task's stream (shuffled epochs of
-        a data set, here the facts), the same on every rank."""
-        return [self.facts[i] for i in epoch_order(self.seed, len(self.facts), start, n)]
-
-    def encode(self, prompt):
-        """Prompt token ids (chat template applied, if any)."""
-        return self.tok.encode(prompt)
-
-    def target(self, answer):
-        """Answer ids + EOS: what the SFT warm-up imitates. A multi-turn target (a tool-use trace)
-        returns (ids, action mask) instead: mask 1 on the model's tokens, 0 on an observation's,
-        and the warm-up trains on the 1s alone (ToyToolTask): the model learns to call the tool,
-        not to predict its output."""
-        return self.tok.encode(answer) + [self.eos_id]
-
-    def decode(self, ids):
-        """Response text for the reward and the dumps."""
-        # special tokens and ids the tokenizer does not know (the model's padding rows) are dropped
-        return self.tok.decode([i for i in ids if i < 256], errors="replace")
-
-    def reward(self, text, answer, ended):
-        """The score of one response: `text` is the model's answer (in an episode, its last turn:
-        earlier turns and the observations are the way there, and a number a tool returned is
-        not the model's answer; the dumps show the whole episode), `ended`
-        how the episode ended (run_episodes' ENDINGS: "stop" is a natural end by a stop token,
-        "length" a response cut off by its budget). Here 1.0 when the response is exactly the
-        answer and the model stopped (emitted EOS). Validation counts a greedy response as
-        correct when its reward is at least the task's `solved_at`, an optional attribute
-        (default 1.0, a rule's full reward): a graded task sets its own bar, e.g. solved_at =
-        10.0 for marks out of 10, or 0.9 for a partial credit that counts."""
-        return float(ended == "stop" and text.strip() == answer)
-
-    # Multi-turn episodes (docs/multiturn.md): a task may also define
-    #     observe(self, turn: list, episode: list) -> Optional[list]
-    # called after each model turn that ended by a stop token (the last allowed one too: a call
-    # there is counted, and ends the episode as "max_turns"), with that turn's ids and the whole
-    # episode so far (prompt + response, ending with the turn). It returns the ids to append (a
-    # tool's output, formatted as its chat template formats a tool message: chat_tool_message), or
-    # None: the episode is over. A task without it is single-turn. It must be deterministic (the
-    # ranks of a vLLM group each run it on the same turn). ToyToolTask below has one.
+def refit(engine, named_full_tensors, bucket_mb: float) -> dict:
+    """Collective (every rank, through named_full_tensors): the trained weights into the engine.
+    The tensors must arrive in the engine's dtype: cast before they were gathered
+    (iter_full_params(model, engine.dtype)), not here after the gather, which would move twice the
+    bytes for a bf16 engine. Returns the bytes sent and the largest bucket, for the metrics."""
+    # GPU: what training freed goes back to the driver before vLLM takes it
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    engine.wake_up(["weights"])
+    limit = bucket_mb * 2**20
+    bucket, size = [], 0
+    largest, total = 0, 0
+    for name, tensor in named_full_tensors:
+        if tensor.dtype != engine.dtype:
+            raise TypeError(f"refit: {name} arrived in {tensor.dtype} for a {engine.dtype} engine: "
+                            f"gather in the engine's dtype (iter_full_params(model, engine.dtype))")
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit:  # flush before overflowing
+            engine.load_weights(bucket)
+            bucket, size = [], 0
+        bucket.append((name, tensor.detach()))
+        size += nbytes
+        largest, total = max(largest, size), total + nbytes
+    if bucket:
+        engine.load_weights(bucket)
+    # the last bucket goes before the KV cache comes back (with vllm_gpu_memory_utilization set
+    # high, waking it beside the bucket could run out of memory), and its memory to the driver
+    bucket = tensor = None
+    engine.finish_refit()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    engine.wake_up(["kv_cache"])
+    return {"refit_bytes": total, "refit_largest_bucket_bytes": largest}
 
 
-class ToyToolTask(ToyTask):
-    """A task where a tool is the difference (docs/multiturn.md): sums of two-digit numbers,
-    "23+45=", which the toy model cannot learn to add in minutes, and a calculator it can call.
-    A turn "?" (then EOS) calls it on the prompt's sum; the observation is its result in brackets,
-    "[68]", and the model's next turn should copy it: "?<eos>[68]68<eos>". The reward (ToyTask's)
-    reads the last turn: 1 for the exact sum, if the model stopped. Its SFT target is that whole
-    trace, the tool's output masked. With tool=False (max_turns=1: the tool taken away) the target
-    is the direct answer instead, "68<eos>", so that the comparison is against a model taught to
-    answer, not one taught to call a missing tool."""
+# -----------------------------------------------------------------------------
+# Rollout dumps: what the policy said, readable by a person, and replayable.
 
-    facts = [(f"{a}+{b}=", str(a + b)) for a in range(10, 100) for b in range(10, 100)]
-
-    def __init__(self, seed: int, tool: bool = True):
-        super().__init__(seed)
-        self.tool = tool
-
-    def observe(self, turn, episode):
-        if self.decode(turn) != "?":  # an answer: the episode is over
-            return None
-        a, b = re.match(r"(\d+)\+(\d+)=", self.decode(episode)).groups()  # the prompt
-        return self.tok.encode(f"[{int(a) + int(b)}]")
-
-    def target(self, answer):
-        if not self.tool:
-            return super().target(answer)
-        call, observation = self.tok.encode("?") + [self.eos_id], self.tok.encode(f"[{answer}]")
-        ids = call + observation + self.tok.encode(answer) + [self.eos_id]
-        return ids, [1] * len(call) + [0] * len(observation) + [1] * (len(answer) + 1)
+# One writer thread: a step's dump is written while the next step runs (rank 0 would otherwise
+# write while every other rank waits at the next collective). A write's error surfaces at the
+# next dump or at wait_for_dumps().
+_DUMPS = ThreadPoolExecutor(max_workers=1)
 
 
-def chat_tool_message(tok, content: str, role: str = "tool", stop_ids=None, name: str = "tool",
-                      max_tokens=None) -> list:
-    """The ids to append after a model turn (ended by a stop token: `stop_ids`, default the
-    tokenizer's EOS; Llama 3 ends a turn with <|eot_id|>, or <|eom_id|> after a call) for a tool
-    message `content`, up to the opening of the assistant's next turn, as the tokenizer's chat
-    template writes them: the difference of two renderings of one conversation, without and with
-    the message (TRL's way). The conversation's assistant turn carries a call of the tool `name`,
-    as a real one would: some templates write the tool message's header from the call (TRL notes
-    it), or refuse a tool message that answers none. What the template puts after the turn's stop
-    token (ChatML's "\n") comes with it, so the episode's ids are the template's rendering of the
-    whole conversation. The role is the template's: "tool"
-    (Qwen2.5 wraps it in <tool_response> tags inside a user turn), "ipython" (Llama 3.1). Refused
-    (TaskError) where the template writes the earlier turns differently once the message follows
-    (e.g. one that drops past reasoning): no appended ids could match it.
-
-    max_tokens: a bound on the content, in tokens, of the task's choosing: a longer content is cut
-    to it and marked "...(truncated)" (verl's max_tool_response_length does the same). Without a
-    bound, an output that leaves no room for another turn ends the episode instead ("context");
-    a message is never cut mid-template."""
-    words = tok.encode(content, add_special_tokens=False)  # the content's tokens
-    if max_tokens is not None and len(words) > max_tokens:
-        content = tok.decode(words[:max_tokens]) + "...(truncated)"
-    call = {"type": "function", "function": {"name": name, "arguments": {}}}
-    chat = [{"role": "user", "content": "1"},
-            {"role": "assistant", "content": "2", "tool_calls": [call]}]
-    before = list(tok.apply_chat_template(chat, tokenize=True, return_dict=False))
-    after = list(tok.apply_chat_template(chat + [{"role": role, "content": content, "name": name}],
-                                         tokenize=True, add_generation_prompt=True,
-                                         return_dict=False))
-    stops = [tok.eos_token_id] if stop_ids is None else stop_ids
-    ends = [i + 1 for i, t in enumerate(before) if t in stops]  # after a turn's stop token
-    if not ends or after[:ends[-1]] != before[:ends[-1]]:
-        raise TaskError(f"the chat template does not end an assistant turn with a stop token "
-                        f"({stops}: pass the turn's stop_ids), or writes it differently once a "
-                        f"{role} message follows: observations cannot be appended to the sampled "
-                        "ids (render the episode yourself in observe)")
-    return after[ends[-1]:]
+_pending = []
 
 
-def read_gsm8k(path: str) -> list:
-    """(question, answer) pairs of a GSM8K-format JSONL file; errors name file and line."""
-    if not os.path.isfile(path):
-        raise TaskError(f"prompts file {path!r} not found: give a JSONL file of "
-                        '{"question": ..., "answer": "... #### N"} lines')
-    pairs = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                question, answer = row["question"], row["answer"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise TaskError(f"{path}:{number}: not a JSON object with 'question' and "
-                                "'answer' keys") from None
-            if not str(question).strip():
-                raise TaskError(f"{path}:{number}: empty question")
-            if extract_answer(str(answer)) is None:
-                raise TaskError(f"{path}:{number}: the answer has no final number ('#### N')")
-            pairs.append((str(question), str(answer)))
-    if not pairs:
-        raise TaskError(f"prompts file {path!r} has no prompts")
-    return pairs
+def dump_rollouts(every: dict, scores, cfg, step: int) -> None:
+    """Rank 0: every sample of the step ({global index: sample}) to out_dir/rollouts/step_N.jsonl,
+    one JSON line each, with `reward` the score it was trained on (`scores`, (N,) by global
+    index); with a reward model, the task's rule as `task_score` beside it. Written in the
+    background, atomically (temp file, then rename): the samples must not change afterwards.
+    Waits for the previous dump first."""
+    if dist.get_rank() != 0:
+        return
+    wait_for_dumps()
+    if cfg.reward_model:  # (else `reward` is the task's score already)
+        trained_on = scores.tolist()  # (N,) one host read
+        for j, sample in every.items():
+            sample["task_score"] = sample.get("task_score", sample["reward"])
+            sample["reward"] = trained_on[j]
+    path = os.path.join(cfg.out_dir, "rollouts", f"step_{step}.jsonl")
+    _pending.append(_DUMPS.submit(_write_jsonl, path,
+                                  sorted(every.values(), key=lambda s: s["index"])))
 
 
-# Appended to each question so that the answer is extractable (NeMo-RL's and verl's recipes, in
-# spirit).
-GSM8K_INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
+def wait_for_dumps() -> None:
+    """Until every dump is on disk (the end of a run); raises a failed write's error."""
+    while _pending:
+        _pending.pop().result()
 
 
-class GSM8KTask:
-    """Math word problems from JSONL files, with the checkpoint's own tokenizer and chat template
-    (Qwen2.5, Llama 3, ...). Every prompt is checked at start: fail now, not when it is drawn."""
-
-    def __init__(self, cfg, model_dir: str, model_vocab_size: int):
-        try:
-            self.tok = AutoTokenizer.from_pretrained(model_dir)
-        except (OSError, ValueError) as e:  # no tokenizer files, or none transformers can build
-            raise TaskError(f"task=gsm8k needs the checkpoint's own tokenizer, and {model_dir} has "
-                            f"none that transformers can load ({str(e).splitlines()[0].strip()}): "
-                            f"give a checkpoint dir with its tokenizer files (tokenizer.json, "
-                            f"tokenizer_config.json)") from None
-        self.seed = cfg.seed
-        self.format_reward = cfg.format_reward
-        if len(self.tok) > model_vocab_size:
-            raise TaskError(f"the tokenizer of {model_dir} has {len(self.tok)} tokens but the "
-                            f"model's vocab is {model_vocab_size}: "
-                            f"tokenizer and checkpoint do not match")
-        self.instruction = cfg.instruction or GSM8K_INSTRUCTION
-        self.train = read_gsm8k(cfg.prompts)
-        self.val = read_gsm8k(cfg.val_prompts) if cfg.val_prompts else []
-        for name, pairs in (("prompts", self.train), ("val_prompts", self.val)):
-            for i, (question, _) in enumerate(pairs):
-                if len(self.encode(question)) + cfg.max_new_tokens > cfg.max_model_len:
-                    raise TaskError(f"{name} line {i + 1}: prompt of {len(self.encode(question))} "
-                                    f"tokens + max_new_tokens={cfg.max_new_tokens} exceeds "
-                                    f"max_model_len={cfg.max_model_len}: raise max_model_len or "
-                                    f"shorten the prompt")
-        self.eos_id = self.tok.eos_token_id
-        # checkpoints without a pad token pad with EOS: padding is never a loss token anyway
-        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
-
-    def prompts(self, start, n):
-        return [self.train[i] for i in epoch_order(self.seed, len(self.train), start, n)]
-
-    def encode(self, question):
-        text = question + self.instruction
-        if not self.tok.chat_template:
-            return self.tok.encode(text)
-        chat = [{"role": "user", "content": text}]
-        return list(self.tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False))
-
-    def target(self, answer):
-        return self.tok.encode(answer) + [self.eos_id]
-
-    def decode(self, ids):
-        return self.tok.decode(ids, skip_special_tokens=True)
-
-    def reward(self, text, answer, ended):
-        # a response cut off by max_new_tokens scores 0: otherwise a truncated chain of thought
-        # whose last number happens to be the answer would earn the full reward
-        return math_reward(text, answer, self.format_reward) if ended == "stop" else 0.0
-
-
-def sft_examples(task, cfg, step: int, dp_rank: int, dp_size: int):
-    """(prompt ids, answer ids, answer masks) of dp rank `dp_rank`'s share of SFT step `step`: the
-    first sft_steps * sft_batch_size pairs of the task's stream (PPO goes on from there), the
-    reference answer (target) as the response, trained on where its mask is 1 (the model's
-    tokens; a target without a mask is all the model's). An answer is cut where its row would
-    pass max_model_len (as SFT trainers' max_length): a packed row holds max_model_len tokens
-    (config.validate), and no row may be longer."""
-    per_rank = cfg.sft_batch_size // dp_size
-    pairs = task.prompts(step * cfg.sft_batch_size,
-                         cfg.sft_batch_size)[dp_rank * per_rank:][:per_rank]
-    prompts = [task.encode(p) for p, _ in pairs]
-    targets = [task.target(a) for _, a in pairs]
-    targets = [t if isinstance(t, tuple) else (t, [1] * len(t)) for t in targets]  # (ids, mask)
-    room = [max(0, cfg.max_model_len - len(p)) for p in prompts]  # the tokens each row can hold
-    answers = [ids[:n] for (ids, _), n in zip(targets, room)]
-    return prompts, answers, [mask[:n] for (_, mask), n in zip(targets, room)]
-
-
-def make_task(cfg, model_dir: str, model_vocab_size: Optional[int] = None):
-    """The config's task; model_vocab_size: the checkpoint's (default: its config.json's)."""
-    # max_turns=1: toy_tool without its tool, and without it in the warm-up's targets
-    toys = {"toy_add": ToyTask, "toy_tool": lambda seed: ToyToolTask(seed, tool=cfg.max_turns > 1)}
-    if cfg.task in toys:
-        return toys[cfg.task](cfg.seed)
-    return GSM8KTask(cfg, model_dir,
-                     model_vocab_size or AutoConfig.from_pretrained(model_dir).vocab_size)
-
-
-def validation_accuracy(engine, task, cfg) -> float:
-    """Collective (every rank): greedy accuracy on the held-out prompts.
-
-    The prompts are split over the vLLM groups (rollout_tp_size consecutive ranks pass identical
-    requests), the count summed. A bad observation stops every rank with one line
-    (gather_or_stop)."""
-    groups = dist.get_world_size() // cfg.rollout_tp_size
-    mine = task.val[dist.get_rank() // cfg.rollout_tp_size::groups]
-    solved = getattr(task, "solved_at", 1.0)  # the reward that counts as correct (ToyTask.reward)
-    try:
-        outs = run_episodes(engine, task, cfg, [task.encode(q) for q, _ in mine],
-                            [(0, 0, 0)] * len(mine), 0.0)  # greedy: no seeds
-        # (the reward reads the model's last turn, as in training: generate_share)
-        correct = sum(task.reward(task.decode(last_turn(ids, mask)), a, ended) >= solved
-                      for (ids, _, mask, _, ended), (_, a) in zip(outs, mine))
-    except TaskError as e:
-        correct = str(e)
-    # every member of a vLLM group counted the same prompts: divide by the group size
-    return sum(gather_or_stop(correct, "task error")) / cfg.rollout_tp_size / len(task.val)
-
+# -----------------------------------------------------------------------------
+# Beyond one step: what a first reading skips. The engines the step calls (the HF engine, the
+# vLLM engine: each one class), the tasks (the toy tasks, math answers, GSM8K), and reading the
+# dumps back.
 
 # -----------------------------------------------------------------------------
 # Engines. The trainer calls an engine in this order every step: generate, sleep (training
-# runs), then `refit` below: wake_up(["weights"]), load_weights per bucket, finish_refit,
-# wake_up(["kv_cache"]). The HF engine and the vLLM engine have the same attributes and methods
-# (the engine contract, documented on HFEngine's).
+# runs), then `refit` (in the step's section above): wake_up(["weights"]), load_weights per
+# bucket, finish_refit, wake_up(["kv_cache"]). The HF engine and the vLLM engine have the same
+# attributes and methods (the engine contract, documented on HFEngine's).
 
 # Sampling on the device, reproducibly per sample, by inverse transform sampling: one uniform u
 # a row, and the token is the first id whose cumulative probability exceeds u (Devroye,
@@ -684,7 +366,7 @@ def sample(logits, seeds, position, temperature):
 
 # The HF engine: a plain (unsharded) transformers model on each rank with a hand-written sampling
 # loop; the fallback when vLLM is absent, and the simplest place to read how generation works.
-# It is refit after every step by vLLM's code path (`refit` below): it samples the current policy.
+# It is refit after every step by vLLM's code path (`refit`, above): it samples the current policy.
 
 class HFEngine:
     serves_adapters = False  # under LoRA the trainer refits it with merged weights
@@ -975,97 +657,420 @@ def make_engine(cfg, model_dir: str, device: torch.device, eos_id):
 
 
 # -----------------------------------------------------------------------------
-# Refit: stream the trained weights into the engine in bounded buckets. Every rank iterates
-# `named_full_tensors` together (each item is a collective that gathers one parameter, already in
-# the engine's dtype: iter_full_params casts the shards before the gather, so a bf16 engine
-# receives half the bytes of the fp32 master weights) and hands the engine a bucket whenever
-# the next tensor would overflow `bucket_mb`. One bucket (or one larger parameter) is built at a
-# time and vLLM keeps at most one incomplete layer from earlier buckets, so the transient memory
-# does not grow with the model, unlike a full state dict (verl and NeMo-RL bucket their refit for
-# this reason). On GPU the sleeping engine gets its weight memory back first and its KV cache only
-# after the last bucket is gone (vLLM's documented order, also TRL's and verl's): the gathered
-# tensors never coexist with the KV cache.
+# Tasks. A task is everything the trainer asks of the data side: any object with the attributes
+# and methods of ToyTask below, each documented there (the task contract); GSM8KTask has them, and
+# so does a forker's own task (README, "How to fork").
 
-def refit(engine, named_full_tensors, bucket_mb: float) -> dict:
-    """Collective (every rank, through named_full_tensors): the trained weights into the engine.
-    The tensors must arrive in the engine's dtype: cast before they were gathered
-    (iter_full_params(model, engine.dtype)), not here after the gather, which would move twice the
-    bytes for a bf16 engine. Returns the bytes sent and the largest bucket, for the metrics."""
-    # GPU: what training freed goes back to the driver before vLLM takes it
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    engine.wake_up(["weights"])
-    limit = bucket_mb * 2**20
-    bucket, size = [], 0
-    largest, total = 0, 0
-    for name, tensor in named_full_tensors:
-        if tensor.dtype != engine.dtype:
-            raise TypeError(f"refit: {name} arrived in {tensor.dtype} for a {engine.dtype} engine: "
-                            f"gather in the engine's dtype (iter_full_params(model, engine.dtype))")
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > limit:  # flush before overflowing
-            engine.load_weights(bucket)
-            bucket, size = [], 0
-        bucket.append((name, tensor.detach()))
-        size += nbytes
-        largest, total = max(largest, size), total + nbytes
-    if bucket:
-        engine.load_weights(bucket)
-    # the last bucket goes before the KV cache comes back (with vllm_gpu_memory_utilization set
-    # high, waking it beside the bucket could run out of memory), and its memory to the driver
-    bucket = tensor = None
-    engine.finish_refit()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    engine.wake_up(["kv_cache"])
-    return {"refit_bytes": total, "refit_largest_bucket_bytes": largest}
+class TaskError(ValueError):
+    """Bad task input (file, line, prompt length, tokenizer): one line, exit 2."""
 
 
 # -----------------------------------------------------------------------------
-# Rollout dumps: what the policy said, readable by a person, and replayable.
-
-# One writer thread: a step's dump is written while the next step runs (rank 0 would otherwise
-# write while every other rank waits at the next collective). A write's error surfaces at the
-# next dump or at wait_for_dumps().
-_DUMPS = ThreadPoolExecutor(max_workers=1)
-_pending = []
-
-
-def dump_rollouts(every: dict, scores, cfg, step: int) -> None:
-    """Rank 0: every sample of the step ({global index: sample}) to out_dir/rollouts/step_N.jsonl,
-    one JSON line each, with `reward` the score it was trained on (`scores`, (N,) by global
-    index); with a reward model, the task's rule as `task_score` beside it. Written in the
-    background, atomically (temp file, then rename): the samples must not change afterwards.
-    Waits for the previous dump first."""
-    if dist.get_rank() != 0:
-        return
-    wait_for_dumps()
-    if cfg.reward_model:  # (else `reward` is the task's score already)
-        trained_on = scores.tolist()  # (N,) one host read
-        for j, sample in every.items():
-            sample["task_score"] = sample.get("task_score", sample["reward"])
-            sample["reward"] = trained_on[j]
-    path = os.path.join(cfg.out_dir, "rollouts", f"step_{step}.jsonl")
-    _pending.append(_DUMPS.submit(_write_jsonl, path,
-                                  sorted(every.values(), key=lambda s: s["index"])))
+# The toy task: small-number addition, "3+4=" -> "7". Reward 1 for the exact sum followed by
+# end-of-text, 0 otherwise: a verifiable, rule-based reward like GSM8K's. Operands are 0..4 (25
+# facts: a 1M-parameter model learns 0..9 too slowly for a CPU demo). Its tokenizer, built in
+# code, is a byte-level BPE with no merges (ids 0..255) plus two special tokens. The toy model's
+# vocab (262) is larger than these 258 ids on purpose, as with real checkpoints whose embedding
+# matrix is padded (Qwen2.5: 151,936 rows for 151,665 tokens).
+TOY_OPERANDS = 5
 
 
-def close(engine) -> None:
-    """Collective (every rank): the end of a run's data side. The last dumps reach the disk, then
-    the engine goes (vLLM's shutdown destroys the default process group itself: without an engine,
-    it is destroyed here)."""
-    wait_for_dumps()
-    if engine is not None:
-        engine.shutdown()
-    elif dist.is_initialized():
-        dist.destroy_process_group()
+EOS, PAD = "<|endoftext|>", "<|pad|>"
 
 
-def wait_for_dumps() -> None:
-    """Until every dump is on disk (the end of a run); raises a failed write's error."""
-    while _pending:
-        _pending.pop().result()
+def toy_tokenizer() -> tiktoken.Encoding:
+    # pat_str is the pre-tokenization split: irrelevant without merges
+    return tiktoken.Encoding(name="toy_bytes", pat_str=r"[^\n]+|\n",
+                             mergeable_ranks={bytes([i]): i for i in range(256)},
+                             special_tokens={EOS: 256, PAD: 257})
 
+
+TOY_FACTS = [(f"{a}+{b}=", str(a + b)) for a in range(TOY_OPERANDS) for b in range(TOY_OPERANDS)]
+
+
+def epoch_order(seed: int, size: int, start: int, n: int) -> list:
+    """Indices of items start .. start+n-1 of an endless stream of epochs over `size` items, each
+    epoch shuffled anew (seeded by (seed, epoch)): every item once per epoch, none drawn twice
+    before all were drawn. A function of the position alone, the same on every rank, so a run
+    resumed from its saved position draws what the straight run would have."""
+    positions = range(start, start + n)
+    # the epochs these positions fall in, each shuffled once:
+    epochs = {p // size for p in positions}
+    orders = {e: random.Random(f"{seed}/epoch/{e}").sample(range(size), size) for e in epochs}
+    # position p: item p % size of epoch p // size
+    return [orders[p // size][p % size] for p in positions]
+
+
+class ToyTask:
+    """`a+b=` with operands 0..4 and the byte tokenizer above; subclass it for a toy task of your
+    own. Its attributes and methods are the task contract: what the trainer asks of any task."""
+
+    facts = TOY_FACTS  # (prompt, answer) pairs
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.tok = toy_tokenizer()
+        self.val = []  # held-out (prompt, answer) pairs for validation, or []
+        # ends a response (with generation_config's: stop_token_ids); None = never stop
+        self.eos_id = self.tok.encode_single_token(EOS)
+        # fills the right-padded rows; never a loss token
+        self.pad_id = self.tok.encode_single_token(PAD)
+
+    def prompts(self, start, n):
+        """(prompt, answer) text pairs start .. start+n-1 of the task's stream (shuffled epochs of
+        a data set, here the facts), the same on every rank."""
+        return [self.facts[i] for i in epoch_order(self.seed, len(self.facts), start, n)]
+
+    def encode(self, prompt):
+        """Prompt token ids (chat template applied, if any)."""
+        return self.tok.encode(prompt)
+
+    def target(self, answer):
+        """Answer ids + EOS: what the SFT warm-up imitates. A multi-turn target (a tool-use trace)
+        returns (ids, action mask) instead: mask 1 on the model's tokens, 0 on an observation's,
+        and the warm-up trains on the 1s alone (ToyToolTask): the model learns to call the tool,
+        not to predict its output."""
+        return self.tok.encode(answer) + [self.eos_id]
+
+    def decode(self, ids):
+        """Response text for the reward and the dumps."""
+        # special tokens and ids the tokenizer does not know (the model's padding rows) are dropped
+        return self.tok.decode([i for i in ids if i < 256], errors="replace")
+
+    def reward(self, text, answer, ended):
+        """The score of one response: `text` is the model's answer (in an episode, its last turn:
+        earlier turns and the observations are the way there, and a number a tool returned is
+        not the model's answer; the dumps show the whole episode), `ended`
+        how the episode ended (run_episodes' ENDINGS: "stop" is a natural end by a stop token,
+        "length" a response cut off by its budget). Here 1.0 when the response is exactly the
+        answer and the model stopped (emitted EOS). Validation counts a greedy response as
+        correct when its reward is at least the task's `solved_at`, an optional attribute
+        (default 1.0, a rule's full reward): a graded task sets its own bar, e.g. solved_at =
+        10.0 for marks out of 10, or 0.9 for a partial credit that counts."""
+        return float(ended == "stop" and text.strip() == answer)
+
+
+    # Multi-turn episodes (docs/multiturn.md): a task may also define
+    #     observe(self, turn: list, episode: list) -> Optional[list]
+    # called after each model turn that ended by a stop token (the last allowed one too: a call
+    # there is counted, and ends the episode as "max_turns"), with that turn's ids and the whole
+    # episode so far (prompt + response, ending with the turn). It returns the ids to append (a
+    # tool's output, formatted as its chat template formats a tool message: chat_tool_message), or
+    # None: the episode is over. A task without it is single-turn. It must be deterministic (the
+    # ranks of a vLLM group each run it on the same turn). ToyToolTask below has one.
+
+
+class ToyToolTask(ToyTask):
+    """A task where a tool is the difference (docs/multiturn.md): sums of two-digit numbers,
+    "23+45=", which the toy model cannot learn to add in minutes, and a calculator it can call.
+    A turn "?" (then EOS) calls it on the prompt's sum; the observation is its result in brackets,
+    "[68]", and the model's next turn should copy it: "?<eos>[68]68<eos>". The reward (ToyTask's)
+    reads the last turn: 1 for the exact sum, if the model stopped. Its SFT target is that whole
+    trace, the tool's output masked. With tool=False (max_turns=1: the tool taken away) the target
+    is the direct answer instead, "68<eos>", so that the comparison is against a model taught to
+    answer, not one taught to call a missing tool."""
+
+    facts = [(f"{a}+{b}=", str(a + b)) for a in range(10, 100) for b in range(10, 100)]
+
+    def __init__(self, seed: int, tool: bool = True):
+        super().__init__(seed)
+        self.tool = tool
+
+    def observe(self, turn, episode):
+        if self.decode(turn) != "?":  # an answer: the episode is over
+            return None
+        a, b = re.match(r"(\d+)\+(\d+)=", self.decode(episode)).groups()  # the prompt
+        return self.tok.encode(f"[{int(a) + int(b)}]")
+
+    def target(self, answer):
+        if not self.tool:
+            return super().target(answer)
+        call, observation = self.tok.encode("?") + [self.eos_id], self.tok.encode(f"[{answer}]")
+        ids = call + observation + self.tok.encode(answer) + [self.eos_id]
+        return ids, [1] * len(call) + [0] * len(observation) + [1] * (len(answer) + 1)
+
+
+def chat_tool_message(tok, content: str, role: str = "tool", stop_ids=None, name: str = "tool",
+                      max_tokens=None) -> list:
+    """The ids to append after a model turn (ended by a stop token: `stop_ids`, default the
+    tokenizer's EOS; Llama 3 ends a turn with <|eot_id|>, or <|eom_id|> after a call) for a tool
+    message `content`, up to the opening of the assistant's next turn, as the tokenizer's chat
+    template writes them: the difference of two renderings of one conversation, without and with
+    the message (TRL's way). The conversation's assistant turn carries a call of the tool `name`,
+    as a real one would: some templates write the tool message's header from the call (TRL notes
+    it), or refuse a tool message that answers none. What the template puts after the turn's stop
+    token (ChatML's "\n") comes with it, so the episode's ids are the template's rendering of the
+    whole conversation. The role is the template's: "tool"
+    (Qwen2.5 wraps it in <tool_response> tags inside a user turn), "ipython" (Llama 3.1). Refused
+    (TaskError) where the template writes the earlier turns differently once the message follows
+    (e.g. one that drops past reasoning): no appended ids could match it.
+
+    max_tokens: a bound on the content, in tokens, of the task's choosing: a longer content is cut
+    to it and marked "...(truncated)" (verl's max_tool_response_length does the same). Without a
+    bound, an output that leaves no room for another turn ends the episode instead ("context");
+    a message is never cut mid-template."""
+    words = tok.encode(content, add_special_tokens=False)  # the content's tokens
+    if max_tokens is not None and len(words) > max_tokens:
+        content = tok.decode(words[:max_tokens]) + "...(truncated)"
+    call = {"type": "function", "function": {"name": name, "arguments": {}}}
+    chat = [{"role": "user", "content": "1"},
+            {"role": "assistant", "content": "2", "tool_calls": [call]}]
+    before = list(tok.apply_chat_template(chat, tokenize=True, return_dict=False))
+    after = list(tok.apply_chat_template(chat + [{"role": role, "content": content, "name": name}],
+                                         tokenize=True, add_generation_prompt=True,
+                                         return_dict=False))
+    stops = [tok.eos_token_id] if stop_ids is None else stop_ids
+    ends = [i + 1 for i, t in enumerate(before) if t in stops]  # after a turn's stop token
+    if not ends or after[:ends[-1]] != before[:ends[-1]]:
+        raise TaskError(f"the chat template does not end an assistant turn with a stop token "
+                        f"({stops}: pass the turn's stop_ids), or writes it differently once a "
+                        f"{role} message follows: observations cannot be appended to the sampled "
+                        "ids (render the episode yourself in observe)")
+    return after[ends[-1]:]
+
+
+# -----------------------------------------------------------------------------
+# Math answers (GSM8K and the like): the reward is exact match of the final number. GSM8K's
+# references end in "#### 72" (Cobbe et al., 2021); a model's answer is taken from its last
+# \boxed{...} if any (the convention of MATH, Hendrycks et al., 2021), else from the number after
+# the last "####", else the last number in the text (the "flexible extract" of common eval
+# harnesses, e.g. verl's GSM8K scorer). Before the number is read, the LaTeX that instruct models
+# wrap around it is rewritten to plain text (the table below), so that \boxed{1{,}200} reads 1200,
+# not 200. Numbers then compare by value: "72.00" equals "72", and "3/4" equals "0.75".
+#
+# Hugging Face's math-verify parses LaTeX into sympy and compares expressions; it is the fuller
+# tool, and tests/test_math_answers.py checks where the two agree. It is not used here: the reward
+# needs one number, and a table a reader can check line by line.
+
+# (pattern, replacement) pairs applied in order, each one form that models write around a number.
+ANSWER_FORMS = [
+    # Digit groups: 1{,}200 (LaTeX's comma without a space after it), 1\,200 (thin space),
+    # 1\!200 (negative thin space), 1\ 200 (a control space) all become 1,200. _NUMBER then
+    # decides whether it is a thousands group (1,200) or two numbers (12,5).
+    (r"(?<=\d)(?:\{,\}|\\[,! ])(?=\d)", ","),
+    # Units and words: \text{ dollars}, \mathrm{kg}, \textbf{18} keep their words, lose the command
+    (r"\\(?:text|textbf|mathrm|mathbf)\{([^{}]*)\}", r" \1"),
+    # A unit's square or cube, 24 cm^2 or 8 m^{3}: the exponent is not the answer
+    (r"(?<=[A-Za-z])\s*\^\{?[23]\}?", ""),
+    # A mixed number, 2\frac{1}{2}, is 5/2 (and not 21/2, which the next entry would make of it)
+    (r"(\d+)\s*\\[dt]?frac\{(\d+)\}\{(\d+)\}",
+     lambda m: f"{int(m[1]) * int(m[3]) + int(m[2])}/{m[3]}"),
+    # \frac{3}{4}, \dfrac{3}{4}, \tfrac{3}{4} become 3/4, which _NUMBER reads as a fraction
+    (r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"\1/\2"),
+    # \frac34, TeX's brace-free form for single digits
+    (r"\\[dt]?frac(\d)(\d)", r"\1/\2"),
+    # Dollar and percent signs, escaped (\$, \%) or not; this also drops $...$ math delimiters.
+    # "50%" reads 50, as GSM8K's references write a percentage.
+    (r"\\?[$%]", ""),
+    # The Unicode minus sign (U+2212), which models sometimes write instead of "-"
+    ("\u2212", "-"),
+]
+
+
+_NUMBER = re.compile(r"""
+    -?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?  # an integer or a decimal: 1200, 1,200, -3.5
+                                           # (12,5 is two)
+    (?:/[1-9]\d*(?:,\d{3})*)?              # over a denominator, not 0: 3/4 and 1,000/8 are
+                                           # fractions
+  | -?\.\d+                                # a decimal without its 0: .5
+""", re.VERBOSE)
+
+
+def _last_number(text: str):
+    found = _NUMBER.findall(text)
+    return found[-1] if found else None
+
+
+def extract_answer(text: str):
+    r"""The final number a response gives, as a canonical string ("1200", "-3.5", "0.75"), or None.
+    An empty or non-numeric last \boxed{} gives None, even when the text has numbers elsewhere."""
+    for pattern, replacement in ANSWER_FORMS:
+        text = re.sub(pattern, replacement, text)
+    boxed = re.findall(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}", text)  # one level of braces inside
+    if boxed:
+        candidate = _last_number(boxed[-1])
+    elif "####" in text:  # the number right after the marker, whatever follows it
+        found = _NUMBER.findall(text.rsplit("####", 1)[1])
+        candidate = found[0] if found else None
+    else:
+        candidate = _last_number(text)
+    if candidate is None:
+        return None
+    numerator, _, denominator = candidate.replace(",", "").partition("/")
+    value = float(numerator) / float(denominator or 1)
+    if not math.isfinite(value):  # 309 digits or more (a policy looping on digits): no answer
+        return None
+    return str(int(value)) if value == int(value) else repr(value)
+
+
+def math_reward(response_text: str, reference: str, format_weight: float = 0.0) -> float:
+    r"""1.0 if the response's final number equals the reference's. With format_weight > 0, a wrong
+    answer that is at least given in the expected form (\boxed{} or ####) earns format_weight: a
+    small shaping reward, as in DeepSeek-R1's format reward (2025)."""
+    answer = extract_answer(response_text)
+    if answer is not None and answer == extract_answer(reference):
+        return 1.0
+    formatted = "\\boxed{" in response_text or "####" in response_text
+    return format_weight if formatted else 0.0
+
+
+def read_gsm8k(path: str) -> list:
+    """(question, answer) pairs of a GSM8K-format JSONL file; errors name file and line."""
+    if not os.path.isfile(path):
+        raise TaskError(f"prompts file {path!r} not found: give a JSONL file of "
+                        '{"question": ..., "answer": "... #### N"} lines')
+    pairs = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                question, answer = row["question"], row["answer"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise TaskError(f"{path}:{number}: not a JSON object with 'question' and "
+                                "'answer' keys") from None
+            if not str(question).strip():
+                raise TaskError(f"{path}:{number}: empty question")
+            if extract_answer(str(answer)) is None:
+                raise TaskError(f"{path}:{number}: the answer has no final number ('#### N')")
+            pairs.append((str(question), str(answer)))
+    if not pairs:
+        raise TaskError(f"prompts file {path!r} has no prompts")
+    return pairs
+
+
+# Appended to each question so that the answer is extractable (NeMo-RL's and verl's recipes, in
+# spirit).
+GSM8K_INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
+
+
+class GSM8KTask:
+    """Math word problems from JSONL files, with the checkpoint's own tokenizer and chat template
+    (Qwen2.5, Llama 3, ...). Every prompt is checked at start: fail now, not when it is drawn."""
+
+    def __init__(self, cfg, model_dir: str, model_vocab_size: int):
+        try:
+            self.tok = AutoTokenizer.from_pretrained(model_dir)
+        except (OSError, ValueError) as e:  # no tokenizer files, or none transformers can build
+            raise TaskError(f"task=gsm8k needs the checkpoint's own tokenizer, and {model_dir} has "
+                            f"none that transformers can load ({str(e).splitlines()[0].strip()}): "
+                            f"give a checkpoint dir with its tokenizer files (tokenizer.json, "
+                            f"tokenizer_config.json)") from None
+        self.seed = cfg.seed
+        self.format_reward = cfg.format_reward
+        if len(self.tok) > model_vocab_size:
+            raise TaskError(f"the tokenizer of {model_dir} has {len(self.tok)} tokens but the "
+                            f"model's vocab is {model_vocab_size}: "
+                            f"tokenizer and checkpoint do not match")
+        self.instruction = cfg.instruction or GSM8K_INSTRUCTION
+        self.train = read_gsm8k(cfg.prompts)
+        self.val = read_gsm8k(cfg.val_prompts) if cfg.val_prompts else []
+        for name, pairs in (("prompts", self.train), ("val_prompts", self.val)):
+            for i, (question, _) in enumerate(pairs):
+                if len(self.encode(question)) + cfg.max_new_tokens > cfg.max_model_len:
+                    raise TaskError(f"{name} line {i + 1}: prompt of {len(self.encode(question))} "
+                                    f"tokens + max_new_tokens={cfg.max_new_tokens} exceeds "
+                                    f"max_model_len={cfg.max_model_len}: raise max_model_len or "
+                                    f"shorten the prompt")
+        self.eos_id = self.tok.eos_token_id
+        # checkpoints without a pad token pad with EOS: padding is never a loss token anyway
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
+
+    def prompts(self, start, n):
+        return [self.train[i] for i in epoch_order(self.seed, len(self.train), start, n)]
+
+    def encode(self, question):
+        text = question + self.instruction
+        if not self.tok.chat_template:
+            return self.tok.encode(text)
+        chat = [{"role": "user", "content": text}]
+        return list(self.tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False))
+
+    def target(self, answer):
+        return self.tok.encode(answer) + [self.eos_id]
+
+    def decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def reward(self, text, answer, ended):
+        # a response cut off by max_new_tokens scores 0: otherwise a truncated chain of thought
+        # whose last number happens to be the answer would earn the full reward
+        return math_reward(text, answer, self.format_reward) if ended == "stop" else 0.0
+
+
+def stop_token_ids(model_dir: str, eos_id) -> list:
+    """Every token that ends a response: the task's EOS, and each eos_token_id of the checkpoint's
+    generation_config.json (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama 3: three) and of
+    its config.json. vLLM stops at those by itself (config.json's when the checkpoint has no
+    generation_config.json), so the HF engine, `finished`, the reward and the dumps must know them
+    too; both engines are handed this whole set. [] when eos_id is None: every response runs to
+    max_new_tokens."""
+    if eos_id is None:
+        return []
+    ids = {eos_id}
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+            # a file holds one id, a list of them, or none
+            ids.update([eos] if isinstance(eos, int) else eos or [])
+    return sorted(ids)
+
+
+def sft_examples(task, cfg, step: int, dp_rank: int, dp_size: int):
+    """(prompt ids, answer ids, answer masks) of dp rank `dp_rank`'s share of SFT step `step`: the
+    first sft_steps * sft_batch_size pairs of the task's stream (PPO goes on from there), the
+    reference answer (target) as the response, trained on where its mask is 1 (the model's
+    tokens; a target without a mask is all the model's). An answer is cut where its row would
+    pass max_model_len (as SFT trainers' max_length): a packed row holds max_model_len tokens
+    (config.validate), and no row may be longer."""
+    per_rank = cfg.sft_batch_size // dp_size
+    pairs = task.prompts(step * cfg.sft_batch_size,
+                         cfg.sft_batch_size)[dp_rank * per_rank:][:per_rank]
+    prompts = [task.encode(p) for p, _ in pairs]
+    targets = [task.target(a) for _, a in pairs]
+    targets = [t if isinstance(t, tuple) else (t, [1] * len(t)) for t in targets]  # (ids, mask)
+    room = [max(0, cfg.max_model_len - len(p)) for p in prompts]  # the tokens each row can hold
+    answers = [ids[:n] for (ids, _), n in zip(targets, room)]
+    return prompts, answers, [mask[:n] for (_, mask), n in zip(targets, room)]
+
+
+def make_task(cfg, model_dir: str, model_vocab_size: Optional[int] = None):
+    """The config's task; model_vocab_size: the checkpoint's (default: its config.json's)."""
+    # max_turns=1: toy_tool without its tool, and without it in the warm-up's targets
+    toys = {"toy_add": ToyTask, "toy_tool": lambda seed: ToyToolTask(seed, tool=cfg.max_turns > 1)}
+    if cfg.task in toys:
+        return toys[cfg.task](cfg.seed)
+    return GSM8KTask(cfg, model_dir,
+                     model_vocab_size or AutoConfig.from_pretrained(model_dir).vocab_size)
+
+
+def validation_accuracy(engine, task, cfg) -> float:
+    """Collective (every rank): greedy accuracy on the held-out prompts.
+
+    The prompts are split over the vLLM groups (rollout_tp_size consecutive ranks pass identical
+    requests), the count summed. A bad observation stops every rank with one line
+    (gather_or_stop)."""
+    groups = dist.get_world_size() // cfg.rollout_tp_size
+    mine = task.val[dist.get_rank() // cfg.rollout_tp_size::groups]
+    solved = getattr(task, "solved_at", 1.0)  # the reward that counts as correct (ToyTask.reward)
+    try:
+        outs = run_episodes(engine, task, cfg, [task.encode(q) for q, _ in mine],
+                            [(0, 0, 0)] * len(mine), 0.0)  # greedy: no seeds
+        # (the reward reads the model's last turn, as in training: generate_share)
+        correct = sum(task.reward(task.decode(last_turn(ids, mask)), a, ended) >= solved
+                      for (ids, _, mask, _, ended), (_, a) in zip(outs, mine))
+    except TaskError as e:
+        correct = str(e)
+    # every member of a vLLM group counted the same prompts: divide by the group size
+    return sum(gather_or_stop(correct, "task error")) / cfg.rollout_tp_size / len(task.val)
+
+
+# -----------------------------------------------------------------------------
+# Rollout dumps read back (replay_rollouts), and the engine's end.
 
 def _write_jsonl(path: str, samples: list) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -1095,3 +1100,14 @@ def load_rollouts(path: str) -> dict:
                                 "(action_mask ends in 0): its score would land on no action")
             samples[sample["index"]] = sample
     return samples
+
+
+def close(engine) -> None:
+    """Collective (every rank): the end of a run's data side. The last dumps reach the disk, then
+    the engine goes (vLLM's shutdown destroys the default process group itself: without an engine,
+    it is destroyed here)."""
+    wait_for_dumps()
+    if engine is not None:
+        engine.shutdown()
+    elif dist.is_initialized():
+        dist.destroy_process_group()
