@@ -66,6 +66,531 @@ except ImportError:
 
 
 # -----------------------------------------------------------------------------
+# What one PPO step calls here, in the order it first calls it: the forward (microbatches, this
+# rank's tokens laid out by _layout, the model, whose attention is ppo_attention, the head, and
+# per-token numbers in the trainer's rows), the reference pass (swapped_weights), the critic's
+# pass, DDP's gradient sync, the global grad-norm clip, and the refit's full weights. What a first
+# reading skips (the mesh's set-up, CP's attention and the varlen kernels, the model families, TP
+# plans, LoRA, loading, the reference's snapshot, the HF export) comes after the banner "Beyond
+# one step".
+
+
+# Layout: where this rank's tokens sit, which every layer's attention reads (ppo_attention, below;
+# _layout builds it). First, as a reader meets it in the forward.
+
+@dataclass
+class Layout:
+    """Where each token of this rank's rows sits: built once per forward (_layout) for every layer's
+    attention and for _unlayout. B rows (one if packed) of T tokens, padded to a multiple of
+    2*cp*tp; this rank's queries are the tokens at q_rows (its zigzag share), its keys all T."""
+    ids: torch.Tensor  # (B, T) every token of the rows
+    positions: torch.Tensor  # (B, T) restarting at 0 in each packed sequence
+    seq_lens: torch.Tensor  # (b,) real tokens of each sequence
+    # packed: (documents + 1,) boundaries of the sequences (and of the padding tail); else None
+    cu_seqlens: torch.Tensor | None
+    # the varlen kernel, chosen once per forward for every layer (_varlen_kernel); None: masked SDPA
+    kernel: object
+    cp_group: dist.ProcessGroup | None  # K, V all-gathered over it (None: cp=1)
+    # masked SDPA reads these four: each query's and key's row position and document
+    q_rows: torch.Tensor  # (T/cp,) this rank's zigzag share
+    kv_rows: torch.Tensor  # (T,) every share, in rank order (gathered)
+    q_docs: torch.Tensor  # (B, T/cp) 0 throughout an unpacked row
+    kv_docs: torch.Tensor  # (B, T)
+    # the varlen kernels read these five, flash-attn's contract (see _varlen_index)
+    cu_seqlens_q: torch.Tensor  # (segments + 1,) int32 query boundaries
+    cu_seqlens_k: torch.Tensor  # (segments + 1,) int32 key boundaries
+    max_seqlen_q: int
+    max_seqlen_k: int
+    kv_index: torch.Tensor | None  # (total_k,) CP: keys among the gathered
+    # (`kernel` picks the path; every field is filled either way)
+
+    def model_inputs(self):
+        """What HF's forward gets: this rank's tokens, and the layout for our attention function."""
+        return dict(input_ids=self.ids[:, self.q_rows], position_ids=self.positions[:, self.q_rows],
+                    ppo_layout=self, use_cache=False)  # (B, T/cp) each
+
+
+# -----------------------------------------------------------------------------
+# Forward: microbatches of rows -> this rank's tokens (_layout, beside the attention above) ->
+# model -> this rank's head output -> per-token numbers in the trainer's (b, S) rows.
+
+def microbatches(seq_lens, cfg, mesh):
+    """Collective (every rank of dp): (rows, loss weight) of each microbatch, rows indexing
+    seq_lens, the same count on every dp rank: a rank with fewer runs dummies, row 0 again at
+    weight 0 (it changes nothing), so that FSDP's or DDP's collectives still match. Packing:
+    first-fit decreasing into rows of at most max_tokens_per_microbatch tokens; else
+    micro_batch_size rows at a time, longest first, so that each microbatch is padded to its own
+    longest row (_layout trims to it), not to the longest of the whole batch. Which rows share a
+    microbatch changes no loss: every loss is a sum over rows divided by global counts."""
+    if cfg.packing:
+        multiple = 2 * mesh["cp"].size() * mesh["tp"].size()
+        capacity = cfg.max_tokens_per_microbatch // multiple * multiple  # room left after padding
+        bins, room = [], []
+        for i in sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i]):  # longest first
+            if seq_lens[i] > capacity:
+                raise ValueError(f"a sequence of {seq_lens[i]} tokens does not fit "
+                                 f"max_tokens_per_microbatch={cfg.max_tokens_per_microbatch} "
+                                 f"(usable {capacity}: a multiple of 2*cp*tp={multiple}); raise it")
+            # the first bin with room, else a new one
+            fit = next((k for k in range(len(bins)) if room[k] >= seq_lens[i]), len(bins))
+            if fit == len(bins):
+                bins.append([])
+                room.append(capacity)
+            bins[fit].append(i)
+            room[fit] -= seq_lens[i]
+    else:
+        size = cfg.micro_batch_size
+        by_length = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
+        bins = [by_length[start:start + size] for start in range(0, len(seq_lens), size)]
+    count = torch.tensor([len(bins)], device=_device(mesh))
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mesh["dp"].get_group())  # collective over dp
+    return [(rows, 1.0) for rows in bins] + [([0], 0.0)] * (int(count) - len(bins))
+
+
+def to_device(values, device):
+    """torch.tensor(values) on `device`, without making the host wait: a copy from pageable memory
+    waits for every kernel queued before it, one from pinned memory with non_blocking does not."""
+    host = torch.tensor(values)
+    if device.type == "cuda":  # GPU only
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def _device(mesh):
+    """This rank's device on `mesh`: its GPU, or the CPU."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _group(mesh, dim):
+    """The process group of one mesh dim; None for a dim of size 1 (logprobs.py then skips it)."""
+    return mesh[dim].get_group() if mesh[dim].size() > 1 else None
+
+
+def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_entropy=False,
+                   unscored=0):
+    """Collective (every rank): per-token logprobs (b, S) under pi(.)^(1/temperature), and the
+    entropy if asked (else None), aligned as in train_ppo.py's docstring (0 at position 0). Four
+    steps: the rows' layout (this rank's tokens), the model (this rank's vocab shard of the logits
+    at its positions), token_logprobs (gathered over tp and cp), and back into the rows. Packing,
+    CP and TP stay inside. `unscored`: leading positions that no loss reads in any row, which the
+    LM head may skip (_skipped_by_lm_head: an optimization; 0 is the plain pass)."""
+    layout = _layout(input_ids, seq_lens, mesh, cfg)
+    skip = _skipped_by_lm_head(unscored, mesh, cfg)
+    # (B, T/cp - skip, V/tp): logits_to_keep counts positions from the end
+    logits = model(**layout.model_inputs(), logits_to_keep=layout.ids.shape[1] - skip).logits
+    if isinstance(logits, DTensor):  # tp > 1: this rank's vocab shard, never gathered
+        logits = logits.to_local()  # (B, T/cp - skip, V/tp)
+    # the logits are divided by the sampling temperature: pi/pi_old compares the distributions the
+    # engine sampled from (as NeMo-RL and verl do)
+    shards = dict(tp_group=_group(mesh, "tp"), cp_group=_group(mesh, "cp"),
+                  cu_seqlens=layout.cu_seqlens, chunk_size=cfg.logprob_chunk_size,
+                  temperature=temperature)
+    # the entropy (a metric, or the bonus with its gradient) from the logprobs' own softmax pass
+    out = token_logprobs(logits, layout.ids[:, skip:],
+                         with_entropy=with_entropy, **shards)  # (B, T - skip)
+    per_token = out if with_entropy else (out, None)
+    # back in the trainer's (b, S) rows, 0 at the skipped positions
+    return tuple(None if x is None else _unlayout(F.pad(x, (skip, 0)), layout, input_ids)
+                 for x in per_token)
+
+
+# -----------------------------------------------------------------------------
+# Attention: one function for every layout, registered with transformers' AttentionInterface as
+# "ppo" and selected by name at load time. "ppo" is in no mask registry, so the model builds no
+# mask of its own (it could not know our packing or zigzag order); the layout reaches us as forward
+# kwargs, which transformers 5.x hands down to this function untouched.
+
+def _layout(input_ids, seq_lens, mesh, cfg):
+    """What this rank feeds the model for (b, S) right-padded rows with seq_lens real tokens. Rows
+    (or the packed row) are padded to a multiple of 2*cp*tp: zigzag needs 2*cp equal chunks and
+    sequence parallel splits each cp share again over tp. Pad tokens (id 0) come after every real
+    token they could disturb and no loss reads them.
+
+    A worked example (_varlen_index's, checked by tests/test_model_parallel.py): packing, cp=2,
+    tp=1, two sequences a b c and d e f g h. They pack into one row of T=8 tokens (a multiple of
+    2*cp*tp=4: no padding tail; else the tail would be a document of its own):
+
+        ids        a b c d e f g h         cu_seqlens = [0 3 8]
+        positions  0 1 2 0 1 2 3 4         (RoPE sees each sequence as if alone)
+        docs       0 0 0 1 1 1 1 1
+        rank 0:  q_rows = [0 1 6 7]: the model gets a b g h at positions 0 1 3 4, q_docs [0 0 1 1]
+        rank 1:  q_rows = [2 3 4 5]: the model gets c d e f at positions 2 0 1 2, q_docs [0 1 1 1]
+        both:    kv_rows = [0 1 6 7 2 3 4 5], kv_docs = [0 0 1 1 0 1 1 1]"""
+    cp_size, cp_rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
+    multiple = 2 * cp_size * mesh["tp"].size()
+    device = _device(mesh)
+    # Every index below is made on the device or copied there without a host sync (to_device):
+    # the host keeps queueing the GPU's work. The rows' own longest, not the (b, S) batch's: a
+    # short microbatch costs what it holds.
+    input_ids = input_ids[:, :max(seq_lens)].to(device)  # (b, S')
+    if cfg.packing:
+        # one row: the sequences back to back, the padding tail as a document of its own
+        lens = [int(n) for n in seq_lens]
+        tail = -sum(lens) % multiple
+        pieces = [input_ids[k, :n] for k, n in enumerate(lens)] + [input_ids.new_zeros(tail)]
+        ids = torch.cat(pieces)[None]  # (1, T)
+        doc_lens = lens + [tail] if tail else lens
+        lengths = to_device(doc_lens, device)  # (docs,)
+        cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # (docs + 1,)
+        # its output size given: no sync
+        docs = torch.repeat_interleave(torch.arange(len(doc_lens), device=device), lengths,
+                                       output_size=ids.shape[1])[None]  # (1, T)
+        # position ids restart at 0 in each sequence: RoPE sees every sequence as if alone
+        positions = torch.arange(ids.shape[1], device=device)[None] - cu_seqlens[docs]  # (1, T)
+    else:
+        ids = F.pad(input_ids, (0, -input_ids.shape[1] % multiple))  # (b, T)
+        doc_lens = [ids.shape[1]]  # one document per row
+        cu_seqlens = None
+        docs = torch.zeros_like(ids)  # (b, T)
+        positions = torch.arange(ids.shape[1], device=device).expand_as(ids)  # (b, T)
+    # queries: this rank's zigzag share (chunks r, 2cp-1-r); keys: every share, all-gathered in
+    # rank order
+    q_rows = zigzag_positions(ids.shape[1], cp_size, cp_rank, device)  # (T/cp,)
+    kv_rows = torch.cat([zigzag_positions(ids.shape[1], cp_size, r, device)
+                         for r in range(cp_size)])  # (T,)
+    # (unpacked rows: their length is known only now; config.validate refused the worst case)
+    error = masked_attention_error(ids.shape[1], cp_size, ids.shape[0])
+    if cfg.attention == "masked" and error:
+        raise ValueError(error)
+    return Layout(ids=ids, positions=positions, seq_lens=to_device(list(seq_lens), device),
+                  cu_seqlens=cu_seqlens, kernel=_varlen_kernel(cfg, device),
+                  cp_group=_group(mesh, "cp"),
+                  q_rows=q_rows, kv_rows=kv_rows, q_docs=docs[:, q_rows], kv_docs=docs[:, kv_rows],
+                  **_varlen_index(doc_lens, ids.shape[0], ids.shape[1], cp_size, cp_rank, kv_rows))
+
+
+def _varlen_kernel(cfg, device):
+    """The layout's varlen kernel, once per forward: None for masked SDPA (attention=masked); on
+    CUDA in bf16 a flash kernel (it never looks at the masked-out blocks), flash-attn's if
+    installed, else torch's; else the reference, one SDPA per document."""
+    if cfg.attention != "varlen":
+        return None
+    flash = gpu_varlen_kernel() if device.type == "cuda" and cfg.dtype == "bf16" else None
+    return flash or varlen_attention_reference
+
+
+def _varlen_index(doc_lens, num_rows, row_len, cp_size, cp_rank, kv_rows):
+    """flash-attn's varlen arguments for this rank's queries: one segment per (row, zigzag chunk,
+    document) overlap, in the queries' local order. Each segment's keys run from its document's
+    start to its last query (bottom-right causal: the all-gather CP of Llama 3 and
+    TransformerEngine). Built on the host from Python ints: no device sync in any layer. kv_rows:
+    the row position of each gathered key (Layout.kv_rows).
+
+    A worked example (tests/test_model_parallel.py checks every number): cp=2, one packed row of
+    T=8 tokens holding documents of 3 and 5 tokens, cut into 2*cp=4 zigzag chunks of 2 tokens:
+
+        row position   0 1 2 3 4 5 6 7
+        document       0 0 0 1 1 1 1 1
+        chunk          0 0 1 1 2 2 3 3     rank 0 keeps chunks 0 and 3, rank 1 chunks 1 and 2
+        kv_rows = [0 1 6 7 2 3 4 5]        the keys as gathered: rank 0's share, then rank 1's
+
+    Rank 1 (q_rows = [2 3 4 5]): its chunks cut the documents into three segments
+
+        segment  (row, chunk, document)  queries (rows)  keys (rows)  keys' slots in kv_rows
+        0        (0, 1, 0)               2               0 1 2        0 1 4
+        1        (0, 1, 1)               3               3            5
+        2        (0, 2, 1)               4 5             3 4 5        5 6 7
+
+        cu_seqlens_q = [0 1 2 4], cu_seqlens_k = [0 3 4 7], max_seqlen_q = 2, max_seqlen_k = 3,
+        kv_index = [0 1 4 5 5 6 7]         the slots, segment after segment (+ row * T)
+
+    Segment 2's queries are the last 2 of its 3 keys (bottom-right): row 4 sees 3 4, row 5 sees
+    3 4 5. Segments 1 and 2 both read key 3: keys may repeat across segments, queries never do.
+    Rank 0 (q_rows = [0 1 6 7]) has two segments, (0, 0, 0) with keys 0 1 and (0, 3, 1) with keys
+    3..7: cu_seqlens_q = [0 2 4], cu_seqlens_k = [0 2 7], max_seqlen_q = 2, max_seqlen_k = 5,
+    kv_index = [0 1 5 6 7 2 3]. With cp=1 a segment is a whole document and kv_index is None."""
+    doc_starts = [sum(doc_lens[:d]) for d in range(len(doc_lens))]
+    chunk = row_len // (2 * cp_size)
+    if cp_size == 1:
+        chunks = [(0, row_len)]
+    else:  # zigzag: chunk r, then 2cp-1-r
+        chunks = [(c * chunk, (c + 1) * chunk) for c in (cp_rank, 2 * cp_size - 1 - cp_rank)]
+    q_lens = []  # the queries of each segment
+    # (row, first key, end) of each segment's keys, in row positions
+    k_spans = []
+    for row in range(num_rows):
+        for lo, hi in chunks:
+            for start, n in zip(doc_starts, doc_lens):
+                first, end = max(lo, start), min(hi, start + n)
+                if first < end:
+                    q_lens.append(end - first)
+                    k_spans.append((row, start, end))
+    k_lens = [end - start for _, start, end in k_spans]
+    kv_index = None  # cp = 1: the segments' keys are the keys, in order
+    # the gathered keys are in rank order: row position p sits at slot[p] (kv_rows is a permutation
+    # of the row positions; its argsort is the inverse permutation)
+    if cp_size > 1:
+        slot = kv_rows.argsort()  # (T,)
+        kv_index = torch.cat([row * row_len + slot[start:end]
+                              for row, start, end in k_spans])  # (total_k,)
+
+    def boundaries(lens):  # segment lengths -> (segments + 1,) int32 offsets
+        return to_device([0, *itertools.accumulate(lens)], kv_rows.device).to(torch.int32)
+
+    return dict(cu_seqlens_q=boundaries(q_lens), cu_seqlens_k=boundaries(k_lens),
+                max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), kv_index=kv_index)
+
+
+def _skipped_by_lm_head(unscored, mesh, cfg):
+    """How many leading positions the LM head skips in forward_policy. `unscored`: the positions
+    that no loss reads in any row (the shortest prompt); the logits at unscored - 1 predict the
+    first scored token, so the head need not run before it (docs/performance.md: the no-grad phase
+    11.9 -> 10.5 s). Only where a rank's positions are its rows' (cp=1, no packing, no SP);
+    elsewhere 0, the plain pass."""
+    plain_rows = mesh["cp"].size() == 1 and not (cfg.packing or cfg.sequence_parallel)
+    return max(unscored - 1, 0) if plain_rows else 0
+
+
+def ppo_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                  sliding_window=None, *, ppo_layout, **unused):
+    """Collective over cp (every cp rank, each layer): causal attention within each packed document,
+    over this rank's zigzag share of queries and every key. query: (B, Hq/tp, T/cp, D); key, value:
+    (B, Hkv/tp, T/cp, D). `ppo_layout` (a Layout, built once per forward by _layout) says which
+    kernel and holds its index tensors. `sliding_window`: passed by HF for windowed layers (None
+    elsewhere). Dropout is not supported (PPO runs without); attention_mask is None ("ppo" builds
+    none)."""
+    # all-gather CP (Llama 3's choice): K and V are small under GQA
+    if ppo_layout.cp_group is not None:
+        key = _GatherSeq.apply(key, ppo_layout.cp_group)  # (B, Hkv/tp, T, D)
+        value = _GatherSeq.apply(value, ppo_layout.cp_group)  # (B, Hkv/tp, T, D)
+    attend = _masked_attention if ppo_layout.kernel is None else _varlen_attention
+    return (attend(query, key, value, scaling, sliding_window, ppo_layout),
+            None)  # no attention weights
+
+
+AttentionInterface.register("ppo", ppo_attention)
+
+
+def _masked_attention(query, key, value, scaling, sliding_window, layout):
+    """SDPA with an explicit (B, T/cp, T) mask: a key is visible if it is in the query's document
+    and not in its future, counted in row positions (zigzag order is irrelevant once every token
+    carries its index). O(T^2) memory per row; exact in fp32."""
+    q_rows, kv_rows, q_docs, kv_docs = layout.q_rows, layout.kv_rows, layout.q_docs, layout.kv_docs
+    same_doc = q_docs[:, :, None] == kv_docs[:, None, :]  # (B, T/cp, T)
+    not_future = kv_rows[None, None, :] <= q_rows[None, :, None]  # (1, T/cp, T)
+    mask = same_doc & not_future  # (B, T/cp, T)
+    if sliding_window:
+        # only the last `sliding_window` keys, the query's own included: HF's convention
+        # (masking_utils.sliding_window_overlay, kv_idx > q_idx - sliding_window) for Gemma3's
+        # local layers and every Mistral layer
+        mask &= kv_rows[None, None, :] > q_rows[None, :, None] - sliding_window  # (B, T/cp, T)
+    out = masked_sdpa(query, key, value, mask[:, None], scaling)  # (B, Hq/tp, T/cp, D)
+    return out.transpose(1, 2)  # (B, T/cp, Hq/tp, D)
+
+
+def masked_sdpa(query, key, value, mask, scale, is_causal=False):
+    """SDPA with an explicit mask. query: (..., Hq, Lq, D); key, value: (..., Hkv, Lk, D), Hkv
+    dividing Hq (grouped-query attention). Each KV head is copied out to its Hq/Hkv query heads
+    first: on a GPU, flash attention refuses an explicit mask and the memory-efficient kernel
+    refuses fewer KV heads than query heads, so a mask with enable_gqa=True runs the math kernel,
+    O(Lq * Lk) memory a head (torch's sdp_utils). transformers copies them for the same reason
+    (integrations/sdpa_attention.py). The copy is O(Lk) a head, the kernel's saving O(Lq * Lk).
+    mask=None with is_causal=True: causal attention with no mask, which flash accepts."""
+    groups = query.shape[-3] // key.shape[-3]
+    key = key.repeat_interleave(groups, -3)  # (..., Hq, Lk, D)
+    value = value.repeat_interleave(groups, -3)  # (..., Hq, Lk, D)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                          is_causal=is_causal)
+
+
+def _unlayout(per_token, layout, like):
+    """(B, T) per-token numbers back in the trainer's (b, S) right-padded rows, on `like`'s
+    device."""
+    seq_len = like.shape[1]
+    if layout.cu_seqlens is None:  # zero past each row's end, as unpacking does
+        # the layout was trimmed to the rows' longest, then padded: back to the batch's width
+        per_token = F.pad(per_token[:, :seq_len],
+                          (0, seq_len - min(seq_len, per_token.shape[1])))  # (b, S)
+        valid = (torch.arange(seq_len, device=per_token.device)[None]
+                 < layout.seq_lens[:, None])  # (b, S)
+        return (per_token * valid).to(like.device)  # (b, S)
+    sequences = layout.cu_seqlens[: len(layout.seq_lens) + 1]  # (b + 1,) without the padding tail
+    return unpack_packed(per_token, sequences, seq_len).to(like.device)  # (b, S)
+
+
+# The reference pass: the initial policy's shards (snapshot_weights keeps them, in the part on
+# the reference policy below) swapped into the live module, and back.
+
+# -----------------------------------------------------------------------------
+# Reference policy: the initial policy's shards in host memory, swapped into the live module for
+# the reference forward (one model in memory, no second FSDP module to shard and keep in sync);
+# and the optimizer's state, moved to host memory while the engine generates.
+
+def _local(param):
+    return param.to_local() if isinstance(param, DTensor) else param  # this rank's shard
+
+
+def reshard(model):
+    """Back to sharded parameters. FSDP2 leaves the root gathered after a forward (its parameters
+    are needed again at once in backward), and while gathered the module holds the full tensors."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _host_copies(tensors, dtype=None):
+    """Copies of `tensors` (all of one dtype) in host memory, in `dtype` (default theirs), as views
+    into one flat buffer, pinned on a GPU machine (copies to and from the GPU go faster and
+    asynchronously).
+    One buffer a set, not one a tensor: torch's caching host allocator rounds every pinned
+    allocation up to a power of two, which per shard came to ~1.9x the bytes at 7B over 8 GPUs;
+    per set the rounding is paid once (bench/memory_model.py counts it)."""
+    dtype = dtype or tensors[0].dtype
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device="cpu",
+                       pin_memory=torch.cuda.is_available())  # (elements of the whole set,)
+    views = flat.split([t.numel() for t in tensors])  # one view of the buffer a tensor
+    # blocking copies: from a GPU, non_blocking=True returns before the bytes have landed, and the
+    # host may read these at once (a checkpoint of offloaded moments)
+    return [view.view(t.shape).copy_(t) for view, t in zip(views, tensors)]
+
+
+@contextlib.contextmanager
+def swapped_weights(model, snapshot):
+    """Within the block, `model` computes with the snapshot's weights; afterwards the live weights
+    are back exactly. The live shards are parked meanwhile in host memory allocated at the first
+    swap and reused (no allocation per step): three copies of the rank's shards a swap (out, in,
+    back). (Plain CPU tensors, as under data_parallel=ddp, could trade storage with the snapshot
+    instead, 0.33 s faster a swap at 135M in fp32: not done, for one path that every mesh runs.)"""
+    # a gathered FSDP2 module shows plain full tensors, not its shards
+    reshard(model)
+    live = {name: _local(param).detach() for name, param in model.named_parameters()}
+    weights, parked = snapshot["weights"], snapshot["parked"]
+    if not parked:  # host memory allocated at the first swap, then reused
+        parked.update(zip(live, _host_copies(list(live.values()))))
+    else:
+        for name, tensor in live.items():
+            parked[name].copy_(tensor)  # blocking, as in _host_copies
+    _copy_into(model, weights)
+    try:
+        yield model
+    finally:
+        _copy_into(model, parked)
+
+
+def _copy_into(model, weights):
+    reshard(model)  # and the next forward gathers the shards we write now
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            _local(param).copy_(weights[name], non_blocking=True)
+
+
+def forward_critic(critic, input_ids, seq_lens, mesh, cfg, shift=True):
+    """Collective (every rank): values (b, S), right-shifted: values[:, i] = V(x_<i) =
+    head(hidden[:, i-1]), 0 at position 0 (and at packed sequence starts, which see no earlier token
+    of their own). shift=False: forward_reward_model's unshifted read."""
+    layout = _layout(input_ids, seq_lens, mesh, cfg)
+    # the one-output head stands where lm_head was (_on_meta): HF returns its output as `.logits`
+    values = critic(**layout.model_inputs()).logits[..., 0].float()  # (B, T/cp)
+    # collective over cp, natural order
+    values = cp_gather(values, _group(mesh, "cp"), dim=1)  # (B, T)
+    if shift:  # the shift crosses zigzag chunks: after the gather
+        values = shift_right(values, layout.cu_seqlens)  # (B, T)
+    return _unlayout(values, layout, input_ids)  # (b, S)
+
+
+class ValueHead(torch.nn.Linear):
+    """The critic's Linear(hidden, 1), computed as x @ w.T + b in two ops: F.linear's fused addmm
+    on 3-D input returns a view, and FSDP2 warns about (and cannot hook in-place ops on) views."""
+
+    def forward(self, hidden):  # (B, T/cp, hidden) -> (B, T/cp, 1)
+        return F.linear(hidden, self.weight) + self.bias
+
+
+def sync_gradients(model, sync):
+    """DDP: all-reduce in the next backward only if `sync` (a minibatch's last microbatch): each
+    all-reduce sums all gradients accumulated so far. (FSDP2 reduces each backward's own.)"""
+    if isinstance(model, DDP):
+        model.set_requires_gradient_sync(sync)
+
+
+# -----------------------------------------------------------------------------
+# Global grad norm: sqrt of the sum of squares of every gradient element exactly once.
+
+def clip_grad_norm(params, max_norm):
+    """Collective (every rank): clip the gradients of `params` in place to a global L2 norm of
+    max_norm; return the norm before clipping, a 0-dim tensor. A DTensor's local squares are
+    summed over the mesh dims it is sharded on, never over those it is replicated on (that would
+    count the copies); a plain tensor is a full copy on every rank. Works for any mix of meshes
+    (FSDP only, FSDP x TP, the value head)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    # process groups to sum over -> sum of squares of the local elements
+    by_groups = {}
+    for grad in grads:
+        # per row, then summed: one pass, no squared copy; a single fp32 running sum over a whole
+        # 28M-element gradient would drift by ~3e-3 (bench/ddp_update.py)
+        sq = torch.linalg.vector_norm(_local(grad), dim=-1,
+                                      dtype=torch.float32).square().sum()  # ()
+        groups = ()
+        if isinstance(grad, DTensor):
+            if any(p.is_partial() for p in grad.placements):
+                raise ValueError("a gradient is still a pending sum (Partial): "
+                                 "call after backward completes")
+            # Shard or FSDP-over-TP's _StridedShard: any split that is not a replica
+            groups = tuple(grad.device_mesh.get_group(dim) for dim, p in enumerate(grad.placements)
+                           if not p.is_replicate())
+            sq = sq.to(_device(grad.device_mesh))  # the collective's device (offloaded grads: CPU)
+        by_groups[groups] = by_groups.get(groups, 0) + sq
+    # the same order on every rank: parameters come in order
+    for groups, sq in by_groups.items():
+        for group in groups:
+            dist.all_reduce(sq, group=group)  # collective: the other shards'
+    norm = torch.stack(list(by_groups.values())).sum().sqrt() if grads else torch.zeros(())
+    if max_norm > 0:  # 0 = no clipping, only the norm
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        scales = {_local(g).device: scale.to(_local(g).device)
+                  for g in grads}  # one copy per device
+        for grad in grads:
+            _local(grad).mul_(scales[_local(grad).device])
+    return norm  # () on the device: the caller reads it when it must (the NaN check), once
+
+
+# -----------------------------------------------------------------------------
+# Full weights: refit of the rollout engine and HF export.
+
+def _gathered(param, dtype=None):
+    """Collective over the param's mesh: its full tensor in `dtype` (None: its own), cast before the
+    all-gather (half the bytes for bf16)."""
+    if isinstance(param, DTensor):
+        # the mesh's device (an offloaded shard lives on CPU); the cast keeps the placements
+        return param.to(_device(param.device_mesh)).to(dtype or param.dtype).full_tensor()
+    return param.detach().to(dtype or param.dtype)
+
+
+def _hf_params(model):
+    """(name, parameter) of what an HF checkpoint of the model holds: all but LoRA's adapters."""
+    return [(name, p) for name, p in model.named_parameters() if not name.endswith(ADAPTERS)]
+
+
+def iter_full_params(model, dtype=None):
+    """Collective (every rank, to the end): yield (name, full tensor) per parameter, named as in the
+    HF checkpoint (FSDP2 and TP keep module names; a tied lm_head appears once, as embed_tokens,
+    like in the file), in `dtype` (None: the parameter's). One full tensor alive at a time. Each
+    shard is cast *before* the all-gather: a bf16 engine or export receives half the bytes of the
+    fp32 master weights (7B: ~15 GB a rank a refit, not ~30), and no fp32 full tensor is ever
+    built. Under LoRA a target's weight arrives merged, W + s B A, summed in fp32 from the gathered
+    base and adapters and then cast: a new tensor, the base itself is never written (a merge and
+    unmerge in place, in bf16, would round the frozen weights: ms-swift #10154)."""
+    # every rank sees the same sharded parameters, hence the same collectives
+    reshard(model)
+    modules = dict(model.named_modules())
+    for name, param in _hf_params(model):
+        module = modules[name.rpartition(".")[0]]
+        with torch.no_grad():
+            if isinstance(module, LoRALinear) and name.endswith(".weight"):
+                delta = (_gathered(module.lora_B) @ _gathered(module.lora_A)
+                         * module.lora_scale)  # fp32
+                full = (_gathered(param).float() + delta).to(dtype or param.dtype)
+            else:
+                full = _gathered(param, dtype)
+        yield name, full
+
+
+# -----------------------------------------------------------------------------
+# Beyond one step: what a first reading skips.
+
+# -----------------------------------------------------------------------------
 # Distributed set-up: one code path for `python train_ppo.py` (a world of one) and torchrun.
 
 def init_distributed(timeout_s=1800):
@@ -126,32 +651,10 @@ def release_mesh(mesh):
     mesh._pg_registry.clear()
 
 
-def _group(mesh, dim):
-    """The process group of one mesh dim; None for a dim of size 1 (logprobs.py then skips it)."""
-    return mesh[dim].get_group() if mesh[dim].size() > 1 else None
-
-
-def _device(mesh):
-    """This rank's device on `mesh`: its GPU, or the CPU."""
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def to_device(values, device):
-    """torch.tensor(values) on `device`, without making the host wait: a copy from pageable memory
-    waits for every kernel queued before it, one from pinned memory with non_blocking does not."""
-    host = torch.tensor(values)
-    if device.type == "cuda":  # GPU only
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
-
-
 # -----------------------------------------------------------------------------
-# Attention: one function for every layout, registered with transformers' AttentionInterface as
-# "ppo" and selected by name at load time. "ppo" is in no mask registry, so the model builds no
-# mask of its own (it could not know our packing or zigzag order); the layout reaches us as forward
-# kwargs, which transformers 5.x hands down to this function untouched.
+# The attention's other paths: CP's all-gather of K and V (its backward reduce-scatters their
+# gradients), and the varlen kernels (flash-attn's or torch's on a GPU, a PyTorch stand-in on
+# CPU) with the packed rows' unpacking.
 
 class _GatherSeq(torch.autograd.Function):
     """All-gather K or V over cp along the sequence dim (2). Backward reduce-scatters: every cp
@@ -173,19 +676,24 @@ class _GatherSeq(torch.autograd.Function):
         return out.movedim(0, 2), None  # (B, H, S/cp, D)
 
 
-def masked_sdpa(query, key, value, mask, scale, is_causal=False):
-    """SDPA with an explicit mask. query: (..., Hq, Lq, D); key, value: (..., Hkv, Lk, D), Hkv
-    dividing Hq (grouped-query attention). Each KV head is copied out to its Hq/Hkv query heads
-    first: on a GPU, flash attention refuses an explicit mask and the memory-efficient kernel
-    refuses fewer KV heads than query heads, so a mask with enable_gqa=True runs the math kernel,
-    O(Lq * Lk) memory a head (torch's sdp_utils). transformers copies them for the same reason
-    (integrations/sdpa_attention.py). The copy is O(Lk) a head, the kernel's saving O(Lq * Lk).
-    mask=None with is_causal=True: causal attention with no mask, which flash accepts."""
-    groups = query.shape[-3] // key.shape[-3]
-    key = key.repeat_interleave(groups, -3)  # (..., Hq, Lk, D)
-    value = value.repeat_interleave(groups, -3)  # (..., Hq, Lk, D)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
-                                          is_causal=is_causal)
+def _varlen_attention(query, key, value, scaling, sliding_window, layout):
+    """The same attention through the varlen contract: tokens flattened to (tokens, heads, dim), one
+    causal segment per (row, zigzag chunk, document), through the layout's kernel
+    (_varlen_kernel)."""
+    batch, heads, local_len, dim = query.shape  # query: (B, Hq/tp, T/cp, D)
+    q = query.transpose(1, 2).reshape(batch * local_len, heads, dim)  # (B*T/cp, Hq/tp, D)
+    k = key.transpose(1, 2).flatten(0, 1)  # (B*T, Hkv/tp, D)  (gathered order under CP)
+    v = value.transpose(1, 2).flatten(0, 1)  # (B*T, Hkv/tp, D)
+    if layout.kv_index is not None:  # CP: each segment's keys
+        k = k[layout.kv_index]  # (total_k, Hkv/tp, D)
+        v = v[layout.kv_index]  # (total_k, Hkv/tp, D)
+    # flash-attn's left window counts the keys before the query's own: HF's `sliding_window` keys,
+    # the query's included, are sliding_window - 1 back (the masked path's convention)
+    window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+    out = layout.kernel(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_k, layout.max_seqlen_q,
+                 layout.max_seqlen_k, softmax_scale=scaling, causal=True,
+                 window_size=window)  # (B*T/cp, Hq/tp, D)
+    return out.view(batch, local_len, heads, dim)  # (B, T/cp, Hq/tp, D)
 
 
 def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -258,174 +766,11 @@ def gpu_varlen_kernel():
     return flash_attn_varlen_func or (torch_varlen_attention if torch_has_it else None)
 
 
-def _varlen_kernel(cfg, device):
-    """The layout's varlen kernel, once per forward: None for masked SDPA (attention=masked); on
-    CUDA in bf16 a flash kernel (it never looks at the masked-out blocks), flash-attn's if
-    installed, else torch's; else the reference, one SDPA per document."""
-    if cfg.attention != "varlen":
-        return None
-    flash = gpu_varlen_kernel() if device.type == "cuda" and cfg.dtype == "bf16" else None
-    return flash or varlen_attention_reference
-
-
 def gpu_kernel_name():
     """The name of gpu_varlen_kernel()'s kernel, None if there is none (config.resolve_auto)."""
     kernel = gpu_varlen_kernel()
     return {None: None,
             torch_varlen_attention: "torch varlen_attn"}.get(kernel, "flash-attn varlen")
-
-
-@dataclass
-class Layout:
-    """Where each token of this rank's rows sits: built once per forward (_layout) for every layer's
-    attention and for _unlayout. B rows (one if packed) of T tokens, padded to a multiple of
-    2*cp*tp; this rank's queries are the tokens at q_rows (its zigzag share), its keys all T."""
-    ids: torch.Tensor  # (B, T) every token of the rows
-    positions: torch.Tensor  # (B, T) restarting at 0 in each packed sequence
-    seq_lens: torch.Tensor  # (b,) real tokens of each sequence
-    # packed: (documents + 1,) boundaries of the sequences (and of the padding tail); else None
-    cu_seqlens: torch.Tensor | None
-    # the varlen kernel, chosen once per forward for every layer (_varlen_kernel); None: masked SDPA
-    kernel: object
-    cp_group: dist.ProcessGroup | None  # K, V all-gathered over it (None: cp=1)
-    # masked SDPA reads these four: each query's and key's row position and document
-    q_rows: torch.Tensor  # (T/cp,) this rank's zigzag share
-    kv_rows: torch.Tensor  # (T,) every share, in rank order (gathered)
-    q_docs: torch.Tensor  # (B, T/cp) 0 throughout an unpacked row
-    kv_docs: torch.Tensor  # (B, T)
-    # the varlen kernels read these five, flash-attn's contract (see _varlen_index)
-    cu_seqlens_q: torch.Tensor  # (segments + 1,) int32 query boundaries
-    cu_seqlens_k: torch.Tensor  # (segments + 1,) int32 key boundaries
-    max_seqlen_q: int
-    max_seqlen_k: int
-    kv_index: torch.Tensor | None  # (total_k,) CP: keys among the gathered
-    # (`kernel` picks the path; every field is filled either way)
-
-    def model_inputs(self):
-        """What HF's forward gets: this rank's tokens, and the layout for our attention function."""
-        return dict(input_ids=self.ids[:, self.q_rows], position_ids=self.positions[:, self.q_rows],
-                    ppo_layout=self, use_cache=False)  # (B, T/cp) each
-
-
-def _varlen_index(doc_lens, num_rows, row_len, cp_size, cp_rank, kv_rows):
-    """flash-attn's varlen arguments for this rank's queries: one segment per (row, zigzag chunk,
-    document) overlap, in the queries' local order. Each segment's keys run from its document's
-    start to its last query (bottom-right causal: the all-gather CP of Llama 3 and
-    TransformerEngine). Built on the host from Python ints: no device sync in any layer. kv_rows:
-    the row position of each gathered key (Layout.kv_rows).
-
-    A worked example (tests/test_model_parallel.py checks every number): cp=2, one packed row of
-    T=8 tokens holding documents of 3 and 5 tokens, cut into 2*cp=4 zigzag chunks of 2 tokens:
-
-        row position   0 1 2 3 4 5 6 7
-        document       0 0 0 1 1 1 1 1
-        chunk          0 0 1 1 2 2 3 3     rank 0 keeps chunks 0 and 3, rank 1 chunks 1 and 2
-        kv_rows = [0 1 6 7 2 3 4 5]        the keys as gathered: rank 0's share, then rank 1's
-
-    Rank 1 (q_rows = [2 3 4 5]): its chunks cut the documents into three segments
-
-        segment  (row, chunk, document)  queries (rows)  keys (rows)  keys' slots in kv_rows
-        0        (0, 1, 0)               2               0 1 2        0 1 4
-        1        (0, 1, 1)               3               3            5
-        2        (0, 2, 1)               4 5             3 4 5        5 6 7
-
-        cu_seqlens_q = [0 1 2 4], cu_seqlens_k = [0 3 4 7], max_seqlen_q = 2, max_seqlen_k = 3,
-        kv_index = [0 1 4 5 5 6 7]         the slots, segment after segment (+ row * T)
-
-    Segment 2's queries are the last 2 of its 3 keys (bottom-right): row 4 sees 3 4, row 5 sees
-    3 4 5. Segments 1 and 2 both read key 3: keys may repeat across segments, queries never do.
-    Rank 0 (q_rows = [0 1 6 7]) has two segments, (0, 0, 0) with keys 0 1 and (0, 3, 1) with keys
-    3..7: cu_seqlens_q = [0 2 4], cu_seqlens_k = [0 2 7], max_seqlen_q = 2, max_seqlen_k = 5,
-    kv_index = [0 1 5 6 7 2 3]. With cp=1 a segment is a whole document and kv_index is None."""
-    doc_starts = [sum(doc_lens[:d]) for d in range(len(doc_lens))]
-    chunk = row_len // (2 * cp_size)
-    if cp_size == 1:
-        chunks = [(0, row_len)]
-    else:  # zigzag: chunk r, then 2cp-1-r
-        chunks = [(c * chunk, (c + 1) * chunk) for c in (cp_rank, 2 * cp_size - 1 - cp_rank)]
-    q_lens = []  # the queries of each segment
-    # (row, first key, end) of each segment's keys, in row positions
-    k_spans = []
-    for row in range(num_rows):
-        for lo, hi in chunks:
-            for start, n in zip(doc_starts, doc_lens):
-                first, end = max(lo, start), min(hi, start + n)
-                if first < end:
-                    q_lens.append(end - first)
-                    k_spans.append((row, start, end))
-    k_lens = [end - start for _, start, end in k_spans]
-    kv_index = None  # cp = 1: the segments' keys are the keys, in order
-    # the gathered keys are in rank order: row position p sits at slot[p] (kv_rows is a permutation
-    # of the row positions; its argsort is the inverse permutation)
-    if cp_size > 1:
-        slot = kv_rows.argsort()  # (T,)
-        kv_index = torch.cat([row * row_len + slot[start:end]
-                              for row, start, end in k_spans])  # (total_k,)
-
-    def boundaries(lens):  # segment lengths -> (segments + 1,) int32 offsets
-        return to_device([0, *itertools.accumulate(lens)], kv_rows.device).to(torch.int32)
-
-    return dict(cu_seqlens_q=boundaries(q_lens), cu_seqlens_k=boundaries(k_lens),
-                max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), kv_index=kv_index)
-
-
-def _layout(input_ids, seq_lens, mesh, cfg):
-    """What this rank feeds the model for (b, S) right-padded rows with seq_lens real tokens. Rows
-    (or the packed row) are padded to a multiple of 2*cp*tp: zigzag needs 2*cp equal chunks and
-    sequence parallel splits each cp share again over tp. Pad tokens (id 0) come after every real
-    token they could disturb and no loss reads them.
-
-    A worked example (_varlen_index's, checked by tests/test_model_parallel.py): packing, cp=2,
-    tp=1, two sequences a b c and d e f g h. They pack into one row of T=8 tokens (a multiple of
-    2*cp*tp=4: no padding tail; else the tail would be a document of its own):
-
-        ids        a b c d e f g h         cu_seqlens = [0 3 8]
-        positions  0 1 2 0 1 2 3 4         (RoPE sees each sequence as if alone)
-        docs       0 0 0 1 1 1 1 1
-        rank 0:  q_rows = [0 1 6 7]: the model gets a b g h at positions 0 1 3 4, q_docs [0 0 1 1]
-        rank 1:  q_rows = [2 3 4 5]: the model gets c d e f at positions 2 0 1 2, q_docs [0 1 1 1]
-        both:    kv_rows = [0 1 6 7 2 3 4 5], kv_docs = [0 0 1 1 0 1 1 1]"""
-    cp_size, cp_rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
-    multiple = 2 * cp_size * mesh["tp"].size()
-    device = _device(mesh)
-    # Every index below is made on the device or copied there without a host sync (to_device):
-    # the host keeps queueing the GPU's work. The rows' own longest, not the (b, S) batch's: a
-    # short microbatch costs what it holds.
-    input_ids = input_ids[:, :max(seq_lens)].to(device)  # (b, S')
-    if cfg.packing:
-        # one row: the sequences back to back, the padding tail as a document of its own
-        lens = [int(n) for n in seq_lens]
-        tail = -sum(lens) % multiple
-        pieces = [input_ids[k, :n] for k, n in enumerate(lens)] + [input_ids.new_zeros(tail)]
-        ids = torch.cat(pieces)[None]  # (1, T)
-        doc_lens = lens + [tail] if tail else lens
-        lengths = to_device(doc_lens, device)  # (docs,)
-        cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # (docs + 1,)
-        # its output size given: no sync
-        docs = torch.repeat_interleave(torch.arange(len(doc_lens), device=device), lengths,
-                                       output_size=ids.shape[1])[None]  # (1, T)
-        # position ids restart at 0 in each sequence: RoPE sees every sequence as if alone
-        positions = torch.arange(ids.shape[1], device=device)[None] - cu_seqlens[docs]  # (1, T)
-    else:
-        ids = F.pad(input_ids, (0, -input_ids.shape[1] % multiple))  # (b, T)
-        doc_lens = [ids.shape[1]]  # one document per row
-        cu_seqlens = None
-        docs = torch.zeros_like(ids)  # (b, T)
-        positions = torch.arange(ids.shape[1], device=device).expand_as(ids)  # (b, T)
-    # queries: this rank's zigzag share (chunks r, 2cp-1-r); keys: every share, all-gathered in
-    # rank order
-    q_rows = zigzag_positions(ids.shape[1], cp_size, cp_rank, device)  # (T/cp,)
-    kv_rows = torch.cat([zigzag_positions(ids.shape[1], cp_size, r, device)
-                         for r in range(cp_size)])  # (T,)
-    # (unpacked rows: their length is known only now; config.validate refused the worst case)
-    error = masked_attention_error(ids.shape[1], cp_size, ids.shape[0])
-    if cfg.attention == "masked" and error:
-        raise ValueError(error)
-    return Layout(ids=ids, positions=positions, seq_lens=to_device(list(seq_lens), device),
-                  cu_seqlens=cu_seqlens, kernel=_varlen_kernel(cfg, device),
-                  cp_group=_group(mesh, "cp"),
-                  q_rows=q_rows, kv_rows=kv_rows, q_docs=docs[:, q_rows], kv_docs=docs[:, kv_rows],
-                  **_varlen_index(doc_lens, ids.shape[0], ids.shape[1], cp_size, cp_rank, kv_rows))
 
 
 def unpack_packed(packed, cu_seqlens, seq_len):
@@ -440,78 +785,6 @@ def unpack_packed(packed, cu_seqlens, seq_len):
     valid = offsets[None, :] < lengths[:, None]  # (n, S)
     index = (starts[:, None] + offsets[None, :]).clamp(max=packed.shape[1] - 1)  # (n, S)
     return packed[0][index].masked_fill(~valid, 0)  # (n, S)
-
-
-def _unlayout(per_token, layout, like):
-    """(B, T) per-token numbers back in the trainer's (b, S) right-padded rows, on `like`'s
-    device."""
-    seq_len = like.shape[1]
-    if layout.cu_seqlens is None:  # zero past each row's end, as unpacking does
-        # the layout was trimmed to the rows' longest, then padded: back to the batch's width
-        per_token = F.pad(per_token[:, :seq_len],
-                          (0, seq_len - min(seq_len, per_token.shape[1])))  # (b, S)
-        valid = (torch.arange(seq_len, device=per_token.device)[None]
-                 < layout.seq_lens[:, None])  # (b, S)
-        return (per_token * valid).to(like.device)  # (b, S)
-    sequences = layout.cu_seqlens[: len(layout.seq_lens) + 1]  # (b + 1,) without the padding tail
-    return unpack_packed(per_token, sequences, seq_len).to(like.device)  # (b, S)
-
-
-def _masked_attention(query, key, value, scaling, sliding_window, layout):
-    """SDPA with an explicit (B, T/cp, T) mask: a key is visible if it is in the query's document
-    and not in its future, counted in row positions (zigzag order is irrelevant once every token
-    carries its index). O(T^2) memory per row; exact in fp32."""
-    q_rows, kv_rows, q_docs, kv_docs = layout.q_rows, layout.kv_rows, layout.q_docs, layout.kv_docs
-    same_doc = q_docs[:, :, None] == kv_docs[:, None, :]  # (B, T/cp, T)
-    not_future = kv_rows[None, None, :] <= q_rows[None, :, None]  # (1, T/cp, T)
-    mask = same_doc & not_future  # (B, T/cp, T)
-    if sliding_window:
-        # only the last `sliding_window` keys, the query's own included: HF's convention
-        # (masking_utils.sliding_window_overlay, kv_idx > q_idx - sliding_window) for Gemma3's
-        # local layers and every Mistral layer
-        mask &= kv_rows[None, None, :] > q_rows[None, :, None] - sliding_window  # (B, T/cp, T)
-    out = masked_sdpa(query, key, value, mask[:, None], scaling)  # (B, Hq/tp, T/cp, D)
-    return out.transpose(1, 2)  # (B, T/cp, Hq/tp, D)
-
-
-def _varlen_attention(query, key, value, scaling, sliding_window, layout):
-    """The same attention through the varlen contract: tokens flattened to (tokens, heads, dim), one
-    causal segment per (row, zigzag chunk, document), through the layout's kernel
-    (_varlen_kernel)."""
-    batch, heads, local_len, dim = query.shape  # query: (B, Hq/tp, T/cp, D)
-    q = query.transpose(1, 2).reshape(batch * local_len, heads, dim)  # (B*T/cp, Hq/tp, D)
-    k = key.transpose(1, 2).flatten(0, 1)  # (B*T, Hkv/tp, D)  (gathered order under CP)
-    v = value.transpose(1, 2).flatten(0, 1)  # (B*T, Hkv/tp, D)
-    if layout.kv_index is not None:  # CP: each segment's keys
-        k = k[layout.kv_index]  # (total_k, Hkv/tp, D)
-        v = v[layout.kv_index]  # (total_k, Hkv/tp, D)
-    # flash-attn's left window counts the keys before the query's own: HF's `sliding_window` keys,
-    # the query's included, are sliding_window - 1 back (the masked path's convention)
-    window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
-    out = layout.kernel(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_k, layout.max_seqlen_q,
-                 layout.max_seqlen_k, softmax_scale=scaling, causal=True,
-                 window_size=window)  # (B*T/cp, Hq/tp, D)
-    return out.view(batch, local_len, heads, dim)  # (B, T/cp, Hq/tp, D)
-
-
-def ppo_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                  sliding_window=None, *, ppo_layout, **unused):
-    """Collective over cp (every cp rank, each layer): causal attention within each packed document,
-    over this rank's zigzag share of queries and every key. query: (B, Hq/tp, T/cp, D); key, value:
-    (B, Hkv/tp, T/cp, D). `ppo_layout` (a Layout, built once per forward by _layout) says which
-    kernel and holds its index tensors. `sliding_window`: passed by HF for windowed layers (None
-    elsewhere). Dropout is not supported (PPO runs without); attention_mask is None ("ppo" builds
-    none)."""
-    # all-gather CP (Llama 3's choice): K and V are small under GQA
-    if ppo_layout.cp_group is not None:
-        key = _GatherSeq.apply(key, ppo_layout.cp_group)  # (B, Hkv/tp, T, D)
-        value = _GatherSeq.apply(value, ppo_layout.cp_group)  # (B, Hkv/tp, T, D)
-    attend = _masked_attention if ppo_layout.kernel is None else _varlen_attention
-    return (attend(query, key, value, scaling, sliding_window, ppo_layout),
-            None)  # no attention weights
-
-
-AttentionInterface.register("ppo", ppo_attention)
 
 
 # -----------------------------------------------------------------------------
@@ -533,12 +806,15 @@ AttentionInterface.register("ppo", ppo_attention)
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
+
 # Tiny presets: random-init models written as real HF checkpoint dirs (nothing is downloaded).
 # head_dim 64 because vLLM's CPU attention refuses 16; vocab 262 > the toy tokenizer's 258 ids and
 # not a multiple of 4, like real checkpoints whose embedding rows are padded.
 _TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, vocab_size=262, max_position_embeddings=512,
              tie_word_embeddings=False, bos_token_id=256, eos_token_id=256, pad_token_id=257)
+
+
 TINY_PRESETS = {
     "tiny-llama": dict(_TINY, model_type="llama"),
     "tiny-qwen2": dict(_TINY, model_type="qwen2"),  # q/k/v biases
@@ -774,14 +1050,6 @@ def checked_model_dir(cfg):
     return model_dir
 
 
-class ValueHead(torch.nn.Linear):
-    """The critic's Linear(hidden, 1), computed as x @ w.T + b in two ops: F.linear's fused addmm
-    on 3-D input returns a view, and FSDP2 warns about (and cannot hook in-place ops on) views."""
-
-    def forward(self, hidden):  # (B, T/cp, hidden) -> (B, T/cp, 1)
-        return F.linear(hidden, self.weight) + self.bias
-
-
 def _build(path, mesh, cfg, critic, frozen=False):
     """The architecture at `path` as this rank's sharded module, with its shards allocated but not
     yet read (_load_weights fills them). The steps, in order: build on the meta device, split over
@@ -903,13 +1171,6 @@ def _sum_hook(group, bucket):
     return work.get_future().then(lambda f: f.value()[0])
 
 
-def sync_gradients(model, sync):
-    """DDP: all-reduce in the next backward only if `sync` (a minibatch's last microbatch): each
-    all-reduce sums all gradients accumulated so far. (FSDP2 reduces each backward's own.)"""
-    if isinstance(model, DDP):
-        model.set_requires_gradient_sync(sync)
-
-
 def _allocate(model, device, offload):
     """Allocate this rank's shards (uninitialized: _load_weights fills them), and compute the
     buffers that no checkpoint holds. `offload`: the shards in host memory, the buffers on the
@@ -1000,134 +1261,12 @@ def load_reward_model(path, mesh, cfg):
     return load_critic(path, mesh, cfg, frozen=True).requires_grad_(False)  # (returns the module)
 
 
-# -----------------------------------------------------------------------------
-# Forward: microbatches of rows -> this rank's tokens (_layout, beside the attention above) ->
-# model -> this rank's head output -> per-token numbers in the trainer's (b, S) rows.
-
-def microbatches(seq_lens, cfg, mesh):
-    """Collective (every rank of dp): (rows, loss weight) of each microbatch, rows indexing
-    seq_lens, the same count on every dp rank: a rank with fewer runs dummies, row 0 again at
-    weight 0 (it changes nothing), so that FSDP's or DDP's collectives still match. Packing:
-    first-fit decreasing into rows of at most max_tokens_per_microbatch tokens; else
-    micro_batch_size rows at a time, longest first, so that each microbatch is padded to its own
-    longest row (_layout trims to it), not to the longest of the whole batch. Which rows share a
-    microbatch changes no loss: every loss is a sum over rows divided by global counts."""
-    if cfg.packing:
-        multiple = 2 * mesh["cp"].size() * mesh["tp"].size()
-        capacity = cfg.max_tokens_per_microbatch // multiple * multiple  # room left after padding
-        bins, room = [], []
-        for i in sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i]):  # longest first
-            if seq_lens[i] > capacity:
-                raise ValueError(f"a sequence of {seq_lens[i]} tokens does not fit "
-                                 f"max_tokens_per_microbatch={cfg.max_tokens_per_microbatch} "
-                                 f"(usable {capacity}: a multiple of 2*cp*tp={multiple}); raise it")
-            # the first bin with room, else a new one
-            fit = next((k for k in range(len(bins)) if room[k] >= seq_lens[i]), len(bins))
-            if fit == len(bins):
-                bins.append([])
-                room.append(capacity)
-            bins[fit].append(i)
-            room[fit] -= seq_lens[i]
-    else:
-        size = cfg.micro_batch_size
-        by_length = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
-        bins = [by_length[start:start + size] for start in range(0, len(seq_lens), size)]
-    count = torch.tensor([len(bins)], device=_device(mesh))
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mesh["dp"].get_group())  # collective over dp
-    return [(rows, 1.0) for rows in bins] + [([0], 0.0)] * (int(count) - len(bins))
-
-
-def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_entropy=False,
-                   unscored=0):
-    """Collective (every rank): per-token logprobs (b, S) under pi(.)^(1/temperature), and the
-    entropy if asked (else None), aligned as in train_ppo.py's docstring (0 at position 0). Four
-    steps: the rows' layout (this rank's tokens), the model (this rank's vocab shard of the logits
-    at its positions), token_logprobs (gathered over tp and cp), and back into the rows. Packing,
-    CP and TP stay inside. `unscored`: leading positions that no loss reads in any row, which the
-    LM head may skip (_skipped_by_lm_head: an optimization; 0 is the plain pass)."""
-    layout = _layout(input_ids, seq_lens, mesh, cfg)
-    skip = _skipped_by_lm_head(unscored, mesh, cfg)
-    # (B, T/cp - skip, V/tp): logits_to_keep counts positions from the end
-    logits = model(**layout.model_inputs(), logits_to_keep=layout.ids.shape[1] - skip).logits
-    if isinstance(logits, DTensor):  # tp > 1: this rank's vocab shard, never gathered
-        logits = logits.to_local()  # (B, T/cp - skip, V/tp)
-    # the logits are divided by the sampling temperature: pi/pi_old compares the distributions the
-    # engine sampled from (as NeMo-RL and verl do)
-    shards = dict(tp_group=_group(mesh, "tp"), cp_group=_group(mesh, "cp"),
-                  cu_seqlens=layout.cu_seqlens, chunk_size=cfg.logprob_chunk_size,
-                  temperature=temperature)
-    # the entropy (a metric, or the bonus with its gradient) from the logprobs' own softmax pass
-    out = token_logprobs(logits, layout.ids[:, skip:],
-                         with_entropy=with_entropy, **shards)  # (B, T - skip)
-    per_token = out if with_entropy else (out, None)
-    # back in the trainer's (b, S) rows, 0 at the skipped positions
-    return tuple(None if x is None else _unlayout(F.pad(x, (skip, 0)), layout, input_ids)
-                 for x in per_token)
-
-
-def _skipped_by_lm_head(unscored, mesh, cfg):
-    """How many leading positions the LM head skips in forward_policy. `unscored`: the positions
-    that no loss reads in any row (the shortest prompt); the logits at unscored - 1 predict the
-    first scored token, so the head need not run before it (docs/performance.md: the no-grad phase
-    11.9 -> 10.5 s). Only where a rank's positions are its rows' (cp=1, no packing, no SP);
-    elsewhere 0, the plain pass."""
-    plain_rows = mesh["cp"].size() == 1 and not (cfg.packing or cfg.sequence_parallel)
-    return max(unscored - 1, 0) if plain_rows else 0
-
-
 def forward_reward_model(reward_model, input_ids, seq_lens, mesh, cfg):
     """Collective (every rank): a reward model's output at each position, unshifted:
     out[:, i] = head(hidden[:, i]), the score of the sequence x_<=i (the trainer reads it at each
     sequence's last token). A reward model is a critic's backbone + one-output head (its score
     head: load_reward_model), read without the critic's shift."""
     return forward_critic(reward_model, input_ids, seq_lens, mesh, cfg, shift=False)
-
-
-def forward_critic(critic, input_ids, seq_lens, mesh, cfg, shift=True):
-    """Collective (every rank): values (b, S), right-shifted: values[:, i] = V(x_<i) =
-    head(hidden[:, i-1]), 0 at position 0 (and at packed sequence starts, which see no earlier token
-    of their own). shift=False: forward_reward_model's unshifted read."""
-    layout = _layout(input_ids, seq_lens, mesh, cfg)
-    # the one-output head stands where lm_head was (_on_meta): HF returns its output as `.logits`
-    values = critic(**layout.model_inputs()).logits[..., 0].float()  # (B, T/cp)
-    # collective over cp, natural order
-    values = cp_gather(values, _group(mesh, "cp"), dim=1)  # (B, T)
-    if shift:  # the shift crosses zigzag chunks: after the gather
-        values = shift_right(values, layout.cu_seqlens)  # (B, T)
-    return _unlayout(values, layout, input_ids)  # (b, S)
-
-
-# -----------------------------------------------------------------------------
-# Reference policy: the initial policy's shards in host memory, swapped into the live module for
-# the reference forward (one model in memory, no second FSDP module to shard and keep in sync);
-# and the optimizer's state, moved to host memory while the engine generates.
-
-def _local(param):
-    return param.to_local() if isinstance(param, DTensor) else param  # this rank's shard
-
-
-def reshard(model):
-    """Back to sharded parameters. FSDP2 leaves the root gathered after a forward (its parameters
-    are needed again at once in backward), and while gathered the module holds the full tensors."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-
-
-def _host_copies(tensors, dtype=None):
-    """Copies of `tensors` (all of one dtype) in host memory, in `dtype` (default theirs), as views
-    into one flat buffer, pinned on a GPU machine (copies to and from the GPU go faster and
-    asynchronously).
-    One buffer a set, not one a tensor: torch's caching host allocator rounds every pinned
-    allocation up to a power of two, which per shard came to ~1.9x the bytes at 7B over 8 GPUs;
-    per set the rounding is paid once (bench/memory_model.py counts it)."""
-    dtype = dtype or tensors[0].dtype
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device="cpu",
-                       pin_memory=torch.cuda.is_available())  # (elements of the whole set,)
-    views = flat.split([t.numel() for t in tensors])  # one view of the buffer a tensor
-    # blocking copies: from a GPU, non_blocking=True returns before the bytes have landed, and the
-    # host may read these at once (a checkpoint of offloaded moments)
-    return [view.view(t.shape).copy_(t) for view, t in zip(views, tensors)]
 
 
 def snapshot_weights(model, dtype=None):
@@ -1138,36 +1277,6 @@ def snapshot_weights(model, dtype=None):
     names, params = zip(*model.named_parameters())
     weights = dict(zip(names, _host_copies([_local(p).detach() for p in params], dtype)))
     return {"weights": weights, "parked": {}}  # parked: filled by swapped_weights
-
-
-def _copy_into(model, weights):
-    reshard(model)  # and the next forward gathers the shards we write now
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            _local(param).copy_(weights[name], non_blocking=True)
-
-
-@contextlib.contextmanager
-def swapped_weights(model, snapshot):
-    """Within the block, `model` computes with the snapshot's weights; afterwards the live weights
-    are back exactly. The live shards are parked meanwhile in host memory allocated at the first
-    swap and reused (no allocation per step): three copies of the rank's shards a swap (out, in,
-    back). (Plain CPU tensors, as under data_parallel=ddp, could trade storage with the snapshot
-    instead, 0.33 s faster a swap at 135M in fp32: not done, for one path that every mesh runs.)"""
-    # a gathered FSDP2 module shows plain full tensors, not its shards
-    reshard(model)
-    live = {name: _local(param).detach() for name, param in model.named_parameters()}
-    weights, parked = snapshot["weights"], snapshot["parked"]
-    if not parked:  # host memory allocated at the first swap, then reused
-        parked.update(zip(live, _host_copies(list(live.values()))))
-    else:
-        for name, tensor in live.items():
-            parked[name].copy_(tensor)  # blocking, as in _host_copies
-    _copy_into(model, weights)
-    try:
-        yield model
-    finally:
-        _copy_into(model, parked)
 
 
 def move_optimizer_state(optimizer, device):
@@ -1197,88 +1306,6 @@ def move_optimizer_state(optimizer, device):
             state[key] = new
 
 
-# -----------------------------------------------------------------------------
-# Global grad norm: sqrt of the sum of squares of every gradient element exactly once.
-
-def clip_grad_norm(params, max_norm):
-    """Collective (every rank): clip the gradients of `params` in place to a global L2 norm of
-    max_norm; return the norm before clipping, a 0-dim tensor. A DTensor's local squares are
-    summed over the mesh dims it is sharded on, never over those it is replicated on (that would
-    count the copies); a plain tensor is a full copy on every rank. Works for any mix of meshes
-    (FSDP only, FSDP x TP, the value head)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    # process groups to sum over -> sum of squares of the local elements
-    by_groups = {}
-    for grad in grads:
-        # per row, then summed: one pass, no squared copy; a single fp32 running sum over a whole
-        # 28M-element gradient would drift by ~3e-3 (bench/ddp_update.py)
-        sq = torch.linalg.vector_norm(_local(grad), dim=-1,
-                                      dtype=torch.float32).square().sum()  # ()
-        groups = ()
-        if isinstance(grad, DTensor):
-            if any(p.is_partial() for p in grad.placements):
-                raise ValueError("a gradient is still a pending sum (Partial): "
-                                 "call after backward completes")
-            # Shard or FSDP-over-TP's _StridedShard: any split that is not a replica
-            groups = tuple(grad.device_mesh.get_group(dim) for dim, p in enumerate(grad.placements)
-                           if not p.is_replicate())
-            sq = sq.to(_device(grad.device_mesh))  # the collective's device (offloaded grads: CPU)
-        by_groups[groups] = by_groups.get(groups, 0) + sq
-    # the same order on every rank: parameters come in order
-    for groups, sq in by_groups.items():
-        for group in groups:
-            dist.all_reduce(sq, group=group)  # collective: the other shards'
-    norm = torch.stack(list(by_groups.values())).sum().sqrt() if grads else torch.zeros(())
-    if max_norm > 0:  # 0 = no clipping, only the norm
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
-        scales = {_local(g).device: scale.to(_local(g).device)
-                  for g in grads}  # one copy per device
-        for grad in grads:
-            _local(grad).mul_(scales[_local(grad).device])
-    return norm  # () on the device: the caller reads it when it must (the NaN check), once
-
-
-# -----------------------------------------------------------------------------
-# Full weights: refit of the rollout engine and HF export.
-
-def _gathered(param, dtype=None):
-    """Collective over the param's mesh: its full tensor in `dtype` (None: its own), cast before the
-    all-gather (half the bytes for bf16)."""
-    if isinstance(param, DTensor):
-        # the mesh's device (an offloaded shard lives on CPU); the cast keeps the placements
-        return param.to(_device(param.device_mesh)).to(dtype or param.dtype).full_tensor()
-    return param.detach().to(dtype or param.dtype)
-
-
-def _hf_params(model):
-    """(name, parameter) of what an HF checkpoint of the model holds: all but LoRA's adapters."""
-    return [(name, p) for name, p in model.named_parameters() if not name.endswith(ADAPTERS)]
-
-
-def iter_full_params(model, dtype=None):
-    """Collective (every rank, to the end): yield (name, full tensor) per parameter, named as in the
-    HF checkpoint (FSDP2 and TP keep module names; a tied lm_head appears once, as embed_tokens,
-    like in the file), in `dtype` (None: the parameter's). One full tensor alive at a time. Each
-    shard is cast *before* the all-gather: a bf16 engine or export receives half the bytes of the
-    fp32 master weights (7B: ~15 GB a rank a refit, not ~30), and no fp32 full tensor is ever
-    built. Under LoRA a target's weight arrives merged, W + s B A, summed in fp32 from the gathered
-    base and adapters and then cast: a new tensor, the base itself is never written (a merge and
-    unmerge in place, in bf16, would round the frozen weights: ms-swift #10154)."""
-    # every rank sees the same sharded parameters, hence the same collectives
-    reshard(model)
-    modules = dict(model.named_modules())
-    for name, param in _hf_params(model):
-        module = modules[name.rpartition(".")[0]]
-        with torch.no_grad():
-            if isinstance(module, LoRALinear) and name.endswith(".weight"):
-                delta = (_gathered(module.lora_B) @ _gathered(module.lora_A)
-                         * module.lora_scale)  # fp32
-                full = (_gathered(param).float() + delta).to(dtype or param.dtype)
-            else:
-                full = _gathered(param, dtype)
-        yield name, full
-
-
 @torch.no_grad()  # (around each step of the generator)
 def iter_adapters(model, dtype=torch.float32):
     """Collective (every rank, to the end): yield (name, full tensor) per LoRA adapter (lora_A,
@@ -1294,6 +1321,8 @@ def iter_adapters(model, dtype=torch.float32):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                    "chat_template.jinja", "generation_config.json")
+
+
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 

@@ -79,6 +79,19 @@ def generate_share(engine, task, cfg, step, start):
     return samples, len(wanted)
 
 
+def epoch_order(seed: int, size: int, start: int, n: int) -> list:
+    """Indices of items start .. start+n-1 of an endless stream of epochs over `size` items, each
+    epoch shuffled anew (seeded by (seed, epoch)): every item once per epoch, none drawn twice
+    before all were drawn. A function of the position alone, the same on every rank, so a run
+    resumed from its saved position draws what the straight run would have."""
+    positions = range(start, start + n)
+    # the epochs these positions fall in, each shuffled once:
+    epochs = {p // size for p in positions}
+    orders = {e: random.Random(f"{seed}/epoch/{e}").sample(range(size), size) for e in epochs}
+    # position p: item p % size of epoch p // size
+    return [orders[p // size][p % size] for p in positions]
+
+
 # Why an episode ended (a sample's `ended`, logged as rates: episode_metrics), as NeMo-RL logs
 # truncation_rate and max_turns_reached_rate:
 #   stop       the model's last turn ended by a stop token, and no tool call followed (the task's
@@ -686,19 +699,6 @@ def toy_tokenizer() -> tiktoken.Encoding:
 
 
 TOY_FACTS = [(f"{a}+{b}=", str(a + b)) for a in range(TOY_OPERANDS) for b in range(TOY_OPERANDS)]
-
-
-def epoch_order(seed: int, size: int, start: int, n: int) -> list:
-    """Indices of items start .. start+n-1 of an endless stream of epochs over `size` items, each
-    epoch shuffled anew (seeded by (seed, epoch)): every item once per epoch, none drawn twice
-    before all were drawn. A function of the position alone, the same on every rank, so a run
-    resumed from its saved position draws what the straight run would have."""
-    positions = range(start, start + n)
-    # the epochs these positions fall in, each shuffled once:
-    epochs = {p // size for p in positions}
-    orders = {e: random.Random(f"{seed}/epoch/{e}").sample(range(size), size) for e in epochs}
-    # position p: item p % size of epoch p // size
-    return [orders[p // size][p % size] for p in positions]
 
 
 class ToyTask:

@@ -145,14 +145,16 @@ def ppo_step(progress, models, engine, task, cfg, mesh, device):
             every, metrics["rollout_samples"] = rollout.rollouts(engine, task, cfg, step, start)
             metrics.update(rollout.episode_metrics(every.values()))  # turns, tool calls, endings
             batch = training_batch(every, cfg, mesh, task.pad_id, device)
-        with timed(metrics, "time_logprobs_s"), torch.no_grad():  # 4-6. forward passes, rewards, advantages
+        # 4-6. forward passes, rewards, advantages
+        with timed(metrics, "time_logprobs_s"), torch.no_grad():
             if models.reward_model is not None:  # 3. the reward: a learned reward model's score
                 batch = replace(batch, **reward_model_scores(models.reward_model, batch, cfg, mesh))
             batch = replace(batch, **score(models, batch, cfg, mesh))
             all_scores = global_scores(batch, len(every), mesh)  # (N,)
             batch = replace(batch, **compute_advantages(batch, all_scores, cfg, mesh))
         with timed(metrics, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches
-            update_sums = update(models.parts, batch, cfg, mesh, train_policy=step >= cfg.critic_warmup_steps)
+            update_sums = update(models.parts, batch, cfg, mesh,
+                                 train_policy=step >= cfg.critic_warmup_steps)
             # (on a GPU the memory in use: the caching allocator still holds the update's peak)
             metrics["mem_used_gb"] = memory_used_gb()
         with timed(metrics, "time_refit_s"):  # 9. push the policy into the engine (a collective)
@@ -182,7 +184,8 @@ def training_batch(every, cfg, mesh, pad_id, device):
     Batch: its part of each global minibatch (balanced_split; the cp x tp ranks of a dp slice get
     the same rows), with the task's scores (a replayed dump of a reward model's run keeps the
     task's as task_score)."""
-    lengths = [len(every[j]["prompt_ids"]) + len(every[j]["response_ids"]) for j in range(len(every))]
+    lengths = [len(every[j]["prompt_ids"]) + len(every[j]["response_ids"])
+               for j in range(len(every))]
     per_rank = len(every) // cfg.num_minibatches // mesh["dp"].size()  # rows of a minibatch
     # Padded rows: a microbatch is padded to its longest row, so rows of like length should share
     # one; balanced_split deals neighbours in length order together, in chunks of half a
@@ -193,9 +196,11 @@ def training_batch(every, cfg, mesh, pad_id, device):
     split = balanced_split(lengths, cfg.num_minibatches, mesh["dp"].size(), chunk)
     index = split[mesh["dp"].get_local_rank()]
     samples = [every[j] for j in index]
-    batch = make_batch([s["prompt_ids"] for s in samples], [s["response_ids"] for s in samples], pad_id,
-                       [s["engine_logprobs"] for s in samples], device, [s["action_mask"] for s in samples])
-    scores = torch.tensor([s.get("task_score", s["reward"]) for s in samples], device=device)  # (b,)
+    batch = make_batch([s["prompt_ids"] for s in samples], [s["response_ids"] for s in samples],
+                       pad_id, [s["engine_logprobs"] for s in samples], device,
+                       [s["action_mask"] for s in samples])
+    scores = torch.tensor([s.get("task_score", s["reward"]) for s in samples],
+                          device=device)  # (b,)
     return replace(batch, index=index, scores=scores)
 
 
@@ -225,7 +230,8 @@ def balanced_split(lengths, num_minibatches, dp_size, chunk=1):
         chunks = [block[i:i + chunk] for i in range(0, per_minibatch, chunk)]  # longest first
         parts, load = [[] for _ in range(dp_size)], [0] * dp_size  # each rank's chunks and tokens
         for c in chunks:
-            r = min((r for r in range(dp_size) if len(parts[r]) < per_rank // chunk), key=lambda r: load[r])
+            r = min((r for r in range(dp_size) if len(parts[r]) < per_rank // chunk),
+                    key=lambda r: load[r])
             parts[r].append(c)
             load[r] += tokens(c)
         # each swap moves d tokens (0 < d < gap) from the heaviest to the lightest rank: the sum of
@@ -234,7 +240,8 @@ def balanced_split(lengths, num_minibatches, dp_size, chunk=1):
             hi = max(range(dp_size), key=lambda r: load[r])
             lo = min(range(dp_size), key=lambda r: load[r])
             gap = load[hi] - load[lo]
-            swaps = [(a, b) for a in parts[hi] for b in parts[lo] if 0 < tokens(a) - tokens(b) < gap]
+            swaps = [(a, b) for a in parts[hi] for b in parts[lo]
+                     if 0 < tokens(a) - tokens(b) < gap]
             if not swaps:
                 break
             a, b = min(swaps, key=lambda ab: abs(gap - 2 * (tokens(ab[0]) - tokens(ab[1]))))
@@ -260,7 +267,8 @@ def make_batch(prompts, responses, pad_id, engine_logprobs=None, device="cpu", a
         mask[i, len(p):lens[i]] = 1 if action_masks is None else torch.tensor(action_masks[i])
         if engine_logprobs is not None:
             engine_lp[i, len(p):lens[i]] = torch.tensor(engine_logprobs[i], dtype=torch.float32)
-    return Batch(ids.to(device), mask.to(device), engine_lp.to(device), lens, min(map(len, prompts)))
+    return Batch(ids.to(device), mask.to(device), engine_lp.to(device), lens,
+                 min(map(len, prompts)))
 
 
 def score(models, batch, cfg, mesh):
@@ -273,8 +281,8 @@ def score(models, batch, cfg, mesh):
     fields = dict(old_lp=batch.engine_lp, entropy=None)
     policy = models.parts["policy"].model
     # the policy module's pass over the batch: with its own weights, then with the reference's
-    policy_pass = functools.partial(forward_batch, model_parallel.forward_policy, policy, batch, cfg, mesh,
-                                    temperature=cfg.temperature, unscored=batch.unscored)
+    policy_pass = functools.partial(forward_batch, model_parallel.forward_policy, policy, batch,
+                                    cfg, mesh, temperature=cfg.temperature, unscored=batch.unscored)
     if cfg.old_logprobs == "trainer":  # pi_old as the trainer computes it
         fields["old_lp"], fields["entropy"] = policy_pass(with_entropy=cfg.log_entropy)
     reference = (model_parallel.adapters_off(policy) if models.reference is None
@@ -312,7 +320,8 @@ def micro_rows(rows, batch, cfg, mesh, model=None):
     that FSDP's or DDP's collectives still match): a dummy's outputs are dropped, its loss counts
     0 times. `model` (for a backward): DDP all-reduces the gradients in the last microbatch's
     backward only, and decides it at the forward: its flag is set before each is yielded."""
-    micros = model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh)  # positions in `rows`
+    # each microbatch as positions in `rows`
+    micros = model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh)
     for i, (micro, weight) in enumerate(micros):
         idx = [rows[j] for j in micro]  # batch row indices
         if model is not None:
@@ -347,10 +356,12 @@ def compute_advantages(batch, all_scores, cfg, mesh):
     # Truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings
     # you off-policy RL training", 2025): the engine sampled from pi_engine, not from the
     # trainer's pi_old; weight each token by min(pi_old / pi_engine, cap).
-    tis = torch.clamp(ratio_from_log(batch.old_lp - batch.engine_lp), max=cfg.tis_cap) * batch.mask  # (b, S)
+    tis = (torch.clamp(ratio_from_log(batch.old_lp - batch.engine_lp), max=cfg.tis_cap)
+           * batch.mask)  # (b, S)
     if cfg.advantage_estimator in GROUP_ADVANTAGES:
         # from the whole batch's scores: a prompt's group may be split across dp ranks
-        mine = GROUP_ADVANTAGES[cfg.advantage_estimator](all_scores, cfg)[batch.index]  # (N,) -> (b,)
+        estimator = GROUP_ADVANTAGES[cfg.advantage_estimator]
+        mine = estimator(all_scores, cfg)[batch.index]  # (N,) -> (b,)
         return dict(advantages=mine[:, None] * batch.mask, tis=tis)  # (b, S)
     kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
     rewards = -cfg.kl_coef * kl * batch.mask  # (b, S)
@@ -440,15 +451,18 @@ def update(parts, batch, cfg, mesh, train_policy=True):
         for part in parts.values():
             model_parallel.move_optimizer_state(part.optimizer, batch.ids.device)
     per_minibatch = len(batch.lens) // cfg.num_minibatches  # rows of each minibatch on this rank
-    trained = [name for name in parts if name != "policy" or train_policy]  # the critic in its warm-up
+    # the models this update trains: the critic alone in its warm-up
+    trained = [name for name in parts if name != "policy" or train_policy]
     losses, counts, norms = Counter(), Counter(), Counter()
     for epoch in range(cfg.ppo_epochs):
         for first in range(0, len(batch.lens), per_minibatch):
             rows = list(range(first, first + per_minibatch))
-            # the loss's normalizers: counts over the whole global minibatch, before any
-            # microbatch runs, so that no mesh changes the loss (docs/losses.md)
-            num_tokens = dp_sum(batch.mask[first:first + per_minibatch].sum(), mesh)  # global response tokens
-            aggregate = functools.partial(aggregate_loss, mode=cfg.loss_agg_mode, num_tokens=num_tokens,
+            # the loss's normalizers: counts over the whole global minibatch (num_tokens: its
+            # response tokens), before any microbatch runs, so that no mesh changes the loss
+            # (docs/losses.md)
+            num_tokens = dp_sum(batch.mask[first:first + per_minibatch].sum(), mesh)
+            aggregate = functools.partial(aggregate_loss, mode=cfg.loss_agg_mode,
+                                          num_tokens=num_tokens,
                                           num_seqs=per_minibatch * mesh["dp"].size(),  # sequences
                                           norm=cfg.loss_agg_norm or cfg.max_new_tokens)
             for name in trained:
@@ -456,16 +470,17 @@ def update(parts, batch, cfg, mesh, train_policy=True):
                 minibatch = Counter()  # {loss term: its sum over the microbatches}
                 for idx, lens, weight in micro_rows(rows, batch, cfg, mesh, model):
                     if name == "policy":
-                        lp, entropy = model_parallel.forward_policy(model, batch.ids[idx], lens, mesh, cfg,
-                                                                    temperature=cfg.temperature,
-                                                                    with_entropy=cfg.entropy_coef > 0,
-                                                                    unscored=batch.unscored)
+                        lp, entropy = model_parallel.forward_policy(
+                            model, batch.ids[idx], lens, mesh, cfg, temperature=cfg.temperature,
+                            with_entropy=cfg.entropy_coef > 0, unscored=batch.unscored)
                         # the function's name, looked up now: a fork's replacement is what trains
                         terms, clipped = policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg)
                         counts.update(clipped_tokens=weight * clipped)
                     else:  # the critic
-                        values = model_parallel.forward_critic(model, batch.ids[idx], lens, mesh, cfg)
-                        per_token = value_loss(values, batch.values[idx], batch.returns[idx], cfg.value_clip)
+                        values = model_parallel.forward_critic(
+                            model, batch.ids[idx], lens, mesh, cfg)
+                        per_token = value_loss(values, batch.values[idx], batch.returns[idx],
+                                               cfg.value_clip)
                         terms = {"value_loss": aggregate(per_token, batch.mask[idx])}
                     (weight * sum(terms.values())).backward()  # a dummy's weight is 0
                     minibatch.update({term: weight * loss.detach() for term, loss in terms.items()})
@@ -518,8 +533,8 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
     clip, sequence_mask = (cfg.clip_ratio, cfg.clip_ratio_high or None), None
     if cfg.policy_loss_mode == "gspo":  # the sequence's ratio, in its own clip range (policy_loss)
         clip, sequence_mask = (cfg.gspo_clip_ratio, cfg.gspo_clip_ratio_high), mask
-    surrogate, clipped = policy_loss(lp, batch.old_lp[idx], batch.advantages[idx], *clip, cfg.clip_ratio_c,
-                                     tis, sequence_mask)  # (rows, S) each
+    surrogate, clipped = policy_loss(lp, batch.old_lp[idx], batch.advantages[idx], *clip,
+                                     cfg.clip_ratio_c, tis, sequence_mask)  # (rows, S) each
     terms = {"policy_loss": aggregate(surrogate, mask)}
     if cfg.entropy_coef > 0:
         # minus: maximizing the entropy is minimizing this term
@@ -534,8 +549,8 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
     return terms, masked_sum(clipped.float(), mask).detach()
 
 
-def policy_loss(logprobs, old_logprobs, advantages, clip_ratio, clip_ratio_high=None, clip_ratio_c=0.0,
-                tis_weight=None, sequence_mask=None):
+def policy_loss(logprobs, old_logprobs, advantages, clip_ratio, clip_ratio_high=None,
+                clip_ratio_c=0.0, tis_weight=None, sequence_mask=None):
     """Clipped surrogate (Schulman et al., 2017, eq. 7), per token, as a loss to minimize:
         ratio = pi / pi_old,  loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1-eps_lo, 1+eps_hi))
     eps_lo = clip_ratio, eps_hi = clip_ratio_high (None: eps_lo). An upper bound above the lower
@@ -557,7 +572,8 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_ratio, clip_ratio_high=
     clip_ratio_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     log_ratio = logprobs - old_logprobs  # (B, S)
     if sequence_mask is not None:
-        per_seq = masked_sum(log_ratio, sequence_mask, -1) / sequence_mask.sum(-1).clamp(min=1)  # (B,)
+        per_seq = (masked_sum(log_ratio, sequence_mask, -1)
+                   / sequence_mask.sum(-1).clamp(min=1))  # (B,)
         log_ratio = per_seq.detach()[:, None] + logprobs - logprobs.detach()  # (B, S)
     ratio = ratio_from_log(log_ratio)  # (B, S)
     unclipped = -advantages * ratio  # (B, S)
@@ -662,7 +678,8 @@ def refit(engine, policy, cfg):
         nbytes = save_adapter(policy, path, cfg, cfg.model, engine.dtype)
         engine.load_adapter(path)
         return {"refit_bytes": nbytes}
-    return rollout.refit(engine, model_parallel.iter_full_params(policy, engine.dtype), cfg.refit_bucket_mb)
+    return rollout.refit(engine, model_parallel.iter_full_params(policy, engine.dtype),
+                         cfg.refit_bucket_mb)
 
 
 @torch.no_grad()
@@ -679,7 +696,8 @@ def step_metrics(batch, update_sums, cfg, mesh):
     mismatch = (batch.old_lp - batch.engine_lp).abs()  # (b, S)
     shares = dict(tokens=mask.sum(), sequences=len(batch.lens), all_tokens=sum(batch.lens),
                   reward=scores.sum(), reward_sq=(scores ** 2).sum(), kl=masked_sum(kl, mask),
-                  mismatch=masked_sum(mismatch, mask), mult_prob_error=masked_sum(torch.exp(mismatch), mask))
+                  mismatch=masked_sum(mismatch, mask),
+                  mult_prob_error=masked_sum(torch.exp(mismatch), mask))
     if batch.entropy is not None:  # none with old_logprobs=engine or log_entropy=false
         shares["entropy"] = masked_sum(batch.entropy, mask)
     if batch.task_scores is not None:  # the rule, beside a reward model's score
@@ -694,7 +712,8 @@ def step_metrics(batch, update_sums, cfg, mesh):
     shares.update({f"loss {name}": term for name, term in losses.items()})
 
     def column(numbers):  # numbers and device scalars -> one (n,) float64 tensor on the device
-        return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=mask.device) for v in numbers])
+        return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=mask.device)
+                            for v in numbers])
     # the shares summed over dp; the norms are global already: one host read for everything
     values = torch.cat([dp_sum(column(shares.values()), mesh), column(norms.values())]).tolist()
     s = dict(zip([*shares, *norms], values))
@@ -702,15 +721,18 @@ def step_metrics(batch, update_sums, cfg, mesh):
 
     def variance(name, n):  # E[x^2] - E[x]^2 from the sums of x and of x^2 over n
         return s[name + "_sq"] / n - (s[name] / n) ** 2
-    m = dict(reward_mean=s["reward"] / n_seq, reward_std=math.sqrt(max(variance("reward", n_seq), 0.0)),
-             kl=s["kl"] / n_tok, response_len_mean=n_tok / n_seq, logprob_mismatch=s["mismatch"] / n_tok,
+    m = dict(reward_mean=s["reward"] / n_seq,
+             reward_std=math.sqrt(max(variance("reward", n_seq), 0.0)),
+             kl=s["kl"] / n_tok, response_len_mean=n_tok / n_seq,
+             logprob_mismatch=s["mismatch"] / n_tok,
              token_mult_prob_error=s["mult_prob_error"] / n_tok,
              # each epoch's update sees all n_tok tokens again
              clip_frac=s.get("clipped_tokens", 0.0) / (n_tok * cfg.ppo_epochs),
              skipped_updates=int(s.get("skipped_updates", 0)))
     # the entropy per token, if computed; the task's rule per sequence, beside a reward model's
     # score (reward_mean)
-    m.update({name: s[name] / n for name, n in (("entropy", n_tok), ("task_score", n_seq)) if name in s})
+    m.update({name: s[name] / n for name, n in (("entropy", n_tok), ("task_score", n_seq))
+              if name in s})
     if "ret" in s:
         m["value_explained_var"] = 1 - variance("err", n_tok) / max(variance("ret", n_tok), 1e-12)
     updates = cfg.ppo_epochs * cfg.num_minibatches  # optimizer steps of each trained model
@@ -753,10 +775,12 @@ def rloo_advantages(scores, group_size):
 # The critic-free advantage estimators, by their config name: every sample's score (N,) of the
 # global batch, prompt-major -> its advantage (N,), put on each of its response tokens. A new
 # estimator is one entry here and its name in config.Config.advantage_estimator's Literal; without
-# an entry, the name would need a critic (gae, the learned critic with GAE in compute_advantages, is the
-# one that does). The KL to the reference is then a loss term (policy_loss_terms), not a per-token reward.
+# an entry, the name would need a critic (gae, the learned critic with GAE in
+# compute_advantages, is the one that does). The KL to the reference is then a loss term
+# (policy_loss_terms), not a per-token reward.
 GROUP_ADVANTAGES = {
-    "grpo": lambda scores, cfg: grpo_advantages(scores, cfg.samples_per_prompt, cfg.grpo_norm_by_std),
+    "grpo": lambda scores, cfg: grpo_advantages(scores, cfg.samples_per_prompt,
+                                                cfg.grpo_norm_by_std),
     "rloo": lambda scores, cfg: rloo_advantages(scores, cfg.samples_per_prompt),
 }
 
@@ -772,7 +796,8 @@ def reward_model_scores(reward_model, batch, cfg, mesh):
     # unit gathered after a pass)
     model_parallel.reshard(reward_model)
     last = torch.tensor(batch.lens, device=outputs.device) - 1  # (b,) each row's last token
-    return dict(task_scores=batch.scores, scores=outputs[torch.arange(len(batch.lens)), last])  # (b,)
+    return dict(task_scores=batch.scores,
+                scores=outputs[torch.arange(len(batch.lens)), last])  # (b,)
 
 
 # -----------------------------------------------------------------------------
@@ -825,7 +850,8 @@ def main(cfg, task=None):
     start_step = progress["step"]
     generates = cfg.steps > start_step and not cfg.replay_rollouts
     engine = rollout.make_engine(cfg, model_dir, device, task.eos_id) if generates else None
-    started = f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir else "fresh start"
+    started = (f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir
+               else "fresh start")
     runner = getattr(engine, "runner", None)  # vLLM's model runner: in the log and config.json
     print0(f"{started}, vLLM's {runner} model runner" if runner else started)
     if runner and dist.get_rank() == 0:
@@ -843,25 +869,24 @@ def main(cfg, task=None):
         log_step(metrics, loss_names, cfg, t_start, start_step, tensorboard)
         bad_steps = bad_steps + 1 if metrics["skipped_updates"] else 0
         if cfg.max_skipped_steps and bad_steps >= cfg.max_skipped_steps:
-            print0(f"stopping: {bad_steps} steps in a row skipped updates (NaN/inf loss or grad norm): "
-                   "lower lr or check the rewards")
+            print0(f"stopping: {bad_steps} steps in a row skipped updates "
+                   "(NaN/inf loss or grad norm): lower lr or check the rewards")
             sys.exit(1)
-        progress.update(step=step + 1, prompts_drawn=progress["prompts_drawn"] + cfg.prompts_per_step)
+        progress.update(step=step + 1,
+                        prompts_drawn=progress["prompts_drawn"] + cfg.prompts_per_step)
         stopped = stop_requested()  # collective: the same answer on every rank
         # with save_every: every save_every steps and after the last; a stopped run saves too, so
         # that resume=auto goes on from there
         periodic = cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps)
         if stopped or periodic:
-            save_checkpoint(os.path.join(cfg.out_dir, "ckpt"), models.parts, cfg.keep_checkpoints, progress)
+            save_checkpoint(os.path.join(cfg.out_dir, "ckpt"), models.parts, cfg.keep_checkpoints,
+                            progress)
         if stopped:
-            print0(f"stopped by a signal after step {step + 1}: checkpoint saved; --resume=auto goes on")
+            print0(f"stopped by a signal after step {step + 1}: checkpoint saved; "
+                   "--resume=auto goes on")
             break
     if cfg.export_hf and not stopped:  # (not after a stop signal: the run is not done)
-        dtype = torch.bfloat16 if cfg.export_dtype == "bf16" else torch.float32
-        # + the tokenizer files and generation_config of the dir we loaded; under LoRA merged
-        model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"), dtype, copy_from=model_dir)
-        if cfg.lora_rank:  # and the adapters alone, for peft over the base
-            save_adapter(policy, os.path.join(cfg.out_dir, "adapter"), cfg, model_dir)
+        export(policy, cfg, model_dir)
     finish_run(cfg, engine, mesh, t_start)
 
 
@@ -892,8 +917,9 @@ def start_run(cfg, task):
     except (rollout.TaskError, model_parallel.CheckpointError) as e:
         print0(f"input error: {e}")
         sys.exit(2)
-    print0(f"mesh dp={mesh['dp'].size()} cp={cfg.cp_size} tp={cfg.tp_size} on {dist.get_world_size()} x "
-           f"{device.type}, {cfg.dtype}, {'packed' if cfg.packing else 'padded'} rows, attention: {kernel}, "
+    print0(f"mesh dp={mesh['dp'].size()} cp={cfg.cp_size} tp={cfg.tp_size} "
+           f"on {dist.get_world_size()} x {device.type}, {cfg.dtype}, "
+           f"{'packed' if cfg.packing else 'padded'} rows, attention: {kernel}, "
            f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine, "
            f"{cfg.prompts_per_step}x{cfg.samples_per_prompt} samples a step")
     return device, mesh, model_dir, resume_dir, task
@@ -915,12 +941,14 @@ def sft_warmup(model_dir, task, cfg, mesh):
         prompts, answers, masks = rollout.sft_examples(task, cfg, it, mesh["dp"].get_local_rank(),
                                                        mesh["dp"].size())
         # the mask: the model's tokens of each answer (a tool's output in a trace is not trained on)
-        batch = make_batch(prompts, answers, task.pad_id, device=mesh.device_type, action_masks=masks)
+        batch = make_batch(prompts, answers, task.pad_id, device=mesh.device_type,
+                           action_masks=masks)
         num_tokens = dp_sum(batch.mask.sum(), mesh)  # global answer tokens
         loss_sum = Counter()
         for idx, lens, weight in micro_rows(list(range(len(prompts))), batch, cfg, mesh, policy):
             lp, _ = model_parallel.forward_policy(policy, batch.ids[idx], lens, mesh, cfg)
-            nll = -masked_sum(lp, batch.mask[idx]) / num_tokens  # the answers' mean negative log-likelihood
+            # the answers' mean negative log-likelihood
+            nll = -masked_sum(lp, batch.mask[idx]) / num_tokens
             (weight * nll).backward()
             loss_sum.update(sft_loss=weight * nll.detach())
         norm = model_parallel.clip_grad_norm(list(policy.parameters()), cfg.max_grad_norm)
@@ -940,7 +968,8 @@ def build_models(model_dir, cfg, mesh):
     policy = model_parallel.load_policy(model_dir, mesh, cfg)
     reference = None
     if not cfg.lora_rank:
-        reference = model_parallel.snapshot_weights(policy, torch.bfloat16 if cfg.dtype == "bf16" else None)
+        reference = model_parallel.snapshot_weights(
+            policy, torch.bfloat16 if cfg.dtype == "bf16" else None)
 
     def part(model, lr):
         # fused: one kernel over every parameter (torch's default on CPU is a per-tensor loop,
@@ -955,7 +984,8 @@ def build_models(model_dir, cfg, mesh):
     if cfg.advantage_estimator == "gae":  # GRPO has no critic: none is loaded, trained or saved
         critic = model_parallel.load_critic(cfg.critic_model or model_dir, mesh, cfg)
         parts["critic"] = part(critic, cfg.critic_lr)
-    reward_model = model_parallel.load_reward_model(cfg.reward_model, mesh, cfg) if cfg.reward_model else None
+    reward_model = (model_parallel.load_reward_model(cfg.reward_model, mesh, cfg)
+                    if cfg.reward_model else None)
     return Models(parts, reference, reward_model)
 
 
@@ -1071,15 +1101,18 @@ def summary(cfg, seconds):
         return sum(values[:5]) / len(values[:5]), sum(values[-5:]) / len(values[-5:])
     text = f"done: {len(rows)} steps in {seconds / 60:.1f} min"
     if rows:  # (none with steps=0: the SFT warm-up alone)
-        text += " | reward {:.3f} (first 5 steps) -> {:.3f} (last 5)".format(*first_last("reward_mean"))
+        text += " | reward {:.3f} (first 5 steps) -> {:.3f} (last 5)".format(
+            *first_last("reward_mean"))
     if rows and cfg.reward_model:  # the reward model's score above, the truth here
         text += " | task_score {:.3f} -> {:.3f}".format(*first_last("task_score"))
     val = [r[k] for r in rows for k in ("val_accuracy", "final_val_accuracy") if k in r]
     if val:
         text += f" | val_accuracy {val[0]:.3f} -> {val[-1]:.3f} (best {max(val):.3f})"
     # what is in out_dir now (hf/: the policy, for transformers and vLLM; ckpt/: resume=auto's)
-    names = sorted(n for n in os.listdir(cfg.out_dir) if not n.startswith(".") and not n.endswith(".tmp"))
-    wrote = [name + ("/" if os.path.isdir(os.path.join(cfg.out_dir, name)) else "") for name in names]
+    names = sorted(n for n in os.listdir(cfg.out_dir)
+                   if not n.startswith(".") and not n.endswith(".tmp"))
+    wrote = [name + ("/" if os.path.isdir(os.path.join(cfg.out_dir, name)) else "")
+             for name in names]
     return f"{text} | in {cfg.out_dir}: {', '.join(wrote)}"
 
 
@@ -1095,7 +1128,8 @@ def _complete_steps(root):
     """The N of every complete root/step_N, in increasing order."""
     names = os.listdir(root) if os.path.isdir(root) else []
     matches = [re.fullmatch(r"step_(\d+)", name) for name in names]
-    return sorted(int(m[1]) for m in matches if m and config.is_checkpoint(os.path.join(root, m[0])))
+    return sorted(int(m[1]) for m in matches
+                  if m and config.is_checkpoint(os.path.join(root, m[0])))
 
 
 def find_checkpoint(resume, out_dir):
@@ -1141,9 +1175,11 @@ def save_checkpoint(root, parts, keep, progress):
         os.makedirs(path + ".tmp")
     dist.barrier()
     stepped = [name for name, part in parts.items() if part.optimizer.state]
-    dcp.save(_sharded_state(parts, stepped), checkpoint_id=path + ".tmp")  # collective; files fsynced
+    # collective; files fsynced
+    dcp.save(_sharded_state(parts, stepped), checkpoint_id=path + ".tmp")
     trainer_state = dict(progress=progress, rng=rollout.rng_states(),
-                         schedulers={name: part.schedule.state_dict() for name, part in parts.items()})
+                         schedulers={name: part.schedule.state_dict()
+                                     for name, part in parts.items()})
     torch.save(trainer_state, os.path.join(path + ".tmp", f"trainer_state_rank{rank}.pt"))
     dist.barrier()  # every rank's files are written
     if rank == 0:
@@ -1157,6 +1193,17 @@ def save_checkpoint(root, parts, keep, progress):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     dist.barrier()
     return path
+
+
+def export(policy, cfg, model_dir):
+    """Collective (every rank): the trained policy as an HF checkpoint dir, out_dir/hf, in
+    export_dtype, with the tokenizer files and generation_config of model_dir (under LoRA the
+    adapters merged), and under LoRA the adapters alone too, out_dir/adapter, for peft over the
+    base."""
+    dtype = torch.bfloat16 if cfg.export_dtype == "bf16" else torch.float32
+    model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"), dtype, copy_from=model_dir)
+    if cfg.lora_rank:
+        save_adapter(policy, os.path.join(cfg.out_dir, "adapter"), cfg, model_dir)
 
 
 def save_adapter(model, path, cfg, base_dir, dtype=torch.float32):
