@@ -358,10 +358,8 @@ def compute_advantages(batch, all_scores, cfg, mesh):
     # trainer's pi_old; weight each token by min(pi_old / pi_engine, cap).
     tis = (torch.clamp(ratio_from_log(batch.old_lp - batch.engine_lp), max=cfg.tis_cap)
            * batch.mask)  # (b, S)
-    if cfg.advantage_estimator in GROUP_ADVANTAGES:
-        # from the whole batch's scores: a prompt's group may be split across dp ranks
-        estimator = GROUP_ADVANTAGES[cfg.advantage_estimator]
-        mine = estimator(all_scores, cfg)[batch.index]  # (N,) -> (b,)
+    if cfg.advantage_estimator != "gae":  # critic-free: group_advantages, after "Beyond one step"
+        mine = group_advantages(all_scores, cfg)[batch.index]  # (N,) -> (b,)
         return dict(advantages=mine[:, None] * batch.mask, tis=tis)  # (b, S)
     kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
     rewards = -cfg.kl_coef * kl * batch.mask  # (b, S)
@@ -539,7 +537,7 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
     if cfg.entropy_coef > 0:
         # minus: maximizing the entropy is minimizing this term
         terms["entropy_loss"] = -cfg.entropy_coef * aggregate(entropy, mask)
-    if cfg.advantage_estimator in GROUP_ADVANTAGES and cfg.kl_coef > 0:
+    if cfg.advantage_estimator != "gae" and cfg.kl_coef > 0:
         # DeepSeekMath eq. 3-4: beta * KL(pi || pi_ref) in the loss, k3 on the current policy.
         # Like the surrogate, it is a token mean over the global minibatch (DAPO, Yu et al. 2025;
         # Dr. GRPO, Liu et al. 2025), not eq. 3's mean over responses of per-response means,
@@ -747,6 +745,16 @@ def step_metrics(batch, update_sums, cfg, mesh):
 # config asks for them: the critic-free advantage estimators (GRPO, RLOO; compute_advantages
 # calls them) and a learned reward model's pass (score calls it).
 
+def group_advantages(all_scores, cfg):
+    """The critic-free estimators: every sample's advantage (N,) from the whole batch's scores
+    (N,), prompt-major (a prompt's group may be split across dp ranks; compute_advantages puts
+    each on its response tokens). A new estimator is one more branch here, and its name in
+    config.Config.advantage_estimator's Literal."""
+    if cfg.advantage_estimator == "grpo":
+        return grpo_advantages(all_scores, cfg.samples_per_prompt, cfg.grpo_norm_by_std)
+    return rloo_advantages(all_scores, cfg.samples_per_prompt)
+
+
 def grpo_advantages(scores, group_size, norm_by_std=True, eps=1e-4):
     """GRPO's outcome-supervised advantage (Shao et al., 2024, DeepSeekMath, sec. 4.1.2): each
     response's score minus the mean of its prompt's group of `group_size` responses, divided
@@ -770,19 +778,6 @@ def rloo_advantages(scores, group_size):
     groups = scores.view(-1, group_size)  # (N/K, K)
     others = (groups.sum(1, keepdim=True) - groups) / (group_size - 1)  # (N/K, K)
     return (groups - others).view(-1)  # (N,)
-
-
-# The critic-free advantage estimators, by their config name: every sample's score (N,) of the
-# global batch, prompt-major -> its advantage (N,), put on each of its response tokens. A new
-# estimator is one entry here and its name in config.Config.advantage_estimator's Literal; without
-# an entry, the name would need a critic (gae, the learned critic with GAE in
-# compute_advantages, is the one that does). The KL to the reference is then a loss term
-# (policy_loss_terms), not a per-token reward.
-GROUP_ADVANTAGES = {
-    "grpo": lambda scores, cfg: grpo_advantages(scores, cfg.samples_per_prompt,
-                                                cfg.grpo_norm_by_std),
-    "rloo": lambda scores, cfg: rloo_advantages(scores, cfg.samples_per_prompt),
-}
 
 
 def reward_model_scores(reward_model, batch, cfg, mesh):
