@@ -8,11 +8,14 @@ rows" and never sees a shard.
 One forward, in order: rows -> (packed) layout -> this rank's zigzag share of the tokens -> HF model
 with our attention function -> this rank's vocab shard of the logits -> logprobs.py.
 
-Sections, in order: distributed set-up; attention (the kernels, the Layout of this rank's tokens
-that every layer reads and _layout that builds it, our attention function); model families and
-their tiny presets; tensor-parallel plans; LoRA; loading (build, shard, allocate, read); forward
-(microbatches, policy, critic and reward model); the reference policy's weight swap; the global
-grad norm; full weights (refit, HF export, LoRA's adapters).
+Sections, in order: first what one PPO step calls, in the order it calls it (the forward:
+microbatches, the Layout of this rank's tokens that every layer reads and _layout that builds it,
+our attention function; the reference's weight swap; the critic; the gradient sync and the global
+grad norm; full weights for the refit). Then, after the banner "Beyond one step", what a first
+reading skips: distributed set-up; CP's attention and the varlen kernels; model families and
+their tiny presets; tensor-parallel plans; LoRA; loading (build, shard, allocate, read); the
+reward model's forward; the reference policy's snapshot and the optimizer's offload; LoRA's
+adapters and the HF export.
 
 Where the ideas come from (code and prose are our own):
 1. FSDP2 per decoder layer then the root, one TP plan dict per family, the degree check naming every
@@ -111,7 +114,7 @@ class Layout:
 
 
 # -----------------------------------------------------------------------------
-# Forward: microbatches of rows -> this rank's tokens (_layout, beside the attention above) ->
+# Forward: microbatches of rows -> this rank's tokens (_layout, beside the attention below) ->
 # model -> this rank's head output -> per-token numbers in the trainer's (b, S) rows.
 
 def microbatches(seq_lens, cfg, mesh):
@@ -410,13 +413,10 @@ def _unlayout(per_token, layout, like):
     return unpack_packed(per_token, sequences, seq_len).to(like.device)  # (b, S)
 
 
-# The reference pass: the initial policy's shards (snapshot_weights keeps them, in the part on
-# the reference policy below) swapped into the live module, and back.
-
 # -----------------------------------------------------------------------------
-# Reference policy: the initial policy's shards in host memory, swapped into the live module for
-# the reference forward (one model in memory, no second FSDP module to shard and keep in sync);
-# and the optimizer's state, moved to host memory while the engine generates.
+# The reference pass: the initial policy's shards in host memory (snapshot_weights keeps them,
+# after the banner "Beyond one step"), swapped into the live module for the reference forward and
+# back (one model in memory, no second FSDP module to shard and keep in sync).
 
 def _local(param):
     return param.to_local() if isinstance(param, DTensor) else param  # this rank's shard
@@ -1268,6 +1268,10 @@ def forward_reward_model(reward_model, input_ids, seq_lens, mesh, cfg):
     head: load_reward_model), read without the critic's shift."""
     return forward_critic(reward_model, input_ids, seq_lens, mesh, cfg, shift=False)
 
+
+# -----------------------------------------------------------------------------
+# The reference policy's snapshot (the initial policy's shards in host memory, for the reference
+# pass's swap), and the optimizer's state, moved to host memory while the engine generates.
 
 def snapshot_weights(model, dtype=None):
     """The reference policy: this rank's shard of every parameter, copied once to host memory, in

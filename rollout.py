@@ -2,12 +2,12 @@
 engine, and refit (pushing the trained weights into the engine).
 
 Its first section is what one step of train_ppo.py calls here, in order: steps 1-3 (rollouts,
-then what it uses), the refit of step 9 and the dump of step 10; then the engines, the tasks, and
-reading dumps back. Nothing here knows about PPO losses: the trainer asks for "these prompts,
-sampled with these seeds" and gets back token ids, the engine's own logprob of each sampled token,
-and a score per sequence. A response may be an episode of several model turns with observations
-(a tool's output) between them (run_episodes); its action mask says which tokens were the
-model's.
+then what it uses), the refit of step 9 and the dump of step 10; then the engines (each one
+class: a run reads the one it uses). After the banner "Beyond one step": the tasks, and reading
+dumps back. Nothing here knows about PPO losses: the trainer asks for "these prompts, sampled
+with these seeds" and gets back token ids, the engine's own logprob of each sampled token, and a
+score per sequence. A response may be an episode of several model turns with observations (a
+tool's output) between them (run_episodes); its action mask says which tokens were the model's.
 """
 import hashlib
 import json
@@ -308,11 +308,6 @@ def wait_for_dumps() -> None:
     while _pending:
         _pending.pop().result()
 
-
-# -----------------------------------------------------------------------------
-# Beyond one step: what a first reading skips. The engines the step calls (the HF engine, the
-# vLLM engine: each one class), the tasks (the toy tasks, math answers, GSM8K), and reading the
-# dumps back.
 
 # -----------------------------------------------------------------------------
 # Engines. The trainer calls an engine in this order every step: generate, sleep (training
@@ -668,6 +663,11 @@ def make_engine(cfg, model_dir: str, device: torch.device, eos_id):
     return HFEngine(model_dir, device, stop_ids,
                     torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
 
+
+# -----------------------------------------------------------------------------
+# Beyond one step: what a first reading skips, but for the one task a run uses (the demo's:
+# ToyTask's prompts, encode, decode and reward). The tasks (the toy tasks, math answers, GSM8K),
+# and reading the dumps back.
 
 # -----------------------------------------------------------------------------
 # Tasks. A task is everything the trainer asks of the data side: any object with the attributes

@@ -743,7 +743,7 @@ def step_metrics(batch, update_sums, cfg, mesh):
 # -----------------------------------------------------------------------------
 # Beyond one step: what a first reading skips. First the variants that the step calls when the
 # config asks for them: the critic-free advantage estimators (GRPO, RLOO; compute_advantages
-# calls them) and a learned reward model's pass (score calls it).
+# calls them) and a learned reward model's pass (ppo_step calls it).
 
 def group_advantages(all_scores, cfg):
     """The critic-free estimators: every sample's advantage (N,) from the whole batch's scores
