@@ -6,11 +6,13 @@ test_config.py and test_failures.py.) Two spawns check several defects each, to 
 short."""
 import json
 import os
+import pickle
 import time
 import weakref
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -137,8 +139,11 @@ def _two_rank_body(rank, world_size, out_dir):
     for step in (2, 4):
         ckpt = os.path.join(out_dir, "ckpt", f"step_{step}")
         os.makedirs(ckpt, exist_ok=True)
-        for name in (".metadata", "trainer_state_rank0.pt"):
-            open(os.path.join(ckpt, name), "w").close()
+        # complete as is_checkpoint sees it; DCP's metadata of an empty state dict (start_run
+        # reads it: a LoRA run's checkpoint must be resumed with LoRA)
+        with open(os.path.join(ckpt, ".metadata"), "wb") as f:
+            pickle.dump(Metadata(state_dict_metadata={}), f)
+        open(os.path.join(ckpt, "trainer_state_rank0.pt"), "w").close()
     os.makedirs(os.path.join(out_dir, "sft"), exist_ok=True)
     open(os.path.join(out_dir, "sft", "config.json"), "w").close()
     dist.barrier()
