@@ -280,6 +280,13 @@ def masked_attention_error(row_tokens: int, cp_size: int, rows: int = 1):
     return None
 
 
+def flash_runs(device_type: str, dtype: str) -> bool:
+    """Whether a flash varlen kernel (flash-attn's or torch's) is the varlen kernel: on CUDA, in
+    bf16 (neither takes fp32). The one rule: resolve_auto names the kernel by it, and
+    model_parallel._varlen_kernel picks the function by it."""
+    return device_type == "cuda" and dtype == "bf16"
+
+
 def resolve_auto(cfg: Config, device_type: str, gpu_kernel) -> str:
     """Replace "auto" in cfg.dtype, cfg.export_dtype and cfg.attention by what runs on this device
     ("cuda" or "cpu"), whose flash varlen kernel is `gpu_kernel` (its name, or None: the trainer
@@ -301,8 +308,7 @@ def resolve_auto(cfg: Config, device_type: str, gpu_kernel) -> str:
         raise ConfigError(f"lora_rank={cfg.lora_rank} with rollout_engine=vllm on CUDA needs "
                           f"dtype=bf16 (vLLM's GPU LoRA kernels take no fp32; data_parallel=ddp "
                           f"is fp32): use data_parallel=fsdp and dtype=bf16, or rollout_engine=hf")
-    # flash: bf16 only
-    kernel = gpu_kernel if device_type == "cuda" and cfg.dtype == "bf16" else None
+    kernel = gpu_kernel if flash_runs(device_type, cfg.dtype) else None
     if cfg.attention == "auto":
         longest = (cfg.max_tokens_per_microbatch if cfg.packing
                    else cfg.max_model_len)  # a row at most

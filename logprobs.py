@@ -183,30 +183,36 @@ def _logprob_chunk(x, local_target, owned, tp_group, temperature, with_entropy=F
     return sums[1] - logsumexp, logsumexp, exps, sums[0], entropy
 
 
-def _logprob_forward(logits, local_target, owned, tp_group, chunk_size, keep_probs, temperature,
-                     with_entropy=False):
+def _in_shard(local_ids, width):
+    """Each target's id within this rank's vocab shard of `width` columns (`local_ids`: its id
+    minus the shard's first, (N,)), as (the column, clamped into range where another rank owns
+    the target: any valid one; whether this shard owns it), both (N,)."""
+    owned = (local_ids >= 0) & (local_ids < width)  # (N,)
+    return local_ids.clamp(0, width - 1), owned
+
+
+def _logprob_forward(logits, local_ids, tp_group, chunk_size, temperature, with_entropy=False):
     """Collective over tp. Loop _logprob_chunk over blocks of chunk_size tokens (one block if
-    chunk_size is 0).
+    chunk_size is 0); `local_ids` as _in_shard takes them.
 
     Every tp rank holds the same tokens, so all ranks cut the same blocks and their collectives
-    pair up. keep_probs (unchunked training only) returns the full softmax for the backward;
-    with_entropy also returns each token's entropy (else None)."""
+    pair up. Returns (logprob, logsumexp, entropy (None unless with_entropy), and the last block's
+    exps and their sums): with chunk_size 0 that block is every token, whose softmax the
+    autograd function may keep for its backward."""
+    local_target, owned = _in_shard(local_ids, logits.shape[-1])
     num_tokens, math_dtype = logits.shape[0], _math_dtype(logits.dtype)
     step = chunk_size if chunk_size > 0 else max(num_tokens, 1)
     logprob = logits.new_empty(num_tokens, dtype=math_dtype)  # (N,)
     logsumexp = logits.new_empty(num_tokens, dtype=math_dtype)  # (N,)
     entropy = logits.new_empty(num_tokens, dtype=math_dtype) if with_entropy else None  # (N,)
-    probs = None
+    exps = sum_exps = None
     for start in range(0, num_tokens, step):
         rows = slice(start, start + step)
         logprob[rows], logsumexp[rows], exps, sum_exps, block_entropy = _logprob_chunk(
             logits[rows], local_target[rows], owned[rows], tp_group, temperature, with_entropy)
         if with_entropy:
             entropy[rows] = block_entropy
-        if keep_probs:
-            # one block (chunk_size 0): its exps become the softmax over the whole vocab
-            probs = exps.div_(sum_exps[:, None])  # (N, V/tp)
-    return logprob, logsumexp, probs, entropy
+    return logprob, logsumexp, entropy, exps, sum_exps
 
 
 def _grad_from_probs_(probs, coef, grad_logprob, local_target, owned):
@@ -232,17 +238,19 @@ class _VocabParallelLogprob(torch.autograd.Function):
     drops out of the derivative (shift invariance), hence its all-reduce without a gradient."""
 
     @staticmethod
-    def forward(ctx, logits, local_target, owned, tp_group, chunk_size, temperature, with_entropy):
-        keep_probs = chunk_size == 0 and not with_entropy
-        logprob, logsumexp, probs, entropy = _logprob_forward(
-            logits, local_target, owned, tp_group,
-            chunk_size, keep_probs, temperature, with_entropy)
+    def forward(ctx, logits, local_ids, tp_group, chunk_size, temperature, with_entropy):
+        logprob, logsumexp, entropy, exps, sum_exps = _logprob_forward(
+            logits, local_ids, tp_group, chunk_size, temperature, with_entropy)
+        local_target, owned = _in_shard(local_ids, logits.shape[-1])
+        # unchunked (one block) and no entropy: keep that block's softmax for the backward
+        keep_probs = chunk_size == 0 and not with_entropy and exps is not None
         ctx.keep_probs = keep_probs
         ctx.logits_dtype = logits.dtype
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size if chunk_size > 0 else max(logits.shape[0], 1)
         if keep_probs:
             # unchunked logprobs only: keep the softmax (N, V/tp); the logits may then be freed
+            probs = exps.div_(sum_exps[:, None])  # (N, V/tp), in place of the exps
             ctx.save_for_backward(probs, local_target, owned)
         else:
             # keep only the logits the caller already has plus a few numbers per token, and
@@ -259,7 +267,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
             # must still find the softmax intact
             grad = _grad_from_probs_(probs.clone(), grad_logprob[:, None], grad_logprob,
                                      local_target, owned)
-            return grad.to(ctx.logits_dtype), None, None, None, None, None, None  # (N, V/tp)
+            return grad.to(ctx.logits_dtype), None, None, None, None, None  # (N, V/tp)
         (logits, local_target, owned,
          logsumexp, entropy) = ctx.saved_tensors  # (N, V/tp), (N,) x3 or x4
         if grad_entropy is not None:
@@ -283,7 +291,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
                                       local_target[rows], owned[rows])
             if not same_dtype:
                 grad[rows] = block  # (n, V/tp)  cast to the logits' dtype
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlens=None,
@@ -315,19 +323,18 @@ def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlen
     positions = zigzag_positions(seq_len, cp_size, cp_rank, input_ids.device)  # (S/cp,)
     # (g = S-1 has no next token: clamped here, its score dropped by the shift)
     next_ids = input_ids[:, (positions + 1).clamp(max=seq_len - 1)]  # (B, S/cp)
+    # each target's id within this rank's vocab shard: in it where 0 <= id < V/tp (_in_shard)
     local_ids = next_ids.reshape(-1).to(logits.device) - vocab_start  # (N,)  N = B*S/cp
-    owned = (local_ids >= 0) & (local_ids < logits.shape[-1])  # (N,)  target in this shard?
-    local_ids = local_ids.clamp(0, logits.shape[-1] - 1)  # (N,)  any valid column when not owned
     flat_logits = logits.reshape(-1, logits.shape[-1])  # (N, V/tp)
     if torch.is_grad_enabled() and logits.requires_grad:
         logprob, entropy = _VocabParallelLogprob.apply(
-            flat_logits, local_ids, owned, tp_group,
+            flat_logits, local_ids, tp_group,
             chunk_size, temperature, with_entropy)  # (N,), (N,) or None
     else:
         # inference (old/reference policy): same math, nothing saved, chunking still bounds temps
-        logprob, _, _, entropy = _logprob_forward(
-            flat_logits, local_ids, owned, tp_group,
-            chunk_size, False, temperature, with_entropy)  # (N,), (N,) or None
+        logprob, _, entropy, _, _ = _logprob_forward(
+            flat_logits, local_ids, tp_group,
+            chunk_size, temperature, with_entropy)  # (N,), (N,) or None
 
     def align(per_row):
         """(N,) at this rank's rows -> (B, S): gathered over cp, shifted right by one."""

@@ -51,7 +51,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
-from config import masked_attention_error, resolve_auto
+from config import flash_runs, masked_attention_error, resolve_auto
 from logprobs import cp_gather, shift_right, token_logprobs, zigzag_positions
 
 # GPU only: flash-attn's varlen kernel skips the masked-out blocks of a packed row
@@ -171,14 +171,14 @@ def _group(mesh, dim):
     return mesh[dim].get_group() if mesh[dim].size() > 1 else None
 
 
-def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_entropy=False,
-                   unscored=0):
-    """Collective (every rank): per-token logprobs (b, S) under pi(.)^(1/temperature), and the
-    entropy if asked (else None), aligned as in train_ppo.py's docstring (0 at position 0). Four
-    steps: the rows' layout (this rank's tokens), the model (this rank's vocab shard of the logits
-    at its positions), token_logprobs (gathered over tp and cp), and back into the rows. Packing,
-    CP and TP stay inside. `unscored`: leading positions that no loss reads in any row, which the
-    LM head may skip (_skipped_by_lm_head: an optimization; 0 is the plain pass)."""
+def forward_policy(model, input_ids, seq_lens, mesh, cfg, with_entropy=False, unscored=0):
+    """Collective (every rank): per-token logprobs (b, S) under pi(.)^(1/T), T = cfg.temperature
+    (the engine's sampling temperature), and the entropy if asked (else None), aligned as in
+    train_ppo.py's docstring (0 at position 0). Four steps: the rows' layout (this rank's
+    tokens), the model (this rank's vocab shard of the logits at its positions), token_logprobs
+    (gathered over tp and cp), and back into the rows. Packing, CP and TP stay inside.
+    `unscored`: leading positions that no loss reads in any row, which the LM head may skip
+    (_skipped_by_lm_head: an optimization; 0 is the plain pass)."""
     layout = _layout(input_ids, seq_lens, mesh, cfg)
     skip = _skipped_by_lm_head(unscored, mesh, cfg)
     # (B, T/cp - skip, V/tp): logits_to_keep counts positions from the end
@@ -189,7 +189,7 @@ def forward_policy(model, input_ids, seq_lens, mesh, cfg, temperature=1.0, with_
     # engine sampled from (as NeMo-RL and verl do)
     shards = dict(tp_group=_group(mesh, "tp"), cp_group=_group(mesh, "cp"),
                   cu_seqlens=layout.cu_seqlens, chunk_size=cfg.logprob_chunk_size,
-                  temperature=temperature)
+                  temperature=cfg.temperature)
     # the entropy (a metric, or the bonus with its gradient) from the logprobs' own softmax pass
     out = token_logprobs(logits, layout.ids[:, skip:],
                          with_entropy=with_entropy, **shards)  # (B, T - skip)
@@ -265,12 +265,12 @@ def _layout(input_ids, seq_lens, mesh, cfg):
 
 
 def _varlen_kernel(cfg, device):
-    """The layout's varlen kernel, once per forward: None for masked SDPA (attention=masked); on
-    CUDA in bf16 a flash kernel (it never looks at the masked-out blocks), flash-attn's if
-    installed, else torch's; else the reference, one SDPA per document."""
+    """The layout's varlen kernel, once per forward: None for masked SDPA (attention=masked); where
+    config.flash_runs (CUDA, bf16) a flash kernel (it never looks at the masked-out blocks),
+    flash-attn's if installed, else torch's; else the reference, one SDPA per document."""
     if cfg.attention != "varlen":
         return None
-    flash = gpu_varlen_kernel() if device.type == "cuda" and cfg.dtype == "bf16" else None
+    flash = gpu_varlen_kernel() if flash_runs(device.type, cfg.dtype) else None
     return flash or varlen_attention_reference
 
 
@@ -451,8 +451,9 @@ def swapped_weights(model, snapshot):
     """Within the block, `model` computes with the snapshot's weights; afterwards the live weights
     are back exactly. The live shards are parked meanwhile in host memory allocated at the first
     swap and reused (no allocation per step): three copies of the rank's shards a swap (out, in,
-    back). (Plain CPU tensors, as under data_parallel=ddp, could trade storage with the snapshot
-    instead, 0.33 s faster a swap at 135M in fp32: not done, for one path that every mesh runs.)"""
+    back), on every mesh alike. (Plain CPU tensors, as under data_parallel=ddp, could trade
+    storage with the snapshot instead, 0.33 s faster a swap at 135M in fp32: one path for every
+    mesh is kept instead.)"""
     # a gathered FSDP2 module shows plain full tensors, not its shards
     reshard(model)
     live = {name: _local(param).detach() for name, param in model.named_parameters()}

@@ -2,7 +2,7 @@
 engine, and refit (pushing the trained weights into the engine).
 
 Its first section is what one step of train_ppo.py calls here, in order: steps 1-3 (rollouts,
-then what it uses), the refit of step 9 and the dump of step 10; then the engines (each one
+then what it uses), the refit and the dump of step 9; then the engines (each one
 class: a run reads the one it uses). After the banner "Beyond one step": the tasks, and reading
 dumps back. Nothing here knows about PPO losses: the trainer asks for "these prompts, sampled
 with these seeds" and gets back token ids, the engine's own logprob of each sampled token, and a
@@ -68,14 +68,14 @@ def generate_share(engine, task, cfg, step, start):
         response, lps, action_mask, calls, ended = by_index[j]
         prompt, answer = prompts[j // K]
         # action_mask: 1 on the model's tokens, 0 on observations (its runs of 1 are the turns).
-        # The dump shows the whole episode; the reward reads the model's last turn, its answer
-        # (not a number a tool returned)
+        # The dump shows the whole episode; the task's score reads the model's last turn, its
+        # answer (not a number a tool returned)
         samples.append(dict(index=j, prompt=prompt, response=task.decode(response), answer=answer,
                             prompt_ids=prompt_ids[j // K], response_ids=response,
                             engine_logprobs=lps, action_mask=action_mask,
                             calls=calls, ended=ended, finished=ended == "stop",
-                            reward=task.reward(task.decode(last_turn(response, action_mask)),
-                                               answer, ended)))
+                            task_score=task.reward(task.decode(last_turn(response, action_mask)),
+                                                   answer, ended)))
     return samples, len(wanted)
 
 
@@ -284,20 +284,18 @@ _DUMPS = ThreadPoolExecutor(max_workers=1)
 _pending = []
 
 
-def dump_rollouts(every: dict, scores, cfg, step: int) -> None:
+def dump_rollouts(every: dict, rewards, cfg, step: int) -> None:
     """Rank 0: every sample of the step ({global index: sample}) to out_dir/rollouts/step_N.jsonl,
-    one JSON line each, with `reward` the score it was trained on (`scores`, (N,) by global
-    index); with a reward model, the task's rule as `task_score` beside it. Written in the
-    background, atomically (temp file, then rename): the samples must not change afterwards.
-    Waits for the previous dump first."""
+    one JSON line each, with the task's rule as `task_score` and beside it `reward`, what it was
+    trained on (`rewards`, (N,) by global index: a reward model's score, else the task's).
+    Written in the background, atomically (temp file, then rename): the samples must not change
+    afterwards. Waits for the previous dump first."""
     if dist.get_rank() != 0:
         return
     wait_for_dumps()
-    if cfg.reward_model:  # (else `reward` is the task's score already)
-        trained_on = scores.tolist()  # (N,) one host read
-        for j, sample in every.items():
-            sample["task_score"] = sample.get("task_score", sample["reward"])
-            sample["reward"] = trained_on[j]
+    trained_on = rewards.tolist() if cfg.reward_model else None  # (N,) one host read
+    for j, sample in every.items():
+        sample["reward"] = trained_on[j] if cfg.reward_model else sample["task_score"]
     path = os.path.join(cfg.out_dir, "rollouts", f"step_{step}.jsonl")
     _pending.append(_DUMPS.submit(_write_jsonl, path,
                                   sorted(every.values(), key=lambda s: s["index"])))
@@ -327,8 +325,8 @@ def wait_for_dumps() -> None:
 # the neighbour. So a sample's token depends on its logits, seed and position alone, in any batch
 # (and on any device, up to how its exp rounds), and the whole (B, V) step never leaves the
 # device (a host copy of it was 311 MB a token at B=512 with Qwen's 151,936 ids). One uniform a
-# row, not one a vocab id: the Gumbel-max sampler this replaced hashed every (row, id) pair, 19
-# (B, V) tensors a token (12 of them int64), about 20 GB of memory traffic a token at B=512 with
+# row, not one a vocab id: a Gumbel-max sampler hashes every (row, id) pair, 19 (B, V) tensors a
+# token in plain PyTorch (12 of them int64), about 20 GB of memory traffic a token at B=512 with
 # Qwen's vocab; this step makes 3 at most.
 
 def _mix32(x):
@@ -355,8 +353,8 @@ def sample(logits, seeds, position, temperature):
 
     Precision: each probability is taken relative to the row's most likely token (exactly 1) and
     rounded down to a multiple of 2**-29 of it: a token less likely than 1.9e-9 times the best is
-    never drawn (the Gumbel-max sampler this replaced never drew one 19 nats below the best,
-    5.6e-9 times), and u has 32 bits. V up to 2**24 keeps every sum exact in int64 and the
+    never drawn (a Gumbel-max draw with fp32 noise cannot reach one 19 nats below the best,
+    5.6e-9 times, either), and u has 32 bits. V up to 2**24 keeps every sum exact in int64 and the
     target exact in fp64."""
     x = logits.float().div_(temperature or 1.0)  # (B, V) a copy for bf16 logits; fp32: themselves
     x.sub_(x.amax(-1, keepdim=True))  # (B, V) the log-softmax + a constant a row: the largest is 0
@@ -411,11 +409,11 @@ class HFEngine:
         done = torch.zeros(B, dtype=torch.bool, **on)  # (B,)
         # The cache is transformers' default, a DynamicCache (use_cache=True: whatever the
         # checkpoint's config says), which grows by a column a step: a step attends over the tokens
-        # there are. (A StaticCache sized for the longest response made every step attend over
+        # there are. (A StaticCache sized for the longest response makes every step attend over
         # all of it, and since a mask is passed, SDPA's path copies K and V out to the query
         # heads, repeat_kv, over that whole length; and transformers 5.19 ignores cache_position=:
         # the slot is StaticLayer.cumulative_length, so a reused cache would append after what it
-        # holds. bench/hf_generate.py times this engine against the loop before device sampling.)
+        # holds. bench/hf_generate.py times this engine against a loop sampling on the host.)
         # The prompt pass keeps only the last position's logits, the cache for the rest.
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                          logits_to_keep=1)
@@ -626,7 +624,7 @@ class VLLMEngine:
         load_inplace=True reads the dir into that slot now, once; each generate then passes the
         plain request (load_inplace on every request would read the dir at every decode step).
         Every request carries it: vLLM 0.32 serves a request without one, batched with adapted
-        ones, with the adapter of the last slot (found while building this)."""
+        ones, with the adapter of the last slot."""
         from vllm.lora.request import LoRARequest
         self.wake_up(["weights", "kv_cache"])  # GPU only: the base, kept in host memory by sleep()
         with _trainer_state_kept():
@@ -1094,6 +1092,8 @@ def load_rollouts(path: str) -> dict:
                 raise TaskError(f"{path}:{number}: the sample has no {', '.join(missing)}: "
                                 "a dump of an older version of this trainer; "
                                 "generate the rollouts again")
+            # a dump written before task_score was its own key: its reward is the task's score
+            sample.setdefault("task_score", sample["reward"])
             # the score sits on the last token, which must be an action (run_episodes ends so)
             if sample["action_mask"][-1:] != [1]:
                 raise TaskError(f"{path}:{number}: the response's last token is not the model's "

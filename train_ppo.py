@@ -18,8 +18,9 @@ The algorithm is PPO with a learned critic and GAE, as used for RLHF by Instruct
   2. rollout: the engine samples responses and returns its own logprob of each token; every
      rank gets every sample, and takes its rows for the update (balanced_split: each
      minibatch dealt to dp ranks with even token sums)
-  3. reward: the task's rule-based score per sequence, or a learned reward model's (its own
-     pass without grad, reward_model_scores), placed on its last response token
+  3. reward: the task's rule-based score per sequence (rollout scores each sample as it ends),
+     or a learned reward model's (its own pass without grad, reward_model_scores); step 5 puts
+     it on the sequence's last response token
   4. forward passes without grad: old policy logprobs (or the engine's), reference logprobs
      (under LoRA: the policy with its adapters off), values
   5. per-token reward = score - kl_coef * KL(policy || reference)
@@ -30,7 +31,7 @@ The algorithm is PPO with a learned critic and GAE, as used for RLHF by Instruct
   9. refit: the new policy weights are streamed into the rollout engine (under LoRA with vLLM:
      the adapters alone); the step's samples dumped with the reward trained on (in the background)
  10. metrics, plot; a checkpoint every save_every steps (resume=auto continues)
-advantage_estimator="grpo" or "rloo" swaps steps 4-6 for scores against the prompt's group and
+advantage_estimator="grpo" or "rloo" swaps steps 4-6 for rewards against the prompt's group and
 drops the critic (docs/losses.md).
 
 How one row lines up. Every (b, S) tensor in this file follows one convention: position i holds
@@ -108,65 +109,70 @@ import rollout  # noqa: E402
 @dataclass
 class Batch:
     """This rank's sequences as right-padded (b, S) tensors, in the alignment of the module
-    docstring. Each phase returns the fields it computes, and ppo_step() makes the next Batch with
-    them (dataclasses.replace): training_batch the rows and their scores, score() the fields of
-    step 4, compute_advantages() those of steps 5-6. A field is None only where the run has no
-    such thing (values and returns without a critic, task_scores without a reward model)."""
+    docstring. training_batch makes it with the rows and the task's scores; each later phase
+    returns the values it computes and ppo_step names every field it sets (dataclasses.replace):
+    the reward of step 3, score()'s of step 4, compute_advantages()'s of steps 5-6. A field the
+    step has set is None only where the run has no such thing (values and returns without a
+    critic; entropy with old_logprobs=engine or log_entropy=false)."""
     ids: torch.Tensor  # (b, S) prompt + response token ids, pad_id after the end
     mask: torch.Tensor  # (b, S) 1 on response tokens
     engine_lp: torch.Tensor  # (b, S) the engine's logprob of each response token
     lens: list  # b ints: prompt + response tokens of each row
     unscored: int  # the shortest prompt: leading positions that no row scores
     index: Optional[list] = None  # b ints: each row's global sample index
-    scores: Optional[torch.Tensor] = None  # (b,) the reward each sequence is trained on
-    task_scores: Optional[torch.Tensor] = None  # (b,) the task's rule, beside a reward model's
+    task_score: Optional[torch.Tensor] = None  # (b,) the task's rule-based score of each row
+    reward: Optional[torch.Tensor] = None  # (b,) what it is trained on: that, or a reward model's
     old_lp: Optional[torch.Tensor] = None  # (b, S) policy that sampled, as the trainer computes it
     ref_lp: Optional[torch.Tensor] = None  # (b, S) reference (initial) policy
     entropy: Optional[torch.Tensor] = None  # (b, S) of the policy's next-token distribution
     values: Optional[torch.Tensor] = None  # (b, S) critic before the update (gae only)
     advantages: Optional[torch.Tensor] = None  # (b, S)
     returns: Optional[torch.Tensor] = None  # (b, S) value targets (gae only)
-    tis: Optional[torch.Tensor] = None  # (b, S) truncated importance weights
 
 
-def ppo_step(progress, models, engine, task, cfg, mesh, device):
+def ppo_step(progress, models, engine, task, cfg, mesh):
     """Collective (every rank). One PPO step, phases 1-10 of the module docstring in order, each
     handing what it computed to the next; `progress` holds the steps done and the prompt stream's
-    position. Returns the step's metrics and the names of the loss terms the update reported, in
-    its order."""
+    position (main advances both after the step). Returns the step's metrics and the names of the
+    loss terms the update reported, in its order."""
     step = progress["step"]
     evaluate = engine is not None and bool(task.val) and cfg.eval_every > 0
     metrics = {"step": step}  # and each phase's wall time (timed)
     with timed(metrics, "time_step_s"):
         if evaluate and step % cfg.eval_every == 0:  # before the step's update
             metrics["val_accuracy"] = rollout.validation_accuracy(engine, task, cfg)
-        with timed(metrics, "time_rollout_s"):  # 1-3. prompts, rollout, reward
+        with timed(metrics, "time_rollout_s"):  # 1-2. prompts, rollout (and the task's scores)
             start = progress["prompts_drawn"]  # the prompt stream's position
             every, metrics["rollout_samples"] = rollout.rollouts(engine, task, cfg, step, start)
             metrics.update(rollout.episode_metrics(every.values()))  # turns, tool calls, endings
-            batch = training_batch(every, cfg, mesh, task.pad_id, device)
-        # 4-6. forward passes, rewards, advantages
+            batch = training_batch(every, cfg, mesh, task.pad_id, mesh.device_type)
+        # 3-6. the reward, forward passes, advantages
         with timed(metrics, "time_logprobs_s"), torch.no_grad():
-            if models.reward_model is not None:  # 3. the reward: a learned reward model's score
-                batch = replace(batch, **reward_model_scores(models.reward_model, batch, cfg, mesh))
-            batch = replace(batch, **score(models, batch, cfg, mesh))
-            all_scores = global_scores(batch, len(every), mesh)  # (N,)
-            batch = replace(batch, **compute_advantages(batch, all_scores, cfg, mesh))
+            # 3. the reward: the task's rule, or a learned reward model's score
+            reward = (batch.task_score if models.reward_model is None
+                      else reward_model_scores(models.reward_model, batch, cfg, mesh))
+            old_lp, entropy, ref_lp, values = score(models, batch, cfg, mesh)  # 4.
+            batch = replace(batch, reward=reward, old_lp=old_lp, entropy=entropy, ref_lp=ref_lp,
+                            values=values)
+            all_rewards = global_rewards(batch, len(every), mesh)  # (N,)
+            advantages, returns = compute_advantages(batch, all_rewards, cfg, mesh)  # 5-6.
+            batch = replace(batch, advantages=advantages, returns=returns)
         with timed(metrics, "time_update_s"):  # 7-8. PPO epochs over fixed minibatches
-            update_sums = update(models.parts, batch, cfg, mesh,
-                                 train_policy=step >= cfg.critic_warmup_steps)
+            sums = update(models.parts, batch, cfg, mesh,
+                          train_policy=step >= cfg.critic_warmup_steps)
             # (on a GPU the memory in use: the caching allocator still holds the update's peak)
             metrics["mem_used_gb"] = memory_used_gb()
         with timed(metrics, "time_refit_s"):  # 9. push the policy into the engine (a collective)
-            # also after skipped updates: on GPU the engine dropped its weights
+            # also after skipped updates: rollout.rollouts put the engine to sleep (on GPU its
+            # weights dropped), and refit wakes it
             if engine is not None:
                 metrics.update(refit(engine, models.parts["policy"].model, cfg))
-        rollout.dump_rollouts(every, all_scores, cfg, step)  # rank 0, in the background
+        rollout.dump_rollouts(every, all_rewards, cfg, step)  # rank 0, in the background
         if evaluate and step + 1 == cfg.steps:  # the policy that is exported: after the last update
             metrics["final_val_accuracy"] = rollout.validation_accuracy(engine, task, cfg)
-        named = step_metrics(batch, update_sums, cfg, mesh)  # 10. one all-reduce, then named means
+        named = step_metrics(batch, sums, cfg, mesh)  # 10. one all-reduce, then named means
     metrics.update(named, tokens_per_s=named["tokens"] / metrics["time_step_s"])
-    return metrics, list(update_sums[0])
+    return metrics, list(sums.losses)
 
 
 @contextmanager
@@ -180,10 +186,9 @@ def timed(times, name):
 
 
 def training_batch(every, cfg, mesh, pad_id, device):
-    """This rank's rows of the step's samples (`every`: {global index: sample}) for steps 4-8, as a
-    Batch: its part of each global minibatch (balanced_split; the cp x tp ranks of a dp slice get
-    the same rows), with the task's scores (a replayed dump of a reward model's run keeps the
-    task's as task_score)."""
+    """This rank's rows of the step's samples (`every`: {global index: sample}) for steps 3-8, as a
+    Batch on `device`: its part of each global minibatch (balanced_split; the cp x tp
+    ranks of a dp slice get the same rows), with the task's scores."""
     lengths = [len(every[j]["prompt_ids"]) + len(every[j]["response_ids"])
                for j in range(len(every))]
     per_rank = len(every) // cfg.num_minibatches // mesh["dp"].size()  # rows of a minibatch
@@ -199,9 +204,8 @@ def training_batch(every, cfg, mesh, pad_id, device):
     batch = make_batch([s["prompt_ids"] for s in samples], [s["response_ids"] for s in samples],
                        pad_id, [s["engine_logprobs"] for s in samples], device,
                        [s["action_mask"] for s in samples])
-    scores = torch.tensor([s.get("task_score", s["reward"]) for s in samples],
-                          device=device)  # (b,)
-    return replace(batch, index=index, scores=scores)
+    task_score = torch.tensor([s["task_score"] for s in samples], device=device)  # (b,)
+    return replace(batch, index=index, task_score=task_score)
 
 
 def balanced_split(lengths, num_minibatches, dp_size, chunk=1):
@@ -272,34 +276,36 @@ def make_batch(prompts, responses, pad_id, engine_logprobs=None, device="cpu", a
 
 
 def score(models, batch, cfg, mesh):
-    """Collective over the mesh. Step 4, the passes without grad of the policy and the critic
-    (ppo_step runs steps 4-6 under no_grad), returned as Batch fields (for dataclasses.replace):
-    the old policy's logprobs and entropy (or the engine's logprobs), the reference's logprobs (the
-    initial weights swapped into the same module, or under LoRA the adapters switched off), and
-    the critic's values."""
-    # old_logprobs=engine: the engine's logprobs stand for pi_old, one policy forward fewer
-    fields = dict(old_lp=batch.engine_lp, entropy=None)
+    """Collective over the mesh. Step 4, the passes without grad (ppo_step runs steps 3-6 under
+    no_grad), as (old_lp, entropy, ref_lp, values), each (b, S) or None: the old policy's
+    logprobs and entropy (or the engine's logprobs), the reference's logprobs (the initial weights
+    swapped into the same module, or under LoRA the adapters switched off), and the critic's
+    values."""
     policy = models.parts["policy"].model
-    # the policy module's pass over the batch: with its own weights, then with the reference's
-    policy_pass = functools.partial(forward_batch, model_parallel.forward_policy, policy, batch,
-                                    cfg, mesh, temperature=cfg.temperature, unscored=batch.unscored)
+    # old_logprobs=engine: the engine's logprobs stand for pi_old, one policy forward fewer
+    old_lp, entropy = batch.engine_lp, None
     if cfg.old_logprobs == "trainer":  # pi_old as the trainer computes it
-        fields["old_lp"], fields["entropy"] = policy_pass(with_entropy=cfg.log_entropy)
-    reference = (model_parallel.adapters_off(policy) if models.reference is None
+        old_lp, entropy = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
+                                        with_entropy=cfg.log_entropy, unscored=batch.unscored)
+    # the reference is the same module: under LoRA with its adapters off, else with the initial
+    # weights swapped in
+    reference = (model_parallel.adapters_off(policy) if cfg.lora_rank
                  else model_parallel.swapped_weights(policy, models.reference))
     with reference:
-        fields["ref_lp"], _ = policy_pass()
+        ref_lp, _ = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
+                                  unscored=batch.unscored)
+    values = None
     if "critic" in models.parts:
         critic = models.parts["critic"].model
         (values,) = forward_batch(model_parallel.forward_critic, critic, batch, cfg, mesh)
-        fields["values"] = values * batch.mask  # (b, S)
-    return fields
+        values = values * batch.mask  # (b, S)
+    return old_lp, entropy, ref_lp, values
 
 
 def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
     """Collective over the mesh. `forward(model, ids, lens, mesh, cfg, **kwargs)` (a tensor or a
-    tuple of (rows, S) tensors) over every microbatch, dummies included; full (b, S) tensors in
-    row order (packing reorders rows)."""
+    tuple of (rows, S) tensors) over every microbatch (micro_rows), dummies included; full (b, S)
+    tensors in row order (packing reorders rows)."""
     outs = None
     for idx, lens, weight in micro_rows(range(len(batch.lens)), batch, cfg, mesh):
         result = forward(model, batch.ids[idx], lens, mesh, cfg, **kwargs)
@@ -308,36 +314,33 @@ def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
             outs = [None if r is None else r.new_zeros(batch.ids.shape) for r in result]
         for out, r in zip(outs, result):
             if weight and out is not None:
-                out[idx] = r  # (rows, S); a dummy's output is dropped
+                out[idx] = r  # (rows, S); a dummy's output is dropped (weight 0)
     return outs
 
 
-def micro_rows(rows, batch, cfg, mesh, model=None):
-    """Collective over dp. Yields the microbatches of the batch rows `rows`
-    (model_parallel.microbatches: packed or padded, the same count on every dp rank) as (idx, lens,
-    weight): the rows' indices as a device tensor (copied without a host sync), their lengths, and
-    the weight of their loss, 0 for a dummy (a rank with fewer microbatches runs rows[0] again, so
-    that FSDP's or DDP's collectives still match): a dummy's outputs are dropped, its loss counts
-    0 times. `model` (for a backward): DDP all-reduces the gradients in the last microbatch's
-    backward only, and decides it at the forward: its flag is set before each is yielded."""
-    # each microbatch as positions in `rows`
+def micro_rows(rows, batch, cfg, mesh):
+    """Collective over dp. The microbatches of the batch rows `rows` (model_parallel.microbatches:
+    packed or padded, the same count on every dp rank) as a list of (idx, lens, weight): the rows'
+    indices as a device tensor (copied without a host sync), their lengths, and the weight of
+    their loss, 0 for a dummy (a rank with fewer microbatches runs rows[0] again, so that FSDP's
+    or DDP's collectives still match): a dummy's outputs are dropped, its loss counts 0 times."""
     micros = model_parallel.microbatches([batch.lens[i] for i in rows], cfg, mesh)
-    for i, (micro, weight) in enumerate(micros):
+    out = []
+    for micro, weight in micros:  # each microbatch as positions in `rows`
         idx = [rows[j] for j in micro]  # batch row indices
-        if model is not None:
-            model_parallel.sync_gradients(model, sync=i == len(micros) - 1)
-        yield model_parallel.to_device(idx, batch.ids.device), [batch.lens[k] for k in idx], weight
+        lens = [batch.lens[k] for k in idx]
+        out.append((model_parallel.to_device(idx, batch.ids.device), lens, weight))
+    return out
 
 
-def global_scores(batch, n, mesh):
+def global_rewards(batch, n, mesh):
     """Collective over dp. Every sample's reward by global index, (n,) for the step's n samples:
-    each dp rank has its rows' (their reward model's scores, or the task's); GRPO's and RLOO's
-    groups may span dp ranks. Each sample is one dp rank's: a sum over dp of each rank's scores
-    at its indices, zeros elsewhere, puts every score in its place (exactly: one number and
-    zeros)."""
-    scores = torch.zeros(n, dtype=torch.float64, device=batch.scores.device)  # (N,)
-    scores[batch.index] = batch.scores.double()
-    return dp_sum(scores, mesh).float()
+    each dp rank has its rows' (batch.reward); GRPO's and RLOO's groups may span dp ranks. Each
+    sample is one dp rank's: a sum over dp of each rank's rewards at its indices, zeros
+    elsewhere, puts every reward in its place (exactly: one number and zeros)."""
+    rewards = torch.zeros(n, dtype=torch.float64, device=batch.reward.device)  # (N,)
+    rewards[batch.index] = batch.reward.double()
+    return dp_sum(rewards, mesh).float()
 
 
 def dp_sum(tensor, mesh):
@@ -347,28 +350,23 @@ def dp_sum(tensor, mesh):
     return tensor
 
 
-def compute_advantages(batch, all_scores, cfg, mesh):
-    """Collective over dp (the whitening). Steps 5-6, returned as Batch fields. gae: per-token
-    reward = -kl_coef * KL at every response token, + the score on the last one; GAE; whitened
-    over the global batch. grpo, rloo: the score against its prompt group's (grpo_advantages,
-    rloo_advantages) on every response token (their KL is a loss term instead, in
-    policy_loss_terms)."""
-    # Truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings
-    # you off-policy RL training", 2025): the engine sampled from pi_engine, not from the
-    # trainer's pi_old; weight each token by min(pi_old / pi_engine, cap).
-    tis = (torch.clamp(ratio_from_log(batch.old_lp - batch.engine_lp), max=cfg.tis_cap)
-           * batch.mask)  # (b, S)
+def compute_advantages(batch, all_rewards, cfg, mesh):
+    """Collective over dp (the whitening). Steps 5-6: (advantages, returns), each (b, S).
+    gae: per-token reward = -kl_coef * KL at every response token, + the sequence's reward on the
+    last one; GAE; whitened over the global batch. grpo, rloo: the reward against its prompt
+    group's (`all_rewards`, (N,): group_advantages) on every response token, and no returns
+    (their KL is a loss term instead, in policy_loss_terms)."""
     if cfg.advantage_estimator != "gae":  # critic-free: group_advantages, after "Beyond one step"
-        mine = group_advantages(all_scores, cfg)[batch.index]  # (N,) -> (b,)
-        return dict(advantages=mine[:, None] * batch.mask, tis=tis)  # (b, S)
+        mine = group_advantages(all_rewards, cfg)[batch.index]  # (N,) -> (b,)
+        return mine[:, None] * batch.mask, None  # (b, S)
     kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
     rewards = -cfg.kl_coef * kl * batch.mask  # (b, S)
     last = torch.tensor(batch.lens) - 1  # (b,) each row's last response token
-    rewards[torch.arange(len(batch.lens)), last] += batch.scores
+    rewards[torch.arange(len(batch.lens)), last] += batch.reward
     advantages, returns = compute_gae(rewards, batch.values, batch.mask, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:
         advantages = masked_whiten(advantages, batch.mask, group=mesh["dp"].get_group())
-    return dict(advantages=advantages, returns=returns, tis=tis)
+    return advantages, returns
 
 
 def ratio_from_log(log_ratio):
@@ -437,70 +435,80 @@ def masked_sum(x, mask, dim=None):
 
 def update(parts, batch, cfg, mesh, train_policy=True):
     """Collective over the mesh. Steps 7-8: ppo_epochs passes over the step's fixed minibatches,
-    one optimizer step per minibatch and trained model, then the LR schedules. A model's
-    microbatches add their gradients up: the policy's loss is the sum of policy_loss_terms, the
-    critic's the clipped value loss, each made one number by `aggregate` with the global
-    minibatch's counts. train_policy=False (the critic's warm-up steps) updates the critic alone.
-    Returns the sums that step_metrics turns into the step's metrics, (losses, counts, norms),
-    each {name: sum over the step's optimizer steps}: every loss term and count as this rank's
-    share, in the order reported, and each model's grad norm (global already) with
-    `skipped_updates`, the optimizer steps skipped for a NaN/inf loss or norm."""
+    one optimizer step per minibatch and trained model (train_minibatch), then the LR schedules.
+    train_policy=False (the critic's warm-up steps) updates the critic alone. Returns UpdateSums
+    (a named tuple, in the set-up's section beside Models and Part); `skipped_updates` counts the
+    optimizer steps skipped for a NaN/inf loss or norm."""
     if cfg.offload_optimizer:  # AdamW's state back from host memory, to the batch's device
         for part in parts.values():
             model_parallel.move_optimizer_state(part.optimizer, batch.ids.device)
     per_minibatch = len(batch.lens) // cfg.num_minibatches  # rows of each minibatch on this rank
     # the models this update trains: the critic alone in its warm-up
     trained = [name for name in parts if name != "policy" or train_policy]
-    losses, counts, norms = Counter(), Counter(), Counter()
+    sums = UpdateSums(Counter(), Counter(), Counter())
     for epoch in range(cfg.ppo_epochs):
         for first in range(0, len(batch.lens), per_minibatch):
-            rows = list(range(first, first + per_minibatch))
-            # the loss's normalizers: counts over the whole global minibatch (num_tokens: its
-            # response tokens), before any microbatch runs, so that no mesh changes the loss
-            # (docs/losses.md)
-            num_tokens = dp_sum(batch.mask[first:first + per_minibatch].sum(), mesh)
-            aggregate = functools.partial(aggregate_loss, mode=cfg.loss_agg_mode,
-                                          num_tokens=num_tokens,
-                                          num_seqs=per_minibatch * mesh["dp"].size(),  # sequences
-                                          norm=cfg.loss_agg_norm or cfg.max_new_tokens)
+            rows = range(first, first + per_minibatch)
             for name in trained:
-                model = parts[name].model
-                minibatch = Counter()  # {loss term: its sum over the microbatches}
-                for idx, lens, weight in micro_rows(rows, batch, cfg, mesh, model):
-                    if name == "policy":
-                        lp, entropy = model_parallel.forward_policy(
-                            model, batch.ids[idx], lens, mesh, cfg, temperature=cfg.temperature,
-                            with_entropy=cfg.entropy_coef > 0, unscored=batch.unscored)
-                        # the function's name, looked up now: a fork's replacement is what trains
-                        terms, clipped = policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg)
-                        counts.update(clipped_tokens=weight * clipped)
-                    else:  # the critic
-                        values = model_parallel.forward_critic(
-                            model, batch.ids[idx], lens, mesh, cfg)
-                        per_token = value_loss(values, batch.values[idx], batch.returns[idx],
-                                               cfg.value_clip)
-                        terms = {"value_loss": aggregate(per_token, batch.mask[idx])}
-                    (weight * sum(terms.values())).backward()  # a dummy's weight is 0
-                    minibatch.update({term: weight * loss.detach() for term, loss in terms.items()})
-                norm = model_parallel.clip_grad_norm(list(model.parameters()), cfg.max_grad_norm)
-                stepped = step_optimizer(parts[name].optimizer, norm, minibatch, mesh)
-                losses.update(minibatch)
-                norm_name = "grad_norm" if name == "policy" else f"{name}_grad_norm"
-                norms.update({norm_name: norm, "skipped_updates": int(not stepped)})
+                losses, clipped, norm, stepped = train_minibatch(name, parts[name], rows, batch,
+                                                                 cfg, mesh)
+                sums.losses.update(losses)
+                sums.counts.update(clipped_tokens=clipped)
+                # the norm and the skip are global already: the same on every rank
+                sums.norms["grad_norm" if name == "policy" else f"{name}_grad_norm"] += norm
+                sums.norms["skipped_updates"] += int(not stepped)
     for name in trained:  # (a policy not trained keeps its LR warm-up)
         parts[name].schedule.step()
     if cfg.offload_optimizer:  # and out again: the engine gets the room
         for part in parts.values():
             model_parallel.move_optimizer_state(part.optimizer, "host")
-    return losses, counts, norms
+    return sums
+
+
+def train_minibatch(name, part, rows, batch, cfg, mesh):
+    """Collective over the mesh. One optimizer step of the model `name` ("policy" or "critic") on
+    the batch rows `rows` (a range), this rank's share of a global minibatch: a forward and a
+    backward per microbatch (their gradients add up), the global grad-norm clip, the step. The
+    policy's loss is the sum of policy_loss_terms, the critic's the clipped value loss. Returns
+    ({loss term: its value}, this rank's tokens the surrogate clipped, the grad norm, whether it
+    stepped)."""
+    # the loss's normalizers: counts over the whole global minibatch (num_tokens: its response
+    # tokens), before any microbatch runs, so that no mesh changes the loss (docs/losses.md)
+    num_tokens = dp_sum(batch.mask[rows.start:rows.stop].sum(), mesh)  # (a slice: no host copy)
+    aggregate = functools.partial(aggregate_loss, mode=cfg.loss_agg_mode, num_tokens=num_tokens,
+                                  num_seqs=len(rows) * mesh["dp"].size(),  # sequences
+                                  norm=cfg.loss_agg_norm or cfg.max_new_tokens)
+    model = part.model
+    losses, clipped = Counter(), 0  # {loss term: its sum over the microbatches}
+    micros = micro_rows(rows, batch, cfg, mesh)
+    for i, (idx, lens, weight) in enumerate(micros):  # weight: 0 for a dummy (micro_rows)
+        # DDP all-reduces the gradients in the last microbatch's backward only, and decides at
+        # the forward (FSDP2 reduces every backward's shards; tp and cp need nothing)
+        model_parallel.sync_gradients(model, sync=i == len(micros) - 1)
+        if name == "policy":
+            lp, entropy = model_parallel.forward_policy(model, batch.ids[idx], lens, mesh, cfg,
+                                                        with_entropy=cfg.entropy_coef > 0,
+                                                        unscored=batch.unscored)
+            # the function's name, looked up now: a fork's replacement is what trains
+            terms, tokens = policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg)
+            clipped = clipped + weight * tokens
+        else:  # the critic
+            values = model_parallel.forward_critic(model, batch.ids[idx], lens, mesh, cfg)
+            per_token = value_loss(values, batch.values[idx], batch.returns[idx], cfg.value_clip)
+            terms = {"value_loss": aggregate(per_token, batch.mask[idx])}
+        (weight * sum(terms.values())).backward()  # a dummy's weight is 0
+        losses.update({term: weight * loss.detach() for term, loss in terms.items()})
+    norm = model_parallel.clip_grad_norm(list(model.parameters()), cfg.max_grad_norm)
+    stepped = step_optimizer(part.optimizer, norm, losses, mesh)
+    return losses, clipped, norm, stepped
 
 
 def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
-    """The policy's loss on the batch rows `idx`, as named terms: update() minimizes their
-    sum, and step_metrics logs each under its name (a mean over the step's optimizer steps).
+    """The policy's loss on the batch rows `idx`, as named terms: train_minibatch minimizes
+    their sum, and step_metrics logs each under its name (a mean over the step's optimizer steps).
 
-      policy_loss     the clipped surrogate (policy_loss), with truncated importance weights
-                      if tis_cap > 0
+      policy_loss     the clipped surrogate (policy_loss), each token weighted by its truncated
+                      importance weight if tis_cap > 0
       entropy_loss    -entropy_coef * entropy, if entropy_coef > 0 (an entropy bonus: negative,
                       so minimizing the loss raises the entropy)
       kl_loss         kl_coef * KL(pi || pi_ref), k3, for the critic-free estimators (grpo,
@@ -511,8 +519,8 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
     loss_agg_mode says, with the global minibatch's counts (aggregate_loss): the shares of dp
     ranks and microbatches add up. Returns (terms, tokens the surrogate clipped: clip_frac).
 
-    A fork adds a term by wrapping this function; update() looks it up at each call, so the
-    term is trained and logged:
+    A fork adds a term by wrapping this function; train_minibatch looks it up at each call, so
+    the term is trained and logged:
 
         base = train_ppo.policy_loss_terms
 
@@ -527,12 +535,17 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
     Every rank must return the same names in the same order (their sums are all-reduced as one
     tensor: step_metrics)."""
     mask = batch.mask[idx]  # (rows, S)
-    tis = batch.tis[idx] if cfg.tis_cap else None  # (rows, S)
     clip, sequence_mask = (cfg.clip_ratio, cfg.clip_ratio_high or None), None
     if cfg.policy_loss_mode == "gspo":  # the sequence's ratio, in its own clip range (policy_loss)
         clip, sequence_mask = (cfg.gspo_clip_ratio, cfg.gspo_clip_ratio_high), mask
-    surrogate, clipped = policy_loss(lp, batch.old_lp[idx], batch.advantages[idx], *clip,
-                                     cfg.clip_ratio_c, tis, sequence_mask)  # (rows, S) each
+    surrogate, clipped = policy_loss(lp, batch.old_lp[idx], batch.advantages[idx], clip,
+                                     cfg.clip_ratio_c, sequence_mask)  # (rows, S) each
+    if cfg.tis_cap:
+        # Truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings
+        # you off-policy RL training", 2025): the engine sampled from pi_engine, not from the
+        # trainer's pi_old; weight each token by min(pi_old / pi_engine, cap)
+        log_ratio = batch.old_lp[idx] - batch.engine_lp[idx]  # (rows, S)
+        surrogate = surrogate * torch.clamp(ratio_from_log(log_ratio), max=cfg.tis_cap)
     terms = {"policy_loss": aggregate(surrogate, mask)}
     if cfg.entropy_coef > 0:
         # minus: maximizing the entropy is minimizing this term
@@ -547,17 +560,16 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
     return terms, masked_sum(clipped.float(), mask).detach()
 
 
-def policy_loss(logprobs, old_logprobs, advantages, clip_ratio, clip_ratio_high=None,
-                clip_ratio_c=0.0, tis_weight=None, sequence_mask=None):
+def policy_loss(logprobs, old_logprobs, advantages, clip, clip_ratio_c=0.0, sequence_mask=None):
     """Clipped surrogate (Schulman et al., 2017, eq. 7), per token, as a loss to minimize:
         ratio = pi / pi_old,  loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1-eps_lo, 1+eps_hi))
-    eps_lo = clip_ratio, eps_hi = clip_ratio_high (None: eps_lo). An upper bound above the lower
-    is DAPO's clip-higher (Yu et al., 2025): a rare token with A > 0 may grow further per update.
+    clip = (eps_lo, eps_hi) (eps_hi None: eps_lo), or one number for both. An upper bound above
+    the lower is DAPO's clip-higher (Yu et al., 2025): a rare token with A > 0 may grow further
+    per update.
     Dual clip (Ye et al., 2020, "Mastering complex control in MOBA games"; verl's clip_ratio_c),
     if clip_ratio_c = c > 1: where A_t < 0 the loss is also capped at -A_t * c, so a token whose
-    ratio has exploded cannot dominate the update. `tis_weight` (B, S), optional: truncated
-    importance weights for the engine/trainer mismatch. Returns (the per-token loss, which tokens
-    were clipped either way), both (B, S): aggregate_loss makes the loss one number.
+    ratio has exploded cannot dominate the update. Returns (the per-token loss, which tokens were
+    clipped either way), both (B, S): aggregate_loss makes the loss one number.
 
     GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"), with `sequence_mask` (B, S),
     the response mask: every token of a sequence gets the sequence's ratio, clipped as one,
@@ -567,6 +579,7 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_ratio, clip_ratio_high=
     gradient is GSPO's: A_b s_b (1/L_b) sum_t grad log pi_t per unclipped sequence. A row is one
     whole sequence wherever this runs (cp gathers rows; packed rows are unpacked before any loss),
     so the mean holds under every mesh."""
+    clip_ratio, clip_ratio_high = clip if isinstance(clip, tuple) else (clip, None)
     clip_ratio_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     log_ratio = logprobs - old_logprobs  # (B, S)
     if sequence_mask is not None:
@@ -582,8 +595,6 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_ratio, clip_ratio_high=
         dual = (advantages < 0) & (per_token > -advantages * clip_ratio_c)  # (B, S)
         per_token = torch.where(dual, -advantages * clip_ratio_c, per_token)  # (B, S)
         is_clipped |= dual
-    if tis_weight is not None:
-        per_token = per_token * tis_weight
     return per_token, is_clipped
 
 
@@ -681,25 +692,25 @@ def refit(engine, policy, cfg):
 
 
 @torch.no_grad()
-def step_metrics(batch, update_sums, cfg, mesh):
+def step_metrics(batch, sums, cfg, mesh):
     """Collective over dp. The step's named numbers (every key: docs/metrics.md) from this rank's
-    rows and the sums of its update (update's (losses, counts, norms)). Every rank's shares of the
+    rows and the sums of its update (UpdateSums). Every rank's shares of the
     global sums below are all-reduced together, in one tensor, and read back once; then each
     metric is divided out next to the sums it needs. Every loss term and grad norm the update
     reported is logged under its own name, as a mean over the step's optimizer steps. (Every rank
     reports the same names in the same order: their sums travel in one tensor.)"""
-    losses, counts, norms = update_sums
-    mask, scores = batch.mask, batch.scores  # (b, S), (b,)
+    losses, counts, norms = sums
+    mask, reward = batch.mask, batch.reward  # (b, S), (b,)
     kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
     mismatch = (batch.old_lp - batch.engine_lp).abs()  # (b, S)
     shares = dict(tokens=mask.sum(), sequences=len(batch.lens), all_tokens=sum(batch.lens),
-                  reward=scores.sum(), reward_sq=(scores ** 2).sum(), kl=masked_sum(kl, mask),
+                  reward=reward.sum(), reward_sq=(reward ** 2).sum(), kl=masked_sum(kl, mask),
                   mismatch=masked_sum(mismatch, mask),
                   mult_prob_error=masked_sum(torch.exp(mismatch), mask))
     if batch.entropy is not None:  # none with old_logprobs=engine or log_entropy=false
         shares["entropy"] = masked_sum(batch.entropy, mask)
-    if batch.task_scores is not None:  # the rule, beside a reward model's score
-        shares["task_score"] = batch.task_scores.sum()
+    if cfg.reward_model:  # the rule, beside a reward model's score
+        shares["task_score"] = batch.task_score.sum()
     if batch.returns is not None:  # for the explained variance 1 - Var(R - V) / Var(R)
         err = (batch.returns - batch.values) * mask  # (b, S)
         shares.update(ret=batch.returns.sum(), ret_sq=(batch.returns ** 2).sum(), err=err.sum(),
@@ -745,14 +756,14 @@ def step_metrics(batch, update_sums, cfg, mesh):
 # config asks for them: the critic-free advantage estimators (GRPO, RLOO; compute_advantages
 # calls them) and a learned reward model's pass (ppo_step calls it).
 
-def group_advantages(all_scores, cfg):
-    """The critic-free estimators: every sample's advantage (N,) from the whole batch's scores
+def group_advantages(all_rewards, cfg):
+    """The critic-free estimators: every sample's advantage (N,) from the whole batch's rewards
     (N,), prompt-major (a prompt's group may be split across dp ranks; compute_advantages puts
     each on its response tokens). A new estimator is one more branch here, and its name in
     config.Config.advantage_estimator's Literal."""
     if cfg.advantage_estimator == "grpo":
-        return grpo_advantages(all_scores, cfg.samples_per_prompt, cfg.grpo_norm_by_std)
-    return rloo_advantages(all_scores, cfg.samples_per_prompt)
+        return grpo_advantages(all_rewards, cfg.samples_per_prompt, cfg.grpo_norm_by_std)
+    return rloo_advantages(all_rewards, cfg.samples_per_prompt)
 
 
 def grpo_advantages(scores, group_size, norm_by_std=True, eps=1e-4):
@@ -782,17 +793,16 @@ def rloo_advantages(scores, group_size):
 
 def reward_model_scores(reward_model, batch, cfg, mesh):
     """Collective over the mesh. Step 3 with a learned reward model, under no_grad: its score of
-    each sequence, its output at the sequence's last token (forward_reward_model: an unshifted
-    read, unlike the critic's), which replaces the task's as the reward. The task's are kept as
-    task_scores, logged beside it: the reward model's opinion and the truth side by side, where
-    reward hacking shows. Returned as Batch fields."""
+    each sequence (b,), its output at the sequence's last token (forward_reward_model: an
+    unshifted read, unlike the critic's), which replaces the task's as the reward. The task's
+    stay in batch.task_score, logged beside it: the reward model's opinion and the truth side by
+    side, where reward hacking shows."""
     (outputs,) = forward_batch(model_parallel.forward_reward_model, reward_model, batch, cfg, mesh)
     # not gathered through the update and generation (reshard_after_forward=false keeps every
     # unit gathered after a pass)
     model_parallel.reshard(reward_model)
     last = torch.tensor(batch.lens, device=outputs.device) - 1  # (b,) each row's last token
-    return dict(task_scores=batch.scores,
-                scores=outputs[torch.arange(len(batch.lens)), last])  # (b,)
+    return outputs[torch.arange(len(batch.lens)), last]  # (b,)
 
 
 # -----------------------------------------------------------------------------
@@ -821,6 +831,13 @@ class Models(NamedTuple):
     parts: dict
     reference: Optional[dict]
     reward_model: Optional[torch.nn.Module]
+
+
+class UpdateSums(NamedTuple):
+    """What update() returns for step_metrics, each {name: sum over the step's optimizer steps}."""
+    losses: Counter  # every loss term, this rank's share, in the order reported
+    counts: Counter  # clipped_tokens, this rank's share
+    norms: Counter  # each model's grad norm and skipped_updates: global already
 
 
 class Part(NamedTuple):
@@ -860,7 +877,7 @@ def main(cfg, task=None):
     bad_steps = 0  # steps in a row with a skipped update
     stopped = False
     for step in range(start_step, cfg.steps):
-        metrics, loss_names = ppo_step(progress, models, engine, task, cfg, mesh, device)
+        metrics, loss_names = ppo_step(progress, models, engine, task, cfg, mesh)
         log_step(metrics, loss_names, cfg, t_start, start_step, tensorboard)
         bad_steps = bad_steps + 1 if metrics["skipped_updates"] else 0
         if cfg.max_skipped_steps and bad_steps >= cfg.max_skipped_steps:
@@ -932,6 +949,7 @@ def sft_warmup(model_dir, task, cfg, mesh):
         return sft_dir
     policy = model_parallel.load_policy(model_dir, mesh, replace(cfg, lora_rank=0))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft_lr, weight_decay=0.0, fused=True)
+    plain = replace(cfg, temperature=1.0)  # the answers' likelihood under the model itself
     for it in range(cfg.sft_steps):
         prompts, answers, masks = rollout.sft_examples(task, cfg, it, mesh["dp"].get_local_rank(),
                                                        mesh["dp"].size())
@@ -940,8 +958,11 @@ def sft_warmup(model_dir, task, cfg, mesh):
                            action_masks=masks)
         num_tokens = dp_sum(batch.mask.sum(), mesh)  # global answer tokens
         loss_sum = Counter()
-        for idx, lens, weight in micro_rows(list(range(len(prompts))), batch, cfg, mesh, policy):
-            lp, _ = model_parallel.forward_policy(policy, batch.ids[idx], lens, mesh, cfg)
+        micros = micro_rows(range(len(prompts)), batch, cfg, mesh)
+        for i, (idx, lens, weight) in enumerate(micros):
+            # DDP's gradient all-reduce in the last backward (as train_minibatch)
+            model_parallel.sync_gradients(policy, sync=i == len(micros) - 1)
+            lp, _ = model_parallel.forward_policy(policy, batch.ids[idx], lens, mesh, plain)
             # the answers' mean negative log-likelihood
             nll = -masked_sum(lp, batch.mask[idx]) / num_tokens
             (weight * nll).backward()

@@ -51,7 +51,6 @@ def count_update_reads(packing, micro, tmp):
     batch.old_lp = batch.ref_lp = batch.engine_lp
     batch.values = batch.returns = torch.zeros(batch.mask.shape)
     batch.advantages = torch.randn(batch.mask.shape, generator=gen) * batch.mask
-    batch.tis = batch.mask.clone()
     with HostReads() as reads:
         train_ppo.update(parts, batch, cfg, mesh)
     got = len(model_parallel.microbatches(lens, cfg, mesh))

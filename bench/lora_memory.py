@@ -40,8 +40,9 @@ Where the peak is (found by timing each phase's peak; not printed here): under L
 the last microbatch's forward, in the LM head (gathered, with its output), at this shape just above
 the start of its backward; in full training at the start of its backward. What no term counts:
 RssAnon's heap (Python objects, autograd's nodes, the allocator's slack), printed as `heap` (the
-resident memory in no counted tensor when step 2's update begins: 40-55 MiB here), ~1% of a full
-peak, ~5% of a LoRA one: the model's peaks fall short of the measured ones by about that much.
+resident memory in no counted tensor when step 2's update begins: 21-47 MiB in docs/lora.md's
+run), ~1% of a full peak, ~5% of a LoRA one: the model's peaks fall short of the measured ones
+by about that much.
 With --smoke the four cases share one process (an import costs ~9 s here): each peak then starts
 from what the case before left, so the smoke peaks mean little; its counts are exact as ever.
 Last line: RESULT optimizer_bytes_{lora,full}_{fp32,bf16}=... optimizer_ratio_{fp32,bf16}=... (LoRA

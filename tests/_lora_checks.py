@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -94,7 +95,7 @@ def trainer_logprobs(ids, lens, shards=None):
         for n, p in policy.named_parameters():
             if shards and n in shards:
                 model_parallel._local(p).copy_(shards[n])
-        lp, _ = model_parallel.forward_policy(policy, ids, lens, mesh, cfg, temperature=TEMPERATURE)
+        lp, _ = model_parallel.forward_policy(policy, ids, lens, mesh, cfg)
         for n, p in policy.named_parameters():
             if n in live:
                 model_parallel._local(p).copy_(live[n])
@@ -105,7 +106,7 @@ def trainer_logprobs(ids, lens, shards=None):
 for round_ in range(2):
     ids, lens, mask, _ = rows(engine.generate(prompts, seeds, [MAX_NEW_TOKENS] * len(prompts), TEMPERATURE))
     before = adapters()
-    lp, _ = model_parallel.forward_policy(policy, ids, lens, mesh, cfg, temperature=1.0)
+    lp, _ = model_parallel.forward_policy(policy, ids, lens, mesh, replace(cfg, temperature=1.0))
     (-lp[mask].sum() / mask.sum()).backward()  # make these samples likelier
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -147,8 +148,8 @@ first = tok.encode(rollout.ToyTask(cfg.seed).prompts(0, 1)[0][0])  # not this ra
 shared = torch.tensor([first + [5, 9, 11, 2]] * 2)  # the same rows on both ranks (tp needs it)
 with torch.no_grad():
     lens = [shared.shape[1]] * 2
-    before = model_parallel.forward_policy(policy, shared, lens, mesh, cfg, temperature=TEMPERATURE)[0]
-    after = model_parallel.forward_policy(resumed, shared, lens, tp_mesh, cfg, temperature=TEMPERATURE)[0]
+    before = model_parallel.forward_policy(policy, shared, lens, mesh, cfg)[0]
+    after = model_parallel.forward_policy(resumed, shared, lens, tp_mesh, cfg)[0]
 measured["resumed_logprob_diff"] = (before - after).abs().max().item()
 for label, model in (("trained", policy), ("resumed", resumed)):
     model_parallel.reshard(model)

@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -143,7 +144,7 @@ del hf_engine
 
 # ---- 3. train one step (FSDP over both ranks), then refit in small recorded buckets ----------
 engine.sleep()  # as train_ppo.py does around training (a no-op on CPU)
-lp, _ = model_parallel.forward_policy(policy, ids, lens, mesh, cfg, temperature=1.0)  # (b, S)
+lp, _ = model_parallel.forward_policy(policy, ids, lens, mesh, replace(cfg, temperature=1.0))  # (b, S)
 (-lp[mask].sum() / mask.sum()).backward()  # make the engine's own samples likelier
 torch.optim.AdamW(policy.parameters(), lr=1e-2).step()  # (refit wakes the engine up)
 
@@ -174,7 +175,7 @@ after = generate(prompts, seeds)
 ids, lens, mask, engine_lp = rows(after)
 with torch.no_grad():
     # (b, S)
-    trainer_lp, _ = model_parallel.forward_policy(policy, ids, lens, mesh, cfg, temperature=TEMPERATURE)
+    trainer_lp, _ = model_parallel.forward_policy(policy, ids, lens, mesh, cfg)
 measured["diff_after_refit_vs_trainer"] = (engine_lp - trainer_lp)[mask].abs().mean().item()
 # the update must have moved these logprobs far more than the tolerance, or step 4 proves nothing
 measured["diff_trained_vs_initial"] = (trainer_lp - hf_logprobs(ids, lens))[mask].abs().mean().item()
@@ -207,8 +208,7 @@ finally:
 batch = train_ppo.make_batch(prompts, [r for r, _, _ in sampled], tok.encode_single_token(rollout.PAD),
                              [lps for _, lps, _ in sampled], action_masks=[a for _, _, a in sampled])
 with torch.no_grad():
-    trainer_lp, _ = model_parallel.forward_policy(policy, batch.ids, batch.lens, mesh, cfg,
-                                                  temperature=TEMPERATURE)  # (b, S)
+    trainer_lp, _ = model_parallel.forward_policy(policy, batch.ids, batch.lens, mesh, cfg)  # (b, S)
 response = train_ppo.make_batch(prompts, [r for r, _, _ in sampled], 0).mask.bool()  # (b, S) every token
 measured["sampled_episodes"] = dict(
     prompts=prompts, episodes=[(ids, mask) for ids, _, mask in sampled], calls=calls,

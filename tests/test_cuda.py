@@ -51,12 +51,12 @@ def _passes_on_gpu(rank, path, reference, case, port):
     if attention == "varlen":  # the GPU kernel must run, not the CPU stand-in
         mp.varlen_attention_reference = None
     cfg = config.Config(dtype=dtype, data_parallel=data_parallel, attention=attention, packing=packing,
-                        seed=SEED, max_tokens_per_microbatch=48)
+                        seed=SEED, max_tokens_per_microbatch=48, temperature=TEMPERATURE)
     policy, critic = mp.load_policy(path, mesh, cfg), mp.load_critic(path, mesh, cfg)
     assert all(p.is_cuda and p.dtype == torch.float32 for p in policy.parameters()), \
         "fp32 master weights on GPU"
     ids, mask, weights = toy_batch(LENS, PROMPT_LEN)
-    lp, _ = mp.forward_policy(policy, ids, LENS, mesh, cfg, TEMPERATURE, unscored=PROMPT_LEN)
+    lp, _ = mp.forward_policy(policy, ids, LENS, mesh, cfg, unscored=PROMPT_LEN)
     values = mp.forward_critic(critic, ids, LENS, mesh, cfg)
     scored = mask.bool()
     lp_err = (lp.detach() - reference["lp"])[scored].abs().max().item()

@@ -40,12 +40,13 @@ def _bf16_body(rank, world_size, path, reference):
     for (dp, cp, tp), packing in MESHES:
         label = f"dp{dp} cp{cp} tp{tp} packing={packing}"
         mesh = mp.make_mesh(world_size, tp, cp, "cpu")
-        cfg = config.Config(dtype="bf16", packing=packing, seed=SEED, max_tokens_per_microbatch=48)
+        cfg = config.Config(dtype="bf16", packing=packing, seed=SEED, max_tokens_per_microbatch=48,
+                            temperature=TEMPERATURE)
         policy, critic = mp.load_policy(path, mesh, cfg), mp.load_critic(path, mesh, cfg)
         assert all(p.dtype == torch.float32 for p in policy.parameters()), "master weights must stay fp32"
         share = len(LENS) // mesh["dp"].size()
         mine = list(range(mesh["dp"].get_local_rank() * share, (mesh["dp"].get_local_rank() + 1) * share))
-        lp, _ = mp.forward_policy(policy, ids[mine], [LENS[i] for i in mine], mesh, cfg, TEMPERATURE)
+        lp, _ = mp.forward_policy(policy, ids[mine], [LENS[i] for i in mine], mesh, cfg)
         values = mp.forward_critic(critic, ids[mine], [LENS[i] for i in mine], mesh, cfg)
         assert values.dtype == torch.float32 and lp.dtype == torch.float32, label
         lp_err = (lp.detach() - reference["lp"][mine]).abs().max().item()

@@ -82,7 +82,7 @@ def test_clip_higher_by_hand():
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
     ratio = torch.tensor([[1.25, 1.30, 0.85, 0.75]])
     logp = ratio.log().requires_grad_()
-    per_token, clipped = policy_loss(logp, torch.zeros(1, 4), adv, 0.2, clip_ratio_high=0.28)
+    per_token, clipped = policy_loss(logp, torch.zeros(1, 4), adv, (0.2, 0.28))
     torch.testing.assert_close(per_token, torch.tensor([[-1.25, -1.28, 0.85, 0.80]]))
     assert clipped.tolist() == [[False, True, False, True]]
     per_token.sum().backward()
@@ -106,7 +106,7 @@ def test_gspo_by_hand():
     log_ratio = torch.tensor([[0.1, -0.1, 0.3, 5.0], [0.4, 0.6, 9.0, 9.0], [-0.02, 0.0, 0.04, -0.02]])
     adv = torch.tensor([[1.0], [1.0], [-1.0]]) * torch.ones(3, 4)
     logp = (old + log_ratio).requires_grad_()
-    per_token, clipped = policy_loss(logp, old, adv, 0.2, 0.2, sequence_mask=mask)
+    per_token, clipped = policy_loss(logp, old, adv, (0.2, 0.2), sequence_mask=mask)
     e = torch.exp(torch.tensor(0.1)).item()
     torch.testing.assert_close(per_token * mask, torch.tensor([[-e, -e, -e, 0.0], [-1.2, -1.2, 0.0, 0.0],
                                                                [1.0, 1.0, 1.0, 1.0]]))
@@ -124,7 +124,7 @@ def test_gspo_by_hand():
     torch.testing.assert_close(loss, objective)
     torch.testing.assert_close(logp.grad, theirs.grad)
     # the token-level ratio on the same numbers differs (so the switch is seen)
-    ppo, _ = policy_loss(logp.detach(), old, adv, 0.2, 0.2)
+    ppo, _ = policy_loss(logp.detach(), old, adv, (0.2, 0.2))
     assert not torch.allclose(aggregate_loss(ppo, mask, "seq-mean-token-mean"), objective)
 
 
@@ -172,7 +172,6 @@ def _batch(cfg, device):
     batch.advantages = torch.randn(shape, generator=g) * batch.mask
     batch.values = torch.randn(shape, generator=g) * batch.mask
     batch.returns = torch.randn(shape, generator=g) * batch.mask
-    batch.tis = batch.mask.clone()
     return batch
 
 
@@ -194,7 +193,7 @@ def _mesh_body(rank, world_size, model_dir, dp, cp, tp, out):
     rows = train_ppo.balanced_split(whole.lens, cfg.num_minibatches, dp)[mesh["dp"].get_local_rank()]
     batch = train_ppo.make_batch([[0]] * len(rows), [[0]] * len(rows), 257)  # the fields are replaced
     batch.ids, batch.mask, batch.lens = whole.ids[rows], whole.mask[rows], [whole.lens[i] for i in rows]
-    for field in ("old_lp", "ref_lp", "advantages", "values", "returns", "tis", "engine_lp"):
+    for field in ("old_lp", "ref_lp", "advantages", "values", "returns", "engine_lp"):
         setattr(batch, field, getattr(whole, field)[rows])
     batch.unscored = min(whole.unscored, batch.unscored)
     results = {}
@@ -297,7 +296,7 @@ def test_the_estimator_switches_reach_compute_advantages():
     for (estimator, norm_by_std), want in by_hand.items():
         cfg = config.Config(prompts_per_step=2, samples_per_prompt=4, advantage_estimator=estimator,
                             grpo_norm_by_std=norm_by_std)
-        advantages = train_ppo.compute_advantages(batch, scores, cfg, mesh=None)["advantages"]
+        advantages, _ = train_ppo.compute_advantages(batch, scores, cfg, mesh=None)
         expected = torch.tensor([[0.0, 0.0] + [a] * 3 for a in want])
         torch.testing.assert_close(advantages, expected, atol=1e-6, rtol=0)
 
@@ -330,7 +329,7 @@ def test_the_trainer_deals_its_rows_with_balanced_split():
     contiguous slices would give 34 and 10."""
     lengths = [10, 9, 8, 7, 1, 2, 3, 4]
     every = {j: dict(prompt_ids=[1], response_ids=[2] * (n - 1), engine_logprobs=[0.0] * (n - 1),
-                     action_mask=[1] * (n - 1), reward=0.0)
+                     action_mask=[1] * (n - 1), task_score=0.0)
              for j, n in enumerate(lengths)}
     cfg = config.Config(prompts_per_step=4, samples_per_prompt=2, num_minibatches=1, packing=True)
     for rank, rows in enumerate([[0, 3, 4, 7], [1, 2, 5, 6]]):

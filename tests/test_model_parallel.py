@@ -8,6 +8,7 @@ One spawn per world size runs many cases, so the suite stays within a few minute
 """
 import inspect
 import os
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -106,7 +107,8 @@ def _check_case(root, name, mesh, cfg, label):
         idx = [mine[r] for r in rows]  # a dummy: weight 0
         lens = [LENS[i] for i in idx]
         # unscored: the LM head skips the prompt where it can (cp = 1, no packing, no SP)
-        lp, ent = mp.forward_policy(policy, ids[idx], lens, mesh, cfg, TEMPERATURE, True, unscored=PROMPT_LEN)
+        lp, ent = mp.forward_policy(policy, ids[idx], lens, mesh, replace(cfg, temperature=TEMPERATURE), True,
+                                    unscored=PROMPT_LEN)
         values = mp.forward_critic(critic, ids[idx], lens, mesh, cfg)
         loss = ((lp * weights[idx] * mask[idx]).sum() + (values**2 * mask[idx]).sum()) / n_tokens
         (w * loss).backward()
@@ -193,7 +195,8 @@ def _weights_check(root, world_size, data_parallel="fsdp", name="tiny-qwen3"):
     assert all(torch.equal(full[n], checkpoint[n]) for n in full), "loaded weights differ from the file"
 
     ids, mask, weights = toy_batch(LENS, PROMPT_LEN)
-    forward = lambda: mp.forward_policy(policy, ids, LENS, mesh, cfg, TEMPERATURE, False)[0]
+    at_t = replace(cfg, temperature=TEMPERATURE)
+    forward = lambda: mp.forward_policy(policy, ids, LENS, mesh, at_t, False)[0]
     with torch.no_grad():
         lp_initial = forward()  # FSDP2 leaves the root gathered after this: snapshot must not care
     snapshot = mp.snapshot_weights(policy)

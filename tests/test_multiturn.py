@@ -195,7 +195,7 @@ MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-to
 # into a loss, a gradient or a statistic shows. The old policy's is -7 plus noise. The cut rows hold
 # 0 there (ZEROS): a computation that read outside the mask would then differ between the two.
 OFF_MASK = dict(engine_lp=-2.0, ref_lp=3.0, lp=-0.5, entropy=9.0, values=50.0, new_values=-30.0,
-                advantages=5.0, returns=-40.0, tis=1.7)
+                advantages=5.0, returns=-40.0)
 ZEROS = dict.fromkeys(OFF_MASK, 0.0)
 
 
@@ -236,7 +236,7 @@ def _batches(estimator, **overrides):
             out["old_lp"] = _spread(batch, numbers["old_lp"], -7.0 + noise)
         return out
 
-    shared = dict(index=[0, 1, 2], scores=torch.tensor([1.0, 0.0, 0.5]))
+    shared = dict(index=[0, 1, 2], reward=torch.tensor([1.0, 0.0, 0.5]))
     full = dataclasses.replace(full, **shared, **fields(full, OFF_MASK))
     cut = dataclasses.replace(cut, **shared, **fields(cut, ZEROS))
     cfg = config.Config(**{**dict(advantage_estimator=estimator, samples_per_prompt=3, tis_cap=2.0,
@@ -262,8 +262,9 @@ def test_observation_tokens_are_in_no_loss_gradient_or_statistic(estimator, mode
     results = []
     for batch, off in ((full, OFF_MASK), (cut, ZEROS)):
         on = batch.mask.bool()
-        batch = dataclasses.replace(batch, **train_ppo.compute_advantages(batch, batch.scores, cfg, mesh))
-        computed = {name: getattr(batch, name) for name in ("advantages", "returns", "tis")
+        advantages, returns = train_ppo.compute_advantages(batch, batch.reward, cfg, mesh)
+        batch = dataclasses.replace(batch, advantages=advantages, returns=returns)
+        computed = {name: getattr(batch, name) for name in ("advantages", "returns")
                     if getattr(batch, name) is not None}
         # the losses' inputs: wild numbers off the mask instead of compute_advantages' zeros there
         inputs = dataclasses.replace(batch, **{name: torch.where(on, x, off[name])
@@ -283,8 +284,8 @@ def test_observation_tokens_are_in_no_loss_gradient_or_statistic(estimator, mode
             terms["value_loss"] = aggregate(per_token, batch.mask)
         sum(terms.values()).backward()
         grads = {name: leaf.grad for name, leaf in new.items() if leaf.grad is not None}
-        sums = ({name: term.detach() for name, term in terms.items()}, {"clipped_tokens": clipped},
-                {"grad_norm": 1.0})
+        sums = train_ppo.UpdateSums({name: term.detach() for name, term in terms.items()},
+                                    {"clipped_tokens": clipped}, {"grad_norm": 1.0})
         metrics = train_ppo.step_metrics(batch, sums, cfg, mesh)
         results.append(dict(on=on, computed=computed, terms=sums[0], grads=grads, metrics=metrics))
     full, cut = results
@@ -411,7 +412,7 @@ def test_replayed_episodes_train_as_their_cut_rows(estimator, mode, ratio, tmp_p
                                 replay_rollouts=str(tmp_path / name), out_dir=str(tmp_path / "out"))
             models = _stand_in_models(estimator)
             metrics, _ = train_ppo.ppo_step({"step": 0, "prompts_drawn": 0}, models, None,
-                                            types.SimpleNamespace(pad_id=0), cfg, mesh, "cpu")
+                                            types.SimpleNamespace(pad_id=0), cfg, mesh)
             weights = {part: models.parts[part].model.table.detach() for part in models.parts}
             runs[name] = metrics, weights
     finally:
@@ -671,9 +672,12 @@ def test_a_dump_the_trainer_cannot_train_on_is_refused_in_one_line(one_rank, tmp
     """Replaying a dump of an older version (no action_mask) gave a KeyError traceback; a dump whose
     last token is an observation would silently lose its score."""
     good = dict(index=0, prompt_ids=[1], response_ids=[7, EOS], engine_logprobs=[-1.0, -1.0],
-                action_mask=[1, 1], calls=0, ended="stop", reward=1.0)
+                action_mask=[1, 1], calls=0, ended="stop", task_score=1.0, reward=1.0)
     cfg = config.Config(replay_rollouts=str(tmp_path))
     _write_dump(tmp_path / "step_0.jsonl", [good])
+    assert rollout.rollouts(None, None, cfg, 0, 0) == ({0: good}, 0)
+    # a dump written before task_score had a key of its own: its reward is the task's score
+    _write_dump(tmp_path / "step_0.jsonl", [{k: v for k, v in good.items() if k != "task_score"}])
     assert rollout.rollouts(None, None, cfg, 0, 0) == ({0: good}, 0)
     old = {k: v for k, v in good.items() if k not in ("action_mask", "calls", "ended")}
     _write_dump(tmp_path / "step_0.jsonl", [good, old])

@@ -88,7 +88,7 @@ def test_policy_loss_both_clipping_branches():
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
     old = torch.zeros(1, 4)
     logp = torch.log(torch.tensor([[1.5, 0.5, 1.5, 0.5]])).requires_grad_()
-    per_token, clipped = policy_loss(logp, old, adv, clip_ratio=0.2)
+    per_token, clipped = policy_loss(logp, old, adv, clip=0.2)
     loss = per_token.mean()
     assert loss.item() == pytest.approx((-1.2 - 0.5 + 1.5 + 0.8) / 4)
     assert clipped.tolist() == [[True, False, False, True]]

@@ -178,7 +178,7 @@ def _stop_set_body(rank, world_size, model, out_dir):
     miss = next(p for p in range(25) if task.prompts(p, 1)[0][1] != "7")
     for position, reward in ((hit, 1.0), (miss, 0.0)):
         (sample,), _ = rollout.generate_share(ScriptedEngine(), task, one, 0, position)
-        assert sample["finished"] and sample["response"] == "7" and sample["reward"] == reward, sample
+        assert sample["finished"] and sample["response"] == "7" and sample["task_score"] == reward, sample
 
 
 def test_a_response_ending_in_the_second_eos_is_finished_rewarded_and_the_set_is_kept(tmp_path):

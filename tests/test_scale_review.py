@@ -75,7 +75,7 @@ def _one_rank_body(rank, world_size, tmp):
     reward_model = model_parallel.load_reward_model(reward_dir, mesh, keep)
     policy = model_parallel.load_policy(path, mesh, bf16)
     batch = train_ppo.make_batch([[1, 2, 3], [4, 5]], [[6, 7], [8]], pad_id=257)
-    batch.scores = torch.zeros(2)
+    batch.task_score = torch.zeros(2)
     with torch.no_grad():  # as ppo_step calls it
         train_ppo.reward_model_scores(reward_model, batch, keep, mesh)
     gathered = [n for n, p in reward_model.named_parameters() if not isinstance(p, DTensor)]
@@ -200,7 +200,7 @@ def test_the_rollout_dump_is_written_while_the_step_goes_on(tmp_path, monkeypatc
         write(path, samples)
     monkeypatch.setattr(rollout, "_write_jsonl", slow_write)
     monkeypatch.setattr(train_ppo.dist, "get_rank", lambda: 0)
-    every = {j: dict(index=j, reward=float(j % 2), response_ids=[1, 2]) for j in range(8)}
+    every = {j: dict(index=j, task_score=float(j % 2), response_ids=[1, 2]) for j in range(8)}
     cfg = config.Config(out_dir=str(tmp_path), reward_model="rm")
     start = time.time()
     with HostReads() as reads:

@@ -42,10 +42,11 @@ def _grpo_body(rank, world_size):
     batch = train_ppo.make_batch([[1, 2]] * 4, [[3, 4, 5]] * 4, pad_id=0)
     batch.old_lp = batch.ref_lp = batch.engine_lp
     batch.index = mine
-    batch.scores = torch.tensor([scores[j] for j in mine])
-    every_score = train_ppo.global_scores(batch, len(scores), mesh)  # the other rank's rows' scores too
+    batch.reward = torch.tensor([scores[j] for j in mine])
+    every_score = train_ppo.global_rewards(batch, len(scores), mesh)  # the other rank's rows' scores too
     assert every_score.tolist() == scores
-    batch = dataclasses.replace(batch, **train_ppo.compute_advantages(batch, every_score, cfg, mesh))
+    advantages, returns = train_ppo.compute_advantages(batch, every_score, cfg, mesh)
+    batch = dataclasses.replace(batch, advantages=advantages, returns=returns)
     for row, j in enumerate(mine):  # the same advantage on every response token, 0 elsewhere
         expected = torch.tensor([0.0, 0.0] + [by_hand[j]] * 3)
         torch.testing.assert_close(batch.advantages[row], expected, atol=1e-6, rtol=0)
@@ -152,14 +153,15 @@ def test_step_metrics_console_plot_and_summary_follow_the_loss_terms(tmp_path, m
     # 4 sequences of 10 prompt + 5 response tokens, rewards 1, 1, 1, 0; KL 0.01 a token (k1), the
     # engine's logprobs those of pi_old
     batch = train_ppo.make_batch([[1] * 10] * 4, [[2] * 5] * 4, pad_id=257)
-    batch = dataclasses.replace(batch, scores=torch.tensor([1.0, 1.0, 1.0, 0.0]), old_lp=batch.engine_lp,
+    batch = dataclasses.replace(batch, reward=torch.tensor([1.0, 1.0, 1.0, 0.0]), old_lp=batch.engine_lp,
                                 ref_lp=batch.engine_lp - 0.01 * batch.mask)
     # the update's sums over its 4 optimizer steps (the third skipped): policy_loss 0.1, -0.3, 0.2,
     # 0.4; entropy_loss -0.004, -0.002, -0.002, -0.004; ratio_penalty 0.01, 0.02, 0.03, 0.06; grad
     # norms 1, 2, 3, 6; 8 clipped tokens
     losses = Counter(policy_loss=0.4, entropy_loss=-0.012, ratio_penalty=0.12)
     norms = Counter(grad_norm=12.0, skipped_updates=1)
-    named = train_ppo.step_metrics(batch, (losses, Counter(clipped_tokens=8), norms), cfg, mesh=None)
+    sums = train_ppo.UpdateSums(losses, Counter(clipped_tokens=8), norms)
+    named = train_ppo.step_metrics(batch, sums, cfg, mesh=None)
     metrics = {"step": 0, **named, "time_step_s": 2.0}
     # means over the 4 optimizer steps, skipped one included; clip_frac over 2 epochs of 20 tokens
     by_hand = dict(step=0, reward_mean=0.75, reward_std=math.sqrt(0.75 - 0.75 ** 2), kl=0.01,
@@ -469,13 +471,12 @@ def _ddp_microbatches_body(rank, world_size, root):
     batch = train_ppo.make_batch([[1, 2, 3]] * 2, responses, pad_id=257)
 
     before = torch.cat([p.detach().flatten() for p in policy.parameters()])
-    nll = {}
-    for idx, lens, _ in train_ppo.micro_rows([0, 1], batch, cfg, mesh, policy):  # sets DDP's sync flag
-        lp, _ = model_parallel.forward_policy(policy, batch.ids[idx], lens, mesh, cfg)
-        nll = {"nll": -train_ppo.masked_sum(lp, batch.mask[idx])}
-        nll["nll"].backward()
-    norm = model_parallel.clip_grad_norm(list(policy.parameters()), cfg.max_grad_norm)
-    train_ppo.step_optimizer(optimizer, norm, nll, mesh)
+    # the trainer's own minibatch (its microbatch loop sets DDP's sync flag): advantage 1 on every
+    # response token, pi_old the engine's zeros
+    batch = dataclasses.replace(batch, old_lp=batch.engine_lp, advantages=batch.mask)
+    part = train_ppo.Part(policy, optimizer, None)
+    _, _, _, stepped = train_ppo.train_minibatch("policy", part, range(2), batch, cfg, mesh)
+    assert stepped
     after = torch.cat([p.detach().flatten() for p in policy.parameters()])
     replicas = [torch.zeros_like(after) for _ in range(world_size)]
     torch.distributed.all_gather(replicas, after)
