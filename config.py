@@ -78,6 +78,25 @@ class Config:
     # trains one): its score at each response's last token is the PPO reward, and the task's rule
     # is logged beside it as task_score. "" = the task's rule is the reward
     reward_model: str = ""
+    # on-policy distillation (docs/distillation.md): a teacher, an HF causal LM with the policy's
+    # tokenizer, frozen and sharded like the policy; its logprobs of the student's own tokens give
+    # a per-token reverse KL, log pi(x_t) - log pi_teacher(x_t). "" = no teacher
+    teacher: str = ""
+    # how that KL trains the student (verl 0.9.1's two forms): reward = each token's advantage is
+    # -(log pi_old - log pi_teacher), discount 0, through the clipped surrogate (Thinking
+    # Machines' form, verl's use_policy_gradient); loss = distill_estimator's KL estimate per token
+    # through loss_agg_mode (verl's default form)
+    distill_form: Literal["reward", "loss"] = "reward"
+    # the per-token estimate: k1 = log ratio, k2 = (log ratio)^2 / 2, k3 = (r - 1) - log r; the
+    # loss form refuses k1 (its gradient does not depend on the teacher)
+    distill_estimator: Literal["k1", "k2", "k3"] = "k1"
+    # the distillation term's weight beside the task's policy loss (verl: distillation_loss_coef)
+    distill_coef: float = 1.0
+    # false = pure distillation: the task's reward trains nothing (needs grpo or rloo: no critic
+    # for a reward no loss reads)
+    distill_task: bool = True
+    # each token's estimate is clamped to +-this (verl's loss_max_clamp; 0 = no clamp)
+    distill_clamp: float = 10.0
     # tensor-parallel degree (GPUs that split each matmul)
     tp_size: int = 1
     # context-parallel degree (GPUs that split each sequence); dp = world / (tp * cp)
@@ -198,7 +217,8 @@ class Config:
     # clip the global grad norm of each model to this (0 = no clipping)
     max_grad_norm: float = 1.0
     # beta: with gae a per-token reward penalty beta * KL(policy || reference); with grpo/rloo
-    # (no per-token reward) the weight of the kl_loss term in the policy loss instead
+    # (no per-token reward) the weight of the kl_loss term in the policy loss instead. 0 = no
+    # reference at all (no pass, no copy of the initial weights, no kl metric)
     kl_coef: float = 0.001
     # k1 = log ratio (unbiased), k3 = (r - 1) - log r (low variance, >= 0): the reward penalty's
     # and the logged kl's. grpo/rloo's kl_loss is k3 whatever this says (DeepSeekMath's estimator)
@@ -452,6 +472,17 @@ def _validate_values(cfg: Config) -> None:
     if cfg.lora_rank and not set(cfg.lora_targets.split(",")) <= set(LORA_TARGETS):
         raise ConfigError(f"lora_targets={cfg.lora_targets!r} names a module with no adapter here: "
                           f"a comma-separated subset of {','.join(LORA_TARGETS)}")
+    # verl refuses it too: d/dtheta of log pi - log pi_teacher does not involve the teacher
+    if cfg.teacher and cfg.distill_form == "loss" and cfg.distill_estimator == "k1":
+        raise ConfigError("distill_form=loss with distill_estimator=k1 trains nothing toward the "
+                          "teacher (the gradient of log pi - log pi_teacher is the teacher-free "
+                          "grad log pi): use distill_estimator=k3 or k2, or distill_form=reward")
+    if not cfg.teacher and not cfg.distill_task:
+        raise ConfigError("distill_task=false needs a teacher: without one nothing would train "
+                          "(give teacher=DIR, or distill_task=true)")
+    if cfg.teacher and not cfg.distill_task and cfg.advantage_estimator == "gae":
+        raise ConfigError("distill_task=false (pure distillation) with advantage_estimator=gae "
+                          "would train a critic on a reward no loss reads: use grpo or rloo")
     if not (0.0 <= cfg.gamma <= 1.0 and 0.0 <= cfg.lam <= 1.0):
         raise ConfigError(f"gamma={cfg.gamma} and lam={cfg.lam} must lie in [0, 1]")
 
@@ -502,6 +533,9 @@ def _validate_paths(cfg: Config) -> None:
     if cfg.task == "gsm8k" and not os.path.isfile(cfg.prompts):
         raise ConfigError(f"task=gsm8k needs prompts=FILE (a GSM8K-format JSONL file); "
                           f"{cfg.prompts!r} is not a file")
+    if cfg.teacher and not os.path.isdir(cfg.teacher):
+        raise ConfigError(f"teacher={cfg.teacher!r} is not a directory: give an HF causal LM "
+                          f"checkpoint dir with the policy's tokenizer")
     if cfg.reward_model and not os.path.isdir(cfg.reward_model):
         raise ConfigError(f"reward_model={cfg.reward_model!r} is not a directory: give a "
                           f"*ForSequenceClassification checkpoint dir "

@@ -118,6 +118,14 @@ def cp_gather(x_local, cp_group, dim=1):
     return x_local if _size(cp_group) == 1 else _CPGather.apply(x_local, cp_group, dim)
 
 
+def gather_shifted(x_local, cp_group, cu_seqlens, shift=True):
+    """Collective over cp. Per-position values (B, S/cp) at this rank's zigzag positions -> (B, S)
+    in natural order (cp_gather), then shifted right by one (shift_right: what position i computes
+    belongs to token i + 1) unless shift=False."""
+    gathered = cp_gather(x_local, cp_group, dim=1)  # (B, S)
+    return shift_right(gathered, cu_seqlens) if shift else gathered
+
+
 def shift_right(per_position, cu_seqlens):
     """(B, S) values computed at logits position g (about token g+1) -> aligned at position g+1.
     Position 0, and with packing every sequence start, has no prediction of its own: it gets 0.
@@ -338,7 +346,7 @@ def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlen
 
     def align(per_row):
         """(N,) at this rank's rows -> (B, S): gathered over cp, shifted right by one."""
-        return shift_right(cp_gather(per_row.view(batch, -1), cp_group, dim=1), cu_seqlens)
+        return gather_shifted(per_row.view(batch, -1), cp_group, cu_seqlens)
 
     if with_entropy:
         return align(logprob), align(entropy)  # (B, S), (B, S)

@@ -35,7 +35,7 @@ import json
 import math
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -49,10 +49,10 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from config import flash_runs, masked_attention_error, resolve_auto
-from logprobs import cp_gather, shift_right, token_logprobs, zigzag_positions
+from logprobs import gather_shifted, token_logprobs, zigzag_positions
 
 # GPU only: flash-attn's varlen kernel skips the masked-out blocks of a packed row
 try:
@@ -484,10 +484,8 @@ def forward_critic(critic, input_ids, seq_lens, mesh, cfg, shift=True):
     layout = _layout(input_ids, seq_lens, mesh, cfg)
     # the one-output head stands where lm_head was (_on_meta): HF returns its output as `.logits`
     values = critic(**layout.model_inputs()).logits[..., 0].float()  # (B, T/cp)
-    # collective over cp, natural order
-    values = cp_gather(values, _group(mesh, "cp"), dim=1)  # (B, T)
-    if shift:  # the shift crosses zigzag chunks: after the gather
-        values = shift_right(values, layout.cu_seqlens)  # (B, T)
+    # collective over cp, natural order; the shift crosses zigzag chunks: after the gather
+    values = gather_shifted(values, _group(mesh, "cp"), layout.cu_seqlens, shift)  # (B, T)
     return _unlayout(values, layout, input_ids)  # (b, S)
 
 
@@ -639,6 +637,8 @@ def setup(cfg):
     _, world_size, device = init_distributed(cfg.collective_timeout_s)
     mesh = make_mesh(world_size, cfg.tp_size, cfg.cp_size, device.type)
     model_dir = checked_model_dir(cfg)
+    if cfg.teacher:  # distillation: its ids must mean the policy's tokens
+        check_teacher(cfg.teacher, model_dir, cfg.tp_size)
     gpu_kernel = gpu_kernel_name() if device.type == "cuda" else None
     return device, mesh, model_dir, resolve_auto(cfg, device.type, gpu_kernel)
 
@@ -1216,11 +1216,16 @@ def _load_weights(model, path, extra):
     return model
 
 
-def load_policy(path, mesh, cfg):
+def load_policy(path, mesh, cfg, frozen=False):
     """Collective (every rank): the HF checkpoint at `path` as a sharded module (TP plan if tp > 1,
-    FSDP2 or DDP over dp*cp), with fresh LoRA adapters if cfg.lora_rank."""
-    model = _build(path, mesh, cfg, critic=False)
-    return _load_weights(model, path, extra=_adapter_init(model, cfg.seed))  # (no adapters: {})
+    FSDP2 or DDP over dp*cp), with fresh LoRA adapters if cfg.lora_rank. frozen (on-policy
+    distillation's teacher): no adapters, no gradient, stored in its compute dtype and under FSDP2
+    kept in host memory between its passes (_build's `frozen`, as the reward model)."""
+    if frozen:
+        cfg = replace(cfg, lora_rank=0)
+    model = _build(path, mesh, cfg, critic=False, frozen=frozen)
+    model = _load_weights(model, path, extra=_adapter_init(model, cfg.seed))  # (no adapters: {})
+    return model.requires_grad_(False) if frozen else model
 
 
 def score_head(path):
@@ -1260,6 +1265,36 @@ def load_reward_model(path, mesh, cfg):
     gradient; it scores in the no-grad phase (forward_reward_model). Stored in bf16 under
     the bf16 recipe and kept in host memory between its passes (_build's `frozen`)."""
     return load_critic(path, mesh, cfg, frozen=True).requires_grad_(False)  # (returns the module)
+
+
+def check_teacher(teacher, model_dir, tp_size):
+    """Refuse (CheckpointError, one line) a teacher whose token ids would not mean the policy's
+    tokens: another tokenizer (its whole vocabulary, token -> id, compared; a dir without one
+    uses the task's own, as the toy tasks do), or an id the tokenizer makes beyond its embedding.
+    The embedding's rows may differ from the policy's (models pad their vocabulary). Also what
+    check_hf_dir refuses (a missing dir, heads that tp would cut)."""
+    try:
+        hf_config = check_hf_dir(teacher, tp_size)
+    except CheckpointError as e:
+        raise CheckpointError(f"teacher: {e}") from None
+    vocab = _tokenizer_vocab(model_dir)
+    if _tokenizer_vocab(teacher) != vocab:
+        raise CheckpointError(f"teacher={teacher} has another tokenizer than the policy's "
+                              f"({model_dir}): its token ids would mean other tokens; distil "
+                              f"from a teacher of the same tokenizer")
+    # the ids the tokenizer makes; a dir without one: the policy's rows bound the task's ids
+    ids = max(vocab.values()) + 1 if vocab else AutoConfig.from_pretrained(model_dir).vocab_size
+    if hf_config.vocab_size < ids:
+        raise CheckpointError(f"teacher={teacher} has {hf_config.vocab_size} embedding rows, "
+                              f"fewer than the {ids} ids of the policy's tokenizer")
+
+
+def _tokenizer_vocab(path):
+    """{token: id} of the tokenizer saved in `path`, None if it holds none."""
+    names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in names):
+        return None
+    return AutoTokenizer.from_pretrained(path).get_vocab()
 
 
 def forward_reward_model(reward_model, input_ids, seq_lens, mesh, cfg):

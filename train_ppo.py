@@ -123,7 +123,8 @@ class Batch:
     task_score: Optional[torch.Tensor] = None  # (b,) the task's rule-based score of each row
     reward: Optional[torch.Tensor] = None  # (b,) what it is trained on: that, or a reward model's
     old_lp: Optional[torch.Tensor] = None  # (b, S) policy that sampled, as the trainer computes it
-    ref_lp: Optional[torch.Tensor] = None  # (b, S) reference (initial) policy
+    ref_lp: Optional[torch.Tensor] = None  # (b, S) reference (initial) policy; None at kl_coef 0
+    teacher_lp: Optional[torch.Tensor] = None  # (b, S) distillation's teacher, if any
     entropy: Optional[torch.Tensor] = None  # (b, S) of the policy's next-token distribution
     values: Optional[torch.Tensor] = None  # (b, S) critic before the update (gae only)
     advantages: Optional[torch.Tensor] = None  # (b, S)
@@ -151,9 +152,9 @@ def ppo_step(progress, models, engine, task, cfg, mesh):
             # 3. the reward: the task's rule, or a learned reward model's score
             reward = (batch.task_score if models.reward_model is None
                       else reward_model_scores(models.reward_model, batch, cfg, mesh))
-            old_lp, entropy, ref_lp, values = score(models, batch, cfg, mesh)  # 4.
+            old_lp, entropy, ref_lp, values, teacher_lp = score(models, batch, cfg, mesh)  # 4.
             batch = replace(batch, reward=reward, old_lp=old_lp, entropy=entropy, ref_lp=ref_lp,
-                            values=values)
+                            values=values, teacher_lp=teacher_lp)
             all_rewards = global_rewards(batch, len(every), mesh)  # (N,)
             advantages, returns = compute_advantages(batch, all_rewards, cfg, mesh)  # 5-6.
             batch = replace(batch, advantages=advantages, returns=returns)
@@ -277,10 +278,11 @@ def make_batch(prompts, responses, pad_id, engine_logprobs=None, device="cpu", a
 
 def score(models, batch, cfg, mesh):
     """Collective over the mesh. Step 4, the passes without grad (ppo_step runs steps 3-6 under
-    no_grad), as (old_lp, entropy, ref_lp, values), each (b, S) or None: the old policy's
-    logprobs and entropy (or the engine's logprobs), the reference's logprobs (the initial weights
-    swapped into the same module, or under LoRA the adapters switched off), and the critic's
-    values."""
+    no_grad), as (old_lp, entropy, ref_lp, values, teacher_lp), each (b, S) or None: the old
+    policy's logprobs and entropy (or the engine's logprobs), the reference's logprobs (the
+    initial weights swapped into the same module, or under LoRA the adapters switched off; no
+    pass at kl_coef 0, where nothing reads them), the critic's values, and a distillation
+    teacher's logprobs."""
     policy = models.parts["policy"].model
     # old_logprobs=engine: the engine's logprobs stand for pi_old, one policy forward fewer
     old_lp, entropy = batch.engine_lp, None
@@ -288,18 +290,22 @@ def score(models, batch, cfg, mesh):
         old_lp, entropy = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
                                         with_entropy=cfg.log_entropy, unscored=batch.unscored)
     # the reference is the same module: under LoRA with its adapters off, else with the initial
-    # weights swapped in
-    reference = (model_parallel.adapters_off(policy) if cfg.lora_rank
-                 else model_parallel.swapped_weights(policy, models.reference))
-    with reference:
-        ref_lp, _ = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
-                                  unscored=batch.unscored)
+    # weights swapped in (build_models keeps no snapshot at kl_coef 0)
+    ref_lp = None
+    if cfg.kl_coef > 0:  # (at 0 nothing reads the reference: no pass)
+        reference = (model_parallel.adapters_off(policy) if cfg.lora_rank
+                     else model_parallel.swapped_weights(policy, models.reference))
+        with reference:
+            ref_lp, _ = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
+                                      unscored=batch.unscored)
     values = None
     if "critic" in models.parts:
         critic = models.parts["critic"].model
         (values,) = forward_batch(model_parallel.forward_critic, critic, batch, cfg, mesh)
         values = values * batch.mask  # (b, S)
-    return old_lp, entropy, ref_lp, values
+    # on-policy distillation: teacher_logprobs, after the banner "Beyond one step"
+    teacher_lp = None if models.teacher is None else teacher_logprobs(models, batch, cfg, mesh)
+    return old_lp, entropy, ref_lp, values, teacher_lp
 
 
 def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
@@ -359,7 +365,8 @@ def compute_advantages(batch, all_rewards, cfg, mesh):
     if cfg.advantage_estimator != "gae":  # critic-free: group_advantages, after "Beyond one step"
         mine = group_advantages(all_rewards, cfg)[batch.index]  # (N,) -> (b,)
         return mine[:, None] * batch.mask, None  # (b, S)
-    kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
+    # (b, S); at kl_coef 0 no reference pass ran, and no penalty
+    kl = 0.0 if batch.ref_lp is None else kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)
     rewards = -cfg.kl_coef * kl * batch.mask  # (b, S)
     last = torch.tensor(batch.lens) - 1  # (b,) each row's last response token
     rewards[torch.arange(len(batch.lens)), last] += batch.reward
@@ -378,10 +385,13 @@ def kl_penalty(logprobs, ref_logprobs, kind="k1"):
     """Per-token estimate of KL(pi || pi_ref) from the sampled token (Schulman, "Approximating KL
     divergence", 2020). k1 = log(pi/pi_ref): unbiased, can be negative per token.
     k3 = (r - 1) - log r with r = pi_ref/pi: unbiased, always >= 0, lower variance; clamped to
-    <= 10 as verl's low_var_kl, since one collapsed token (log r = 88) would give e^88 = inf."""
+    <= 10 as verl's low_var_kl, since one collapsed token (log r = 88) would give e^88 = inf.
+    k2 = (log r)^2 / 2: biased, >= 0 (distillation's loss form may take it)."""
     log_ratio = logprobs - ref_logprobs  # (B, S)
     if kind == "k1":
         return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio ** 2
     if kind == "k3":
         # the input clamp keeps exp (and its gradient, 0 past the clamp) finite
         log_ratio = log_ratio.clamp(-20.0, 20.0)  # (B, S)
@@ -478,27 +488,26 @@ def train_minibatch(name, part, rows, batch, cfg, mesh):
     aggregate = functools.partial(aggregate_loss, mode=cfg.loss_agg_mode, num_tokens=num_tokens,
                                   num_seqs=len(rows) * mesh["dp"].size(),  # sequences
                                   norm=cfg.loss_agg_norm or cfg.max_new_tokens)
-    model = part.model
     losses, clipped = Counter(), 0  # {loss term: its sum over the microbatches}
     micros = micro_rows(rows, batch, cfg, mesh)
     for i, (idx, lens, weight) in enumerate(micros):  # weight: 0 for a dummy (micro_rows)
         # DDP all-reduces the gradients in the last microbatch's backward only, and decides at
         # the forward (FSDP2 reduces every backward's shards; tp and cp need nothing)
-        model_parallel.sync_gradients(model, sync=i == len(micros) - 1)
+        model_parallel.sync_gradients(part.model, sync=i == len(micros) - 1)
         if name == "policy":
-            lp, entropy = model_parallel.forward_policy(model, batch.ids[idx], lens, mesh, cfg,
-                                                        with_entropy=cfg.entropy_coef > 0,
+            lp, entropy = model_parallel.forward_policy(part.model, batch.ids[idx], lens, mesh,
+                                                        cfg, with_entropy=cfg.entropy_coef > 0,
                                                         unscored=batch.unscored)
             # the function's name, looked up now: a fork's replacement is what trains
             terms, tokens = policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg)
             clipped = clipped + weight * tokens
         else:  # the critic
-            values = model_parallel.forward_critic(model, batch.ids[idx], lens, mesh, cfg)
+            values = model_parallel.forward_critic(part.model, batch.ids[idx], lens, mesh, cfg)
             per_token = value_loss(values, batch.values[idx], batch.returns[idx], cfg.value_clip)
             terms = {"value_loss": aggregate(per_token, batch.mask[idx])}
         (weight * sum(terms.values())).backward()  # a dummy's weight is 0
         losses.update({term: weight * loss.detach() for term, loss in terms.items()})
-    norm = model_parallel.clip_grad_norm(list(model.parameters()), cfg.max_grad_norm)
+    norm = model_parallel.clip_grad_norm(list(part.model.parameters()), cfg.max_grad_norm)
     stepped = step_optimizer(part.optimizer, norm, losses, mesh)
     return losses, clipped, norm, stepped
 
@@ -513,6 +522,8 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
                       so minimizing the loss raises the entropy)
       kl_loss         kl_coef * KL(pi || pi_ref), k3, for the critic-free estimators (grpo,
                       rloo) if kl_coef > 0 (gae puts the KL in the reward instead)
+      distill_loss    with a teacher: on-policy distillation's term (distill_loss), weighted by
+                      distill_coef; with distill_task=false it stands alone (no policy_loss)
 
     `lp`, `entropy`: (rows, S) of the current policy on batch.ids[idx] (entropy: None unless
     entropy_coef > 0). `aggregate(per_token, mask)` makes each (rows, S) loss one number, as
@@ -540,13 +551,11 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
         clip, sequence_mask = (cfg.gspo_clip_ratio, cfg.gspo_clip_ratio_high), mask
     surrogate, clipped = policy_loss(lp, batch.old_lp[idx], batch.advantages[idx], clip,
                                      cfg.clip_ratio_c, sequence_mask)  # (rows, S) each
-    if cfg.tis_cap:
-        # Truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings
-        # you off-policy RL training", 2025): the engine sampled from pi_engine, not from the
-        # trainer's pi_old; weight each token by min(pi_old / pi_engine, cap)
-        log_ratio = batch.old_lp[idx] - batch.engine_lp[idx]  # (rows, S)
-        surrogate = surrogate * torch.clamp(ratio_from_log(log_ratio), max=cfg.tis_cap)
-    terms = {"policy_loss": aggregate(surrogate, mask)}
+    # truncated importance weights (tis_weights; distill_loss weighs its surrogate alike)
+    tis = tis_weights(batch, idx, cfg) if cfg.tis_cap else 1.0  # (rows, S)
+    surrogate = surrogate * tis
+    # (distill_task=false: pure distillation, the task's reward trains nothing)
+    terms = {"policy_loss": aggregate(surrogate, mask)} if cfg.distill_task else {}
     if cfg.entropy_coef > 0:
         # minus: maximizing the entropy is minimizing this term
         terms["entropy_loss"] = -cfg.entropy_coef * aggregate(entropy, mask)
@@ -557,7 +566,17 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
         # which weights a short response's tokens more than a long one's.
         kl = kl_penalty(lp, batch.ref_lp[idx], "k3")  # (rows, S)
         terms["kl_loss"] = cfg.kl_coef * aggregate(kl, mask)
+    if batch.teacher_lp is not None:  # on-policy distillation: after the banner "Beyond one step"
+        terms["distill_loss"] = distill_loss(lp, batch, idx, aggregate, cfg, tis)
     return terms, masked_sum(clipped.float(), mask).detach()
+
+
+def tis_weights(batch, idx, cfg):
+    """Truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings you
+    off-policy RL training", 2025): the engine sampled from pi_engine, not from the trainer's
+    pi_old; each token of the rows idx weighs min(pi_old / pi_engine, tis_cap), (rows, S)."""
+    log_ratio = batch.old_lp[idx] - batch.engine_lp[idx]  # (rows, S)
+    return torch.clamp(ratio_from_log(log_ratio), max=cfg.tis_cap)
 
 
 def policy_loss(logprobs, old_logprobs, advantages, clip, clip_ratio_c=0.0, sequence_mask=None):
@@ -701,12 +720,15 @@ def step_metrics(batch, sums, cfg, mesh):
     reports the same names in the same order: their sums travel in one tensor.)"""
     losses, counts, norms = sums
     mask, reward = batch.mask, batch.reward  # (b, S), (b,)
-    kl = kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator)  # (b, S)
     mismatch = (batch.old_lp - batch.engine_lp).abs()  # (b, S)
     shares = dict(tokens=mask.sum(), sequences=len(batch.lens), all_tokens=sum(batch.lens),
-                  reward=reward.sum(), reward_sq=(reward ** 2).sum(), kl=masked_sum(kl, mask),
+                  reward=reward.sum(), reward_sq=(reward ** 2).sum(),
                   mismatch=masked_sum(mismatch, mask),
                   mult_prob_error=masked_sum(torch.exp(mismatch), mask))
+    if batch.ref_lp is not None:  # none at kl_coef 0
+        shares["kl"] = masked_sum(kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator), mask)
+    if batch.teacher_lp is not None:  # distillation: distill_shares, after "Beyond one step"
+        shares.update(distill_shares(batch))
     if batch.entropy is not None:  # none with old_logprobs=engine or log_entropy=false
         shares["entropy"] = masked_sum(batch.entropy, mask)
     if cfg.reward_model:  # the rule, beside a reward model's score
@@ -732,16 +754,16 @@ def step_metrics(batch, sums, cfg, mesh):
         return s[name + "_sq"] / n - (s[name] / n) ** 2
     m = dict(reward_mean=s["reward"] / n_seq,
              reward_std=math.sqrt(max(variance("reward", n_seq), 0.0)),
-             kl=s["kl"] / n_tok, response_len_mean=n_tok / n_seq,
+             response_len_mean=n_tok / n_seq,
              logprob_mismatch=s["mismatch"] / n_tok,
              token_mult_prob_error=s["mult_prob_error"] / n_tok,
              # each epoch's update sees all n_tok tokens again
              clip_frac=s.get("clipped_tokens", 0.0) / (n_tok * cfg.ppo_epochs),
              skipped_updates=int(s.get("skipped_updates", 0)))
-    # the entropy per token, if computed; the task's rule per sequence, beside a reward model's
-    # score (reward_mean)
-    m.update({name: s[name] / n for name, n in (("entropy", n_tok), ("task_score", n_seq))
-              if name in s})
+    # what a run may lack: per token the KL to the reference, the entropy and distillation's
+    # (DISTILL_METRICS); per sequence the task's rule, beside a reward model's score (reward_mean)
+    per = {"kl": n_tok, "entropy": n_tok, "task_score": n_seq, **dict.fromkeys(DISTILL, n_tok)}
+    m.update({name: s[name] / n for name, n in per.items() if name in s})
     if "ret" in s:
         m["value_explained_var"] = 1 - variance("err", n_tok) / max(variance("ret", n_tok), 1e-12)
     updates = cfg.ppo_epochs * cfg.num_minibatches  # optimizer steps of each trained model
@@ -805,6 +827,72 @@ def reward_model_scores(reward_model, batch, cfg, mesh):
     return outputs[torch.arange(len(batch.lens)), last]  # (b,)
 
 
+# On-policy distillation (docs/distillation.md): the teacher's pass beside the reference's (score
+# calls it), its term in the policy loss (policy_loss_terms), its metrics (step_metrics).
+DISTILL = ("distill_kl_k1", "distill_kl_k3", "teacher_logprob")  # means over response tokens
+
+
+def teacher_logprobs(models, batch, cfg, mesh):
+    """Collective over the mesh. The teacher's logprob of each of the student's tokens (b, S),
+    without grad, as the reference's pass is made: forward_policy at the temperature the student
+    sampled at (cfg.temperature), so that the reverse KL compares the distribution each token was
+    drawn from with the teacher's at that temperature (slime #2085: a teacher scored at T = 1 or
+    0 against a student sampled at T biases every token's KL). Resharded after its pass, as the
+    reward model is."""
+    teacher_lp, _ = forward_batch(model_parallel.forward_policy, models.teacher, batch, cfg, mesh,
+                                  unscored=batch.unscored)
+    model_parallel.reshard(models.teacher)
+    return teacher_lp
+
+
+def distill_loss(lp, batch, idx, aggregate, cfg, tis=1.0):
+    """On-policy distillation's term of the policy loss on the batch rows idx, one of verl
+    0.9.1's two forms (verl/trainer/distillation/losses.py), times distill_coef. Per token
+    d_t = distill_estimator's estimate of KL(student || teacher) from log pi_t - log pi_teacher_t
+    (kl_penalty), clamped to +-distill_clamp (verl's loss_max_clamp):
+
+      reward  A_t = -d_t of the sampling policy pi_old: each token's own negative KL is its
+              advantage (a per-token reward with discount 0, no return summed over later
+              tokens), through the clipped token surrogate (policy_loss, times `tis`, the
+              task's truncated importance weights, as verl's rollout_is_weights): Thinking
+              Machines' form. pi_old, where verl takes the current pi detached: the reward is
+              fixed when the sample is scored, as the task's is, so the clip measures the
+              policy's move from the one that earned it (the two agree in an update's first
+              minibatch, where pi = pi_old).
+      loss    d_t of the current pi, with its gradient, made one number by `aggregate`
+              (loss_agg_mode). config refuses k1 here, as verl does: d/dtheta of log pi -
+              log pi_teacher is grad log pi, which does not involve the teacher.
+
+    The task's signal mixes in as verl mixes it, a sum of losses: policy_loss + distill_coef *
+    this (prime-rl mixes the advantages instead; under clipping the two differ)."""
+    mask, teacher = batch.mask[idx], batch.teacher_lp[idx]  # (rows, S) each
+    if cfg.distill_form == "reward":
+        old = batch.old_lp[idx]  # (rows, S)
+        advantages = -_clamped(kl_penalty(old, teacher, cfg.distill_estimator), cfg)
+        clip = (cfg.clip_ratio, cfg.clip_ratio_high or None)
+        per_token, _ = policy_loss(lp, old, advantages, clip, cfg.clip_ratio_c)  # (rows, S)
+        per_token = per_token * tis
+    else:
+        per_token = _clamped(kl_penalty(lp, teacher, cfg.distill_estimator), cfg)  # (rows, S)
+    return cfg.distill_coef * aggregate(per_token, mask)
+
+
+def _clamped(per_token, cfg):
+    """Each token's estimate clamped to +-distill_clamp (0: as it is)."""
+    if not cfg.distill_clamp:
+        return per_token
+    return per_token.clamp(-cfg.distill_clamp, cfg.distill_clamp)
+
+
+def distill_shares(batch):
+    """This rank's sums for DISTILL's metrics: the reverse KL to the teacher (k1 and k3) of the
+    sampling policy, and the teacher's logprob of the student's tokens."""
+    mask, teacher = batch.mask, batch.teacher_lp  # (b, S) each
+    return {"distill_kl_k1": masked_sum(kl_penalty(batch.old_lp, teacher, "k1"), mask),
+            "distill_kl_k3": masked_sum(kl_penalty(batch.old_lp, teacher, "k3"), mask),
+            "teacher_logprob": masked_sum(teacher, mask)}
+
+
 # -----------------------------------------------------------------------------
 # Set-up and the loop of steps: distributed, inputs checked, models loaded (after an optional SFT
 # warm-up); main runs ppo_step once a step.
@@ -827,10 +915,12 @@ def rank0_decides(value):
 class Models(NamedTuple):
     """Every model of the run: the trained ones as {name: Part} (the policy, and the critic with
     gae), the reference (the policy's initial shards, snapshot_weights; None under LoRA, where the
-    reference is the policy with its adapters off) and the reward model (or None)."""
+    reference is the policy with its adapters off, and at kl_coef 0), the reward model and the
+    distillation teacher (each or None)."""
     parts: dict
     reference: Optional[dict]
     reward_model: Optional[torch.nn.Module]
+    teacher: Optional[torch.nn.Module] = None
 
 
 class UpdateSums(NamedTuple):
@@ -983,7 +1073,7 @@ def build_models(model_dir, cfg, mesh):
     (frozen: no optimizer, not checkpointed)."""
     policy = model_parallel.load_policy(model_dir, mesh, cfg)
     reference = None
-    if not cfg.lora_rank:
+    if not cfg.lora_rank and cfg.kl_coef > 0:  # (at kl_coef 0 nothing reads a reference)
         reference = model_parallel.snapshot_weights(
             policy, torch.bfloat16 if cfg.dtype == "bf16" else None)
 
@@ -1002,7 +1092,9 @@ def build_models(model_dir, cfg, mesh):
         parts["critic"] = part(critic, cfg.critic_lr)
     reward_model = (model_parallel.load_reward_model(cfg.reward_model, mesh, cfg)
                     if cfg.reward_model else None)
-    return Models(parts, reference, reward_model)
+    teacher = (model_parallel.load_policy(cfg.teacher, mesh, cfg, frozen=True)
+               if cfg.teacher else None)
+    return Models(parts, reference, reward_model, teacher)
 
 
 # -----------------------------------------------------------------------------
@@ -1026,7 +1118,7 @@ def log_step(metrics, loss_names, cfg, t_start, start_step, tensorboard):
     elapsed = time.time() - t_start
     eta = elapsed / (step + 1 - start_step) * (cfg.steps - step - 1)
     fields = [f"step {step + 1}/{cfg.steps}", f"reward {metrics['reward_mean']:.3f}",
-              f"kl {metrics['kl']:.4f}"]
+              f"kl {metrics['kl']:.4f}" if "kl" in metrics else "kl -"]
     fields += [f"{name} {metrics[name]:+.4f}" for name in loss_names]
     fields += [f"len {metrics['response_len_mean']:.1f}", f"{metrics['time_step_s']:.1f}s/step",
                f"elapsed {elapsed:.0f}s", f"eta {eta:.0f}s"]

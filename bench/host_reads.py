@@ -42,7 +42,7 @@ def count_update_reads(packing, micro, tmp):
     model_parallel.init_distributed()
     mesh = model_parallel.make_mesh(1, 1, 1, "cpu")
     path = model_parallel.materialize_tiny_model("tiny-llama", tmp, seed=1)
-    parts, _, _ = train_ppo.build_models(path, cfg, mesh)
+    parts = train_ppo.build_models(path, cfg, mesh).parts
     gen = torch.Generator().manual_seed(0)
     lens = [9, 16, 9, 12, 10, 14, 10, 11]
     prompts = [[1, 2, 3, 4]] * 8

@@ -40,6 +40,9 @@ counts that, for the table's last column.
                                     rounded up shard by shard), gathered onto the GPU a unit at a
                                     time for its one pass a step. Before issue 34: 4 Pc / W fp32
                                     shards on the GPU all run, through generation (reward_model())
+  teacher (optional, distillation)  frozen, the policy's shape: c P / W in host memory as the
+                                    reward model's (teacher()); its pass is a no-grad pass like
+                                    the reference's, under the update's peak
   engine      given                 vLLM's weights + KV cache on GPU (gpu_memory_utilization x
                                     GPU), freed by sleep mode while training; the HF engine on
                                     CPU: 4P
@@ -200,6 +203,14 @@ def reward_model(shape, world, c=2):
     return sum(pinned(c * e) for e in shards), 4 * sizes(shape)["critic"] / world
 
 
+def teacher(shape, world, c=2):
+    """Pinned host bytes of on-policy distillation's frozen teacher of the policy's shape (a causal
+    LM, its head included): its shards in c bytes, each pinned on its own by FSDP2's CPU offload,
+    as the reward model's. On the GPU it holds a unit at a time in its one no-grad pass a step,
+    as the reference's pass does: below the update's peak, which it leaves as it is."""
+    return sum(pinned(c * e) for e in shard_sizes(shape, world, critic=False)[0])
+
+
 def predict(shape, world, tp=1, cp=1, c=2, tokens=8192, scored=None, chunk=1024, critic=True,
             activation_checkpointing=True, engine=0.0, offload_optimizer=False, on_cpu=False,
             lora_rank=0, lora_targets=LORA_TARGETS):
@@ -344,6 +355,9 @@ def figures(smoke):
         host = predict(QWEN25[name], lora_rank=LORA_RANK, **kw)["host"]
         fig[f"{name}_{world}gpu_lora_host_gb"] = round(host / GB, 1)
     fig[f"{name}_engine_weights_gb"] = round(weights / GB, 1)
+    # a teacher of the student's shape (7B with a 7B teacher), on 1 and 8 GPUs: host memory only
+    for world in [worlds[0]] if smoke else [1, 8]:
+        fig[f"{name}_{world}gpu_teacher_host_gb"] = round(teacher(QWEN25[name], world) / GB, 1)
     return fig
 
 

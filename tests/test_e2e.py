@@ -141,6 +141,11 @@ REPLAYS[4] += [("varlen", ["--attention=varlen", *mesh_flags(1, 2, 2, True)])]
 LORA = ["--lora_rank=8", "--lora_alpha=16", "--lr=1e-2"]
 REPLAYS[1] += [("lora", [*LORA, "--steps=2"])]
 REPLAYS[8] += [(f"lora-dp2cp2tp2-{p}", [*LORA, *mesh_flags(2, 2, 2, p), "--steps=2"]) for p in (False, True)]
+# on-policy distillation from the initial policy ({sft}: the replays' own start) as the teacher:
+# one process, and every axis split at once, packed
+TEACHER = ["--teacher={sft}"]
+REPLAYS[1] += [("teacher", TEACHER)]
+REPLAYS[8] += [("teacher-dp2cp2tp2", [*TEACHER, *mesh_flags(2, 2, 2, True), "--steps=2"])]
 
 
 def _replays_body(rank, world_size, out, target):
@@ -150,7 +155,7 @@ def _replays_body(rank, world_size, out, target):
     for name, flags in REPLAYS[world_size]:
         argv = ["--config", os.path.join(ROOT, "configs", "test_tiny.toml"), "--steps=3", "--sft_steps=0",
                 f"--model={out}/sft", f"--replay_rollouts={out}/rollouts",
-                f"--out_dir={os.path.join(target, name)}", *flags]
+                f"--out_dir={os.path.join(target, name)}", *[f.format(sft=f"{out}/sft") for f in flags]]
         cfg = config.parse_args(argv)
         config.validate(cfg, world_size)
         train_ppo.main(cfg)
@@ -203,6 +208,22 @@ def test_lora_replay_on_8_ranks_equals_one_process(replayed):
     for packing in (False, True):
         name = f"lora-dp2cp2tp2-{packing}"
         assert_same_numbers(one, replayed(8, name), COMPARED + ("critic_grad_norm",), name, steps=2)
+
+
+def test_teacher_logprobs_are_mesh_invariant_and_the_references_for_the_initial_policy(replayed):
+    """A teacher (distillation's reward form beside the task's loss) at (dp, cp, tp) = (2, 2, 2),
+    packed: one process's numbers over 2 steps, the teacher's metrics and term included. The
+    teacher is the initial policy, the reference itself, loaded as a module of its own: its
+    logprobs are the reference's, so distill_kl_k1 equals kl (k1) at every step, an independent
+    check of the teacher's pass."""
+    one = replayed(1, "teacher")
+    for row in one:
+        assert abs(row["distill_kl_k1"] - row["kl"]) <= 1e-6 + 1e-5 * abs(row["kl"]), row
+        assert row["teacher_logprob"] < 0 and row["distill_kl_k3"] >= 0 and "distill_loss" in row
+    assert one[1]["kl"] != 0.0, "the policy must move from its start"
+    keys = COMPARED + ("critic_grad_norm", "distill_kl_k1", "distill_kl_k3", "teacher_logprob",
+                       "distill_loss")
+    assert_same_numbers(one, replayed(8, "teacher-dp2cp2tp2"), keys, "teacher", steps=2)
 
 
 def test_layers_kept_gathered_change_no_number(generated, replayed):

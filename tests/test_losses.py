@@ -188,7 +188,7 @@ def _mesh_body(rank, world_size, model_dir, dp, cp, tp, out):
                         entropy_coef=0.01, max_new_tokens=9, attention="masked", dtype="fp32",
                         rollout_engine="hf", out_dir=os.path.dirname(out))
     mesh = model_parallel.make_mesh(world_size, tp, cp, "cpu")
-    parts, _, _ = train_ppo.build_models(model_dir, cfg, mesh)
+    parts = train_ppo.build_models(model_dir, cfg, mesh).parts
     whole = _batch(cfg, "cpu")
     rows = train_ppo.balanced_split(whole.lens, cfg.num_minibatches, dp)[mesh["dp"].get_local_rank()]
     batch = train_ppo.make_batch([[0]] * len(rows), [[0]] * len(rows), 257)  # the fields are replaced

@@ -4,6 +4,7 @@ optimizer state and the warm-up checkpoint are in test_train_loop.py and
 test_refit_and_critic.py; the packing budget and a checkpoint without a tokenizer in
 test_config.py and test_failures.py.) Two spawns check several defects each, to keep the suite
 short."""
+import dataclasses
 import json
 import os
 import pickle
@@ -82,6 +83,17 @@ def _one_rank_body(rank, world_size, tmp):
     assert not gathered, f"the reward model was left gathered: {gathered}"
     assert not _offloaded(policy)
     assert _offloaded(model_parallel.load_policy(path, mesh, config.Config(cpu_offload=True)))
+    # a distillation teacher is frozen as the reward model is: bf16, no adapter even under LoRA, no
+    # gradient, in host memory, and resharded after its pass
+    teacher = model_parallel.load_policy(path, mesh, dataclasses.replace(keep, lora_rank=8),
+                                         frozen=True)
+    assert {p.dtype for p in teacher.parameters()} == {torch.bfloat16}
+    assert not any(p.requires_grad for p in teacher.parameters())
+    assert not any("lora" in n for n, _ in teacher.named_parameters()) and _offloaded(teacher)
+    with torch.no_grad():
+        train_ppo.teacher_logprobs(train_ppo.Models({}, None, None, teacher), batch, keep, mesh)
+    gathered = [n for n, p in teacher.named_parameters() if not isinstance(p, DTensor)]
+    assert not gathered, f"the teacher was left gathered: {gathered}"
     return lengths
 
 
