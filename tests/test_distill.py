@@ -210,3 +210,23 @@ def test_no_reference_pass_at_kl_coef_0(monkeypatch):
         old_lp, _, ref_lp, values, teacher_lp = train_ppo.score(models, batch, cfg, None)
         assert calls == expected and values is None and teacher_lp is None
         assert (ref_lp is None) == (kl_coef == 0)
+
+
+def test_the_distill_demo_recipe_parses(tmp_path, monkeypatch):
+    """`make distill-demo`'s training command (make -n prints it; its run is minutes, its code the
+    replays' above): every flag one the trainer takes, the config valid at 2 ranks, a teacher and
+    the loss form with k3."""
+    import shlex
+    import subprocess
+    from conftest import ROOT
+    out = subprocess.run(["make", "-n", "--no-print-directory", "distill-demo"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    line = next(line for line in out.replace("\\\n", " ").splitlines() if "torchrun" in line)
+    argv = shlex.split(line)
+    argv = argv[argv.index("train_ppo.py") + 1:]
+    monkeypatch.chdir(ROOT)
+    cfg = config.parse_args(argv)
+    assert (cfg.teacher, cfg.distill_form, cfg.distill_estimator) == ("out/demo/hf", "loss", "k3")
+    assert cfg.model == "out/demo/sft" and cfg.sft_steps == 0
+    cfg.teacher = cfg.model = str(tmp_path)  # (the demo's dirs need not exist here)
+    config.validate(cfg, 2)
