@@ -256,7 +256,8 @@ def write_rollouts(path, steps, nan_steps, prompts_per_step=4, samples_per_promp
 @pytest.mark.slow  # a CLI run under torchrun
 def test_nan_update_is_skipped_and_too_many_in_a_row_stop_the_run(tmp_path):
     write_rollouts(tmp_path / "rollouts", 6, nan_steps={1, 3, 4})
-    cmd = torchrun_cmd(1, "--config", "configs/test_tiny.toml", "--sft_steps=0", "--steps=6",
+    # 2 ranks (dp 2): every rank skips together, and the skips are counted once, not once a rank
+    cmd = torchrun_cmd(2, "--config", "configs/test_tiny.toml", "--sft_steps=0", "--steps=6",
                        "--max_skipped_steps=2", "--export_hf=false",
                        f"--replay_rollouts={tmp_path / 'rollouts'}", f"--out_dir={tmp_path / 'out'}")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=cpu_env())
