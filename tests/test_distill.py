@@ -221,12 +221,14 @@ def test_the_distill_demo_recipe_parses(tmp_path, monkeypatch):
     from conftest import ROOT
     out = subprocess.run(["make", "-n", "--no-print-directory", "distill-demo"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
-    line = next(line for line in out.replace("\\\n", " ").splitlines() if "torchrun" in line)
+    # (without out/demo, make -n also prints the demo's own recipe first: its $(MAKE) line runs)
+    line = next(line for line in out.replace("\\\n", " ").splitlines()
+                if "torchrun" in line and "--teacher" in line)
     argv = shlex.split(line)
     argv = argv[argv.index("train_ppo.py") + 1:]
     monkeypatch.chdir(ROOT)
     cfg = config.parse_args(argv)
     assert (cfg.teacher, cfg.distill_form, cfg.distill_estimator) == ("out/demo/hf", "loss", "k3")
     assert cfg.model == "out/demo/sft" and cfg.sft_steps == 0
-    cfg.teacher = cfg.model = str(tmp_path)  # (the demo's dirs need not exist here)
+    cfg.teacher = cfg.model = cfg.out_dir = str(tmp_path)  # (nothing of the demo's is needed)
     config.validate(cfg, 2)
