@@ -154,6 +154,10 @@ class Config:
     val_prompts: str = ""
     # greedy accuracy on val_prompts every N steps and after the last (0 = never)
     eval_every: int = 0
+    # with eval_every: also pass@k for this k (0 = greedy only): val_samples samples a prompt at
+    # the training temperature, and the unbiased estimator of Chen et al. (2021)
+    val_pass_k: int = 0
+    val_samples: int = 8  # samples a prompt for pass@k (>= val_pass_k)
     # gsm8k: appended to each question; "" = rollout.GSM8K_INSTRUCTION (think step by step, answer
     # after ####)
     instruction: str = ""
@@ -182,8 +186,33 @@ class Config:
     # mode frees it while training
     vllm_gpu_memory_utilization: float = 0.3
     vllm_kv_cache_gb: int = 1  # vLLM on CPU: KV cache size in GiB (per rank)
-    # truncated importance sampling cap for the engine/trainer mismatch (0 = off)
-    tis_cap: float = 0.0
+    # the engine's dtype: auto = the compute dtype. bf16 under an fp32 trainer is the GPU's
+    # mismatch (a bf16 engine sampling for fp32 master weights) made real on a CPU
+    engine_dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    # ---- off-policy correction (docs/losses.md) ----
+    # The engine samples from pi_engine, not from the trainer's pi_old (another dtype, other
+    # kernels): per token, log pi_old - log pi_engine says by how much. Needs old_logprobs=trainer.
+
+    # an importance weight pi_old / pi_engine on each token's policy loss, at the level of the
+    # token, the sequence (the product of its tokens' ratios) or geometric (their geometric mean,
+    # exp of the mean log ratio); off = none
+    offpolicy_is: Literal["off", "token", "sequence", "geometric"] = "off"
+    # truncate: a weight above offpolicy_is_bound counts as the bound (TIS, Yao et al. 2025).
+    # mask: a weight outside [offpolicy_is_lower, offpolicy_is_bound] counts 0 (IcePop at the
+    # token level; SkyRL's geometric mask is [0.99, 1.01])
+    offpolicy_is_mode: Literal["truncate", "mask"] = "truncate"
+    offpolicy_is_bound: float = 2.0  # the weight's upper bound (verl's rollout_is_threshold)
+    offpolicy_is_lower: float = 0.5  # mask: the lower bound
+    # reject (weight 0) tokens or whole sequences whose divergence from the engine passes a bound:
+    # token_kN per token; seq_sum_kN, seq_mean_kN, seq_max_kN per sequence (verl's rollout_rs);
+    # kN is verl's estimate (k1 = log pi_engine / pi_old, k2 = its square / 2, k3 = r - 1 - log r)
+    offpolicy_reject: Literal[
+        "off", "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+        "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"] = "off"
+    # the rejection's bound: for k2 and k3 the largest divergence kept; for k1 a ratio B > 1,
+    # kept within [1/B, B] (of exp(k1))
+    offpolicy_reject_bound: float = 0.0
+
     # pi_old of the ratio. trainer: a no-grad policy pass (exact whatever the engine). engine: the
     # engine's sampling logprobs, one forward fewer, as TRL's PPOTrainer; exact only if the engine
     # computes as the trainer does (the HF engine in fp32), and no entropy metric then
@@ -258,6 +287,22 @@ class Config:
     # turns, max_turns > 1: an episode's responses can fill the context)
     loss_agg_norm: int = 0
 
+    # ---- DAPO (Yu et al., 2025): with clip_ratio_high and token-mean, its recipe ----
+    # dynamic sampling: a prompt group whose samples all got the same task score (the rule's,
+    # before any shaping) has zero advantage: it is dropped, and more prompts are drawn, a round
+    # of prompts_per_step at a time, until the step holds prompts_per_step groups (grpo, rloo)
+    dynamic_sampling: bool = False
+    # rounds of a step at most; after the last, the newest dropped groups fill the batch (they
+    # train nothing through the surrogate; dynamic_kept_fraction shows it)
+    dynamic_max_rounds: int = 4
+    # overlong shaping: a response whose model tokens L pass max_new_tokens - this buffer gets
+    # -overlong_penalty * (L - (max_new_tokens - buffer)) / buffer added to its reward, down to
+    # -overlong_penalty (0 = off)
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0  # the overlong penalty's largest size (DAPO: 1)
+    # a response cut off by its token budget (ended "length") leaves the loss: its mask is 0
+    overlong_mask: bool = False
+
     @property
     def global_batch_size(self) -> int:
         """Sequences per PPO step, summed over all data-parallel ranks."""
@@ -269,7 +314,7 @@ POSITIVE = ("tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size
             "prompts_per_step", "samples_per_prompt", "max_new_tokens", "rollout_tp_size",
             "refit_bucket_mb", "max_model_len", "vllm_gpu_memory_utilization", "vllm_kv_cache_gb",
             "sft_batch_size", "ppo_epochs", "num_minibatches", "temperature",
-            "collective_timeout_s")
+            "collective_timeout_s", "dynamic_max_rounds", "val_samples", "offpolicy_is_bound")
 # Every other int or float field must be >= 0: a coefficient, a rate or a count where 0 means
 # "off" or "never" (a new field is checked too), except these: the seed, and gamma and lam, which
 # _validate_values checks against [0, 1] with a message of their own.
@@ -281,6 +326,11 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # the largest adapter rank vLLM serves (vllm/config/lora.py, MaxLoRARanks; tests/test_config.py
 # reads it there, so an upgrade that moves it fails a test, not a run)
 VLLM_MAX_LORA_RANK = 512
+
+
+# Keys a config of an earlier version may name, and what replaced them: one line says so.
+MOVED = {"tis_cap": "offpolicy_is=token with offpolicy_is_bound=CAP (truncated importance "
+                    "sampling is one mode of the off-policy correction, docs/losses.md)"}
 
 
 # attention=masked builds a (B, T/cp, T) mask for a microbatch of B rows, and SDPA a score tensor
@@ -321,13 +371,15 @@ def resolve_auto(cfg: Config, device_type: str, gpu_kernel) -> str:
     if cfg.dtype == "auto":
         cfg.dtype = "bf16" if device_type == "cuda" and cfg.data_parallel == "fsdp" else "fp32"
     cfg.export_dtype = cfg.dtype if cfg.export_dtype == "auto" else cfg.export_dtype
+    cfg.engine_dtype = cfg.dtype if cfg.engine_dtype == "auto" else cfg.engine_dtype
     # vLLM keeps adapters in the model's dtype, and its GPU LoRA kernels take fp16 or bf16 only
     # (vllm/lora/ops/triton_ops/lora_shrink_op.py asserts both; its CPU kernels take fp32)
     gpu_vllm = cfg.rollout_engine == "vllm" and device_type == "cuda"
-    if cfg.lora_rank and gpu_vllm and cfg.dtype == "fp32":
+    if cfg.lora_rank and gpu_vllm and cfg.engine_dtype == "fp32":
         raise ConfigError(f"lora_rank={cfg.lora_rank} with rollout_engine=vllm on CUDA needs "
                           f"dtype=bf16 (vLLM's GPU LoRA kernels take no fp32; data_parallel=ddp "
-                          f"is fp32): use data_parallel=fsdp and dtype=bf16, or rollout_engine=hf")
+                          f"is fp32): use data_parallel=fsdp and dtype=bf16 (or "
+                          f"engine_dtype=bf16), or rollout_engine=hf")
     kernel = gpu_kernel if flash_runs(device_type, cfg.dtype) else None
     if cfg.attention == "auto":
         longest = (cfg.max_tokens_per_microbatch if cfg.packing
@@ -433,6 +485,8 @@ def parse_args(argv: list) -> Config:
     values.update(overrides)  # the command line wins over the file
     kwargs = {}
     for key, (where, value) in values.items():
+        if key in MOVED:
+            raise ConfigError(f"{key} (in the {where}) was replaced: use {MOVED[key]}")
         if key not in types:
             close = [k for k in types if k.startswith(key[:3])]
             hint = f" (did you mean {close[0]}?)" if close else " (see --help for the keys)"
@@ -485,6 +539,35 @@ def _validate_values(cfg: Config) -> None:
                           "would train a critic on a reward no loss reads: use grpo or rloo")
     if not (0.0 <= cfg.gamma <= 1.0 and 0.0 <= cfg.lam <= 1.0):
         raise ConfigError(f"gamma={cfg.gamma} and lam={cfg.lam} must lie in [0, 1]")
+
+
+def _validate_sampling(cfg: Config) -> None:
+    """The off-policy correction, DAPO's options and pass@k: each against what it needs."""
+    correcting = cfg.offpolicy_is != "off" or cfg.offpolicy_reject != "off"
+    if cfg.old_logprobs == "engine" and correcting:
+        raise ConfigError("the off-policy correction weighs pi_old / pi_engine, which "
+                          "old_logprobs=engine makes 1: use old_logprobs=trainer, or "
+                          "offpolicy_is=off and offpolicy_reject=off")
+    if cfg.offpolicy_is_mode == "mask" and not cfg.offpolicy_is_lower < cfg.offpolicy_is_bound:
+        raise ConfigError(f"offpolicy_is_lower={cfg.offpolicy_is_lower:g} must be below "
+                          f"offpolicy_is_bound={cfg.offpolicy_is_bound:g}: the weights kept lie "
+                          f"between them")
+    # k1's bound is a ratio B, kept within [1/B, B]; k2's and k3's a divergence, >= 0
+    least = 1.0 if cfg.offpolicy_reject.endswith("k1") else 0.0
+    if cfg.offpolicy_reject != "off" and not cfg.offpolicy_reject_bound > least:
+        raise ConfigError(f"offpolicy_reject={cfg.offpolicy_reject} needs offpolicy_reject_bound "
+                          f"> {least:g} (k1: a ratio B, kept within [1/B, B], e.g. 2; k2, k3: "
+                          f"the largest divergence kept, e.g. 0.01)")
+    if cfg.dynamic_sampling and cfg.samples_per_prompt < 2:
+        raise ConfigError("dynamic_sampling drops prompt groups whose samples all scored the same: "
+                          "a group of samples_per_prompt=1 always does; use samples_per_prompt "
+                          ">= 2")
+    if cfg.overlong_buffer > cfg.max_new_tokens:
+        raise ConfigError(f"overlong_buffer={cfg.overlong_buffer} is longer than "
+                          f"max_new_tokens={cfg.max_new_tokens}: use a buffer inside the budget")
+    if cfg.val_pass_k > cfg.val_samples:
+        raise ConfigError(f"val_pass_k={cfg.val_pass_k} needs at least as many val_samples "
+                          f"(got {cfg.val_samples}): pass@k draws k of n samples")
 
 
 def _validate_sizes(cfg: Config, world_size: int) -> None:
@@ -540,6 +623,13 @@ def _validate_paths(cfg: Config) -> None:
         raise ConfigError(f"reward_model={cfg.reward_model!r} is not a directory: give a "
                           f"*ForSequenceClassification checkpoint dir "
                           f"(scripts/train_reward_model.py)")
+    saved = os.path.join(cfg.out_dir, "config.json")  # the run a resume goes on with
+    if cfg.resume and os.path.isfile(saved) and cfg.offpolicy_is == "off":
+        with open(saved) as f:
+            cap = json.load(f).get("tis_cap")
+        if cap:  # its correction would silently stop
+            raise ConfigError(f"{saved} ran with tis_cap={cap:g}, which was replaced: resume with "
+                              f"offpolicy_is=token offpolicy_is_bound={cap:g}")
     if cfg.val_prompts and not os.path.isfile(cfg.val_prompts):
         raise ConfigError(f"val_prompts={cfg.val_prompts!r} is not a file")
     if cfg.replay_rollouts and not os.path.isdir(cfg.replay_rollouts):
@@ -566,6 +656,7 @@ def is_checkpoint(path: str) -> bool:
 def validate(cfg: Config, world_size: int) -> None:
     """Refuse impossible combinations before anything is loaded. One line each."""
     _validate_values(cfg)
+    _validate_sampling(cfg)
     _validate_sizes(cfg, world_size)
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("tensorboard=true needs the tensorboard package: pip install tensorboard")
@@ -582,9 +673,6 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.rollout_engine == "hf" and cfg.rollout_tp_size != 1:
         raise ConfigError(f"rollout_tp_size={cfg.rollout_tp_size} needs rollout_engine=vllm "
                           "(the HF engine is one full model per rank)")
-    if cfg.old_logprobs == "engine" and cfg.tis_cap:
-        raise ConfigError("tis_cap corrects pi_old vs the engine; old_logprobs=engine makes them "
-                          "equal: set tis_cap=0")
     if cfg.data_parallel == "ddp" and (cfg.tp_size > 1 or cfg.dtype == "bf16" or cfg.cpu_offload):
         raise ConfigError("data_parallel=ddp (plain fp32 replicas) needs tp_size=1, "
                           "dtype=fp32/auto, cpu_offload=false")

@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch.distributed._composable.replicate import DDP, replicate
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
@@ -1380,6 +1381,32 @@ def _safetensors_header(tensors, dtype):
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
     return len(blob).to_bytes(8, "little") + blob
+
+
+def save_adapter(model, path, cfg, base_dir, dtype=torch.float32):
+    """Collective (every rank): the LoRA adapters as a PEFT adapter dir, which
+    peft.PeftModel.from_pretrained loads over the base at base_dir and vLLM serves (a LoRARequest):
+    adapter_config.json and adapter_model.safetensors, tensors named as PEFT names them
+    (base_model.model.<module>.lora_A.weight), in `dtype`. Written to a temp dir and renamed.
+    Returns the tensors' bytes."""
+    tensors = {f"base_model.model.{name}.weight": full.cpu().contiguous()
+               for name, full in iter_adapters(model, dtype)}
+    if dist.get_rank() == 0:
+        tmp = path.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"))
+        # (vLLM reads r, lora_alpha and target_modules; scale = lora_alpha / r, as here)
+        peft_config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=cfg.lora_rank,
+                           lora_alpha=cfg.lora_alpha, target_modules=cfg.lora_targets.split(","),
+                           lora_dropout=0.0, bias="none", fan_in_fan_out=False,
+                           base_model_name_or_path=os.path.abspath(base_dir))
+        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+            json.dump(peft_config, f, indent=1)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    dist.barrier()
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def save_hf(model, path, dtype=torch.float32, copy_from=None, shard_gb=5.0):

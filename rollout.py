@@ -45,21 +45,24 @@ def generated_by(n, rank, world_size):
     return list(range(rank * n // world_size, (rank + 1) * n // world_size))
 
 
-def generate_share(engine, task, cfg, step, start):
-    """Collective over each vLLM group. Draw the step's prompts (from position `start` of the
-    task's stream), sample this rank's share of the responses (generated_by) and score them.
+def generate_share(engine, task, cfg, step, start, before=0):
+    """Collective over each vLLM group. Draw a round of prompts_per_step prompts (from position
+    `start` + `before` of the task's stream; `before`: the prompts the step drew in earlier rounds
+    of dynamic sampling), sample this rank's share of their responses (generated_by) and score them.
     The ranks of one vLLM tensor-parallel group (rollout_tp_size consecutive ranks) must pass
     identical requests: the group generates the shares of all its members, and each keeps its
     own. Returns (samples, number generated)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     K = cfg.samples_per_prompt  # sample j is the (j % K)-th response to prompt j // K
-    prompts = task.prompts(start, cfg.prompts_per_step)
+    prompts = task.prompts(start + before, cfg.prompts_per_step)
     prompt_ids = [task.encode(p) for p, _ in prompts]  # (chat template applied)
     first = rank - rank % cfg.rollout_tp_size  # the first rank of this rank's vLLM group
     group = range(first, first + cfg.rollout_tp_size)
     n = len(prompts) * K  # the step's samples
     wanted = [j for member in group for j in generated_by(n, member, world_size)]  # in order
-    keys = [(step, j // K, j % K) for j in wanted]  # what each sample is: its seeds' key
+    # what each sample is: its seeds' key, (step, the prompt's position among the step's draws,
+    # the sample), unique over the rounds of a step
+    keys = [(step, before + j // K, j % K) for j in wanted]
     outs = run_episodes(engine, task, cfg, [prompt_ids[j // K] for j in wanted], keys,
                         cfg.temperature)
     by_index = dict(zip(wanted, outs))
@@ -70,8 +73,8 @@ def generate_share(engine, task, cfg, step, start):
         # action_mask: 1 on the model's tokens, 0 on observations (its runs of 1 are the turns).
         # The dump shows the whole episode; the task's score reads the model's last turn, its
         # answer (not a number a tool returned)
-        samples.append(dict(index=j, prompt=prompt, response=task.decode(response), answer=answer,
-                            prompt_ids=prompt_ids[j // K], response_ids=response,
+        samples.append(dict(index=before * K + j, prompt=prompt, response=task.decode(response),
+                            answer=answer, prompt_ids=prompt_ids[j // K], response_ids=response,
                             engine_logprobs=lps, action_mask=action_mask,
                             calls=calls, ended=ended, finished=ended == "stop",
                             task_score=task.reward(task.decode(last_turn(response, action_mask)),
@@ -193,21 +196,37 @@ def gather_or_stop(share, what):
 
 def rollouts(engine, task, cfg, step, start):
     """Collective (every rank). Every sample of the step, {global index: sample}, on every rank,
-    and how many samples this rank's engine generated. Each sample exists once, drawn by the rank
-    it is generated_by (vLLM's sampling is not bit-identical across GPUs, so the ranks of a dp
-    slice must not mix copies); one all-gather hands every rank the whole batch, whose lengths
-    then decide the update's split over dp ranks. replay_rollouts: a dumped step's samples
-    instead."""
+    and the rollout's metrics: rollout_samples (this rank's engine generated), rollout_prompts
+    (the prompts drawn: the stream's position advances by it), and under dynamic sampling its
+    own (keep_groups). Each sample exists once, drawn by the rank it is generated_by (vLLM's
+    sampling is not bit-identical across GPUs, so the ranks of a dp slice must not mix copies);
+    one all-gather a round hands every rank the whole batch, whose lengths then decide the
+    update's split over dp ranks. replay_rollouts: a dumped step's samples instead."""
     if cfg.replay_rollouts:  # every rank reads the whole step (and refuses a bad dump alike)
         try:
-            return load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl")), 0
+            every = load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
         except TaskError as e:
             raise SystemExit(f"replay error: {e}" if dist.get_rank() == 0 else 1) from None
+        return every, dict(rollout_samples=0, rollout_prompts=cfg.prompts_per_step)
+    if cfg.dynamic_sampling:  # DAPO's: rounds until enough groups vary (after "Beyond one step")
+        every, metrics = dynamic_rounds(engine, task, cfg, step, start)
+    else:
+        every, generated = draw_round(engine, task, cfg, step, start, 0)
+        metrics = dict(rollout_samples=generated, rollout_prompts=cfg.prompts_per_step)
+    engine.sleep()  # GPU: vLLM frees its memory for training
+    if cfg.overlong_buffer or cfg.overlong_mask:  # DAPO's too
+        overlong_shaping(every.values(), cfg)
+    return every, metrics
+
+
+def draw_round(engine, task, cfg, step, start, before):
+    """Collective (every rank). One round of the step's prompts (generate_share: prompts_per_step
+    of them, after the `before` the step drew in earlier rounds), every sample on every rank
+    ({global index: sample}), and how many this rank's engine generated."""
     try:
-        mine, generated = generate_share(engine, task, cfg, step, start)
+        mine, generated = generate_share(engine, task, cfg, step, start, before)
     except TaskError as e:  # a bad observation, a prompt with no room
         mine, generated = str(e), 0
-    engine.sleep()  # GPU: vLLM frees its memory for training
     gathered = gather_or_stop(mine, "task error")  # collective: every rank's share on every rank
     return {s["index"]: s for share in gathered for s in share}, generated
 
@@ -529,7 +548,7 @@ class VLLMEngine:
         self.on_gpu = torch.cuda.is_available()
         self.asleep = set()  # the memory tags sleep() freed
         self.stop_ids = stop_ids
-        self.dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32  # refit casts to this
+        self.dtype = engine_dtype(cfg)  # refit casts to this
         kwargs = dict(model=model_dir, distributed_executor_backend="external_launcher",
                       tensor_parallel_size=cfg.rollout_tp_size,
                       dtype=str(self.dtype).removeprefix("torch."),
@@ -618,7 +637,7 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
     def load_adapter(self, path):
-        """LoRA's refit: serve the PEFT adapter dir at `path` (train_ppo.save_adapter) from the
+        """LoRA's refit: serve the PEFT adapter dir at `path` (model_parallel.save_adapter) from the
         next generate on. vLLM caches an adapter by its id: a request of a known id is served from
         the cache, the dir unread, and would sample the old policy (a stale refit). add_lora with
         load_inplace=True reads the dir into that slot now, once; each generate then passes the
@@ -658,8 +677,15 @@ def make_engine(cfg, model_dir: str, device: torch.device, eos_id):
     stop_ids = stop_token_ids(model_dir, eos_id)
     if cfg.rollout_engine == "vllm":
         return VLLMEngine(model_dir, cfg, stop_ids)
-    return HFEngine(model_dir, device, stop_ids,
-                    torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
+    return HFEngine(model_dir, device, stop_ids, engine_dtype(cfg))
+
+
+def engine_dtype(cfg) -> torch.dtype:
+    """The engine's dtype: engine_dtype, or ("auto") the trainer's compute dtype. A bf16 engine
+    under an fp32 trainer samples from another policy than the one the trainer computes (the
+    mismatch the off-policy correction weighs; on a GPU the usual case)."""
+    name = cfg.dtype if cfg.engine_dtype == "auto" else cfg.engine_dtype
+    return torch.bfloat16 if name == "bf16" else torch.float32
 
 
 # -----------------------------------------------------------------------------
@@ -1046,25 +1072,135 @@ def make_task(cfg, model_dir: str, model_vocab_size: Optional[int] = None):
                      model_vocab_size or AutoConfig.from_pretrained(model_dir).vocab_size)
 
 
-def validation_accuracy(engine, task, cfg) -> float:
-    """Collective (every rank): greedy accuracy on the held-out prompts.
+def validation(engine, task, cfg) -> dict:
+    """Collective (every rank): greedy accuracy on the held-out prompts (val_accuracy), and with
+    val_pass_k = k pass@k (val_pass@k) from val_samples = n samples a prompt at the training
+    temperature: per prompt with c of its n correct, the unbiased estimator of Chen et al.
+    (2021, "Evaluating large language models trained on code"), 1 - C(n - c, k) / C(n, k), the
+    chance that k samples drawn from the n without replacement hold a correct one.
 
     The prompts are split over the vLLM groups (rollout_tp_size consecutive ranks pass identical
-    requests), the count summed. A bad observation stops every rank with one line
-    (gather_or_stop)."""
+    requests), the sums added. The samples' seeds are keyed (-1, the prompt, the sample): the same
+    at every evaluation, and never a training step's. A bad observation stops every rank with one
+    line (gather_or_stop)."""
     groups = dist.get_world_size() // cfg.rollout_tp_size
-    mine = task.val[dist.get_rank() // cfg.rollout_tp_size::groups]
-    solved = getattr(task, "solved_at", 1.0)  # the reward that counts as correct (ToyTask.reward)
+    first = dist.get_rank() // cfg.rollout_tp_size  # this group's prompts: first, first + groups..
+    mine = task.val[first::groups]
+    n = cfg.val_samples if cfg.val_pass_k else 0
     try:
-        outs = run_episodes(engine, task, cfg, [task.encode(q) for q, _ in mine],
-                            [(0, 0, 0)] * len(mine), 0.0)  # greedy: no seeds
-        # (the reward reads the model's last turn, as in training: generate_share)
-        correct = sum(task.reward(task.decode(last_turn(ids, mask)), a, ended) >= solved
-                      for (ids, _, mask, _, ended), (_, a) in zip(outs, mine))
+        # greedy (no seeds), then n samples a prompt
+        greedy = solved(task, run_episodes(engine, task, cfg, [task.encode(q) for q, _ in mine],
+                                           [(0, 0, 0)] * len(mine), 0.0), mine)
+        keys = [(-1, first + groups * i, k) for i in range(len(mine)) for k in range(n)]
+        outs = run_episodes(engine, task, cfg, [task.encode(q) for q, _ in mine for _ in range(n)],
+                            keys, cfg.temperature)
+        correct = solved(task, outs, [item for item in mine for _ in range(n)])
+        passed = sum(pass_at_k(n, sum(correct[i * n:(i + 1) * n]), cfg.val_pass_k)
+                     for i in range(len(mine))) if n else 0.0
+        sums = (sum(greedy), passed)
     except TaskError as e:
-        correct = str(e)
+        sums = str(e)
     # every member of a vLLM group counted the same prompts: divide by the group size
-    return sum(gather_or_stop(correct, "task error")) / cfg.rollout_tp_size / len(task.val)
+    totals = [sum(column) / cfg.rollout_tp_size / len(task.val)
+              for column in zip(*gather_or_stop(sums, "task error"))]
+    out = {"val_accuracy": totals[0]}
+    if n:
+        out[f"val_pass@{cfg.val_pass_k}"] = totals[1]
+    return out
+
+
+def solved(task, outs, items) -> list:
+    """Whether each episode of run_episodes solved its (prompt, answer) item: its reward reaches
+    the task's solved_at (default 1.0). The reward reads the model's last turn, as in training
+    (generate_share)."""
+    at = getattr(task, "solved_at", 1.0)
+    return [task.reward(task.decode(last_turn(ids, mask)), answer, ended) >= at
+            for (ids, _, mask, _, ended), (_, answer) in zip(outs, items)]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of one prompt with c of its n samples correct (Chen et al., 2021)."""
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+# -----------------------------------------------------------------------------
+# DAPO's dynamic sampling (Yu et al., 2025, sec. 3.2; verl's filter_groups, OpenRLHF's
+# --dynamic_filtering): a prompt group whose samples all scored the same has zero advantage under
+# GRPO or RLOO and trains nothing, so rollouts draws more rounds of prompts until the step holds
+# prompts_per_step groups that vary. It reads the task's own score (task_score, the rule's), never
+# a shaped reward (an overlong penalty would make a group of equal answers look varied; NeMo-RL
+# #2431) nor a reward model's (which varies in every group: it would keep them all). Every rank
+# holds every sample (rollouts' all-gather), so every rank keeps the same groups.
+
+def dynamic_rounds(engine, task, cfg, step, start):
+    """Collective (every rank). Rounds of prompts_per_step prompts (draw_round) until the samples
+    hold prompts_per_step groups that vary, or dynamic_max_rounds were drawn; then the step's
+    batch (keep_groups). Returns (samples, metrics): rollout's, dynamic_rounds, and keep_groups'."""
+    every, generated, rounds = {}, 0, 0
+    while rounds < cfg.dynamic_max_rounds:
+        drawn, n = draw_round(engine, task, cfg, step, start, rounds * cfg.prompts_per_step)
+        every.update(drawn)
+        generated += n
+        rounds += 1
+        if len(varied_groups(every, cfg)) >= cfg.prompts_per_step:
+            break
+    every, metrics = keep_groups(every, cfg)
+    return every, dict(metrics, rollout_samples=generated, dynamic_rounds=rounds,
+                       rollout_prompts=rounds * cfg.prompts_per_step)
+
+
+def varied_groups(every, cfg) -> list:
+    """The prompt positions (index // samples_per_prompt) among `every` whose group's task scores
+    are not all equal, in the order drawn."""
+    K = cfg.samples_per_prompt
+    scores = {}
+    for j in sorted(every):
+        scores.setdefault(j // K, set()).add(every[j]["task_score"])
+    return [g for g, seen in scores.items() if len(seen) > 1]
+
+
+def keep_groups(every, cfg):
+    """The step's batch from its rounds: the first prompts_per_step varied groups, in the order
+    drawn, re-indexed 0.. so that group g holds indices g*K .. g*K + K - 1, as the group
+    estimators read them (a sample keeps its drawn index as `drawn`). After the last round with
+    too few, the newest groups that did not vary fill the batch: a full batch keeps every size
+    the config divided (dp, minibatches) and a run goes on, where verl raises; they train nothing
+    through the surrogate under GRPO or RLOO (their advantage is 0). Returns (samples, metrics):
+    dynamic_kept_fraction, the varied groups over the groups drawn, and dynamic_filled_groups."""
+    K, P = cfg.samples_per_prompt, cfg.prompts_per_step
+    drawn = sorted({j // K for j in every})
+    varied = varied_groups(every, cfg)
+    kept = varied[:P]
+    filled = [g for g in drawn if g not in varied][::-1][:P - len(kept)]  # the newest first
+    samples = {}
+    for i, g in enumerate(sorted(kept + filled)):
+        for k in range(K):
+            samples[i * K + k] = dict(every[g * K + k], index=i * K + k, drawn=g * K + k)
+    metrics = dict(dynamic_kept_fraction=len(varied) / len(drawn),
+                   dynamic_filled_groups=len(filled))
+    return samples, metrics
+
+
+def overlong_shaping(samples, cfg) -> None:
+    """DAPO's length shaping (Yu et al., 2025, sec. 3.4), in place on each sample. Overlong
+    penalty, with overlong_buffer B > 0: a response of L model tokens (an episode's observations
+    are not counted) past max_new_tokens - B gets
+        length_penalty = -overlong_penalty * min((L - (max_new_tokens - B)) / B, 1),
+    which the trainer adds to its reward (train_ppo.training_batch), never to task_score (what the
+    metrics and dynamic sampling read). As in DAPO's eq. 13 and verl, the penalty depends on the
+    length alone: a response that stops inside the buffer pays its share too, one cut off at
+    max_new_tokens pays it all (so does an episode of turns longer than one turn's budget).
+    Overlong mask (DAPO's overlong filtering), with overlong_mask: a response cut off by its token
+    budget (ended "length") gets a loss_mask of 0s, and leaves the loss, normalizers included;
+    its reward still counts in its group's baseline."""
+    for s in samples:
+        if cfg.overlong_buffer:
+            past = sum(s["action_mask"]) - (cfg.max_new_tokens - cfg.overlong_buffer)
+            s["length_penalty"] = -cfg.overlong_penalty * min(max(past, 0) / cfg.overlong_buffer, 1)
+        if cfg.overlong_mask and s["ended"] == "length":
+            s["loss_mask"] = [0] * len(s["action_mask"])
 
 
 # -----------------------------------------------------------------------------

@@ -86,7 +86,6 @@ if __name__ == "__main__":
 import torch  # noqa: E402  (after the config check, on purpose)
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 from torch.distributed.checkpoint.state_dict import (  # noqa: E402
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
@@ -121,6 +120,7 @@ class Batch:
     unscored: int  # the shortest prompt: leading positions that no row scores
     index: Optional[list] = None  # b ints: each row's global sample index
     task_score: Optional[torch.Tensor] = None  # (b,) the task's rule-based score of each row
+    length_penalty: Optional[torch.Tensor] = None  # (b,) DAPO's overlong shaping, 0 when off
     reward: Optional[torch.Tensor] = None  # (b,) what it is trained on: that, or a reward model's
     old_lp: Optional[torch.Tensor] = None  # (b, S) policy that sampled, as the trainer computes it
     ref_lp: Optional[torch.Tensor] = None  # (b, S) reference (initial) policy; None at kl_coef 0
@@ -141,10 +141,11 @@ def ppo_step(progress, models, engine, task, cfg, mesh):
     metrics = {"step": step}  # and each phase's wall time (timed)
     with timed(metrics, "time_step_s"):
         if evaluate and step % cfg.eval_every == 0:  # before the step's update
-            metrics["val_accuracy"] = rollout.validation_accuracy(engine, task, cfg)
+            metrics.update(rollout.validation(engine, task, cfg))  # greedy, and pass@k
         with timed(metrics, "time_rollout_s"):  # 1-2. prompts, rollout (and the task's scores)
             start = progress["prompts_drawn"]  # the prompt stream's position
-            every, metrics["rollout_samples"] = rollout.rollouts(engine, task, cfg, step, start)
+            every, drawn = rollout.rollouts(engine, task, cfg, step, start)
+            metrics.update(drawn)  # samples generated, prompts drawn (main advances the stream)
             metrics.update(rollout.episode_metrics(every.values()))  # turns, tool calls, endings
             batch = training_batch(every, cfg, mesh, task.pad_id, mesh.device_type)
         # 3-6. the reward, forward passes, advantages
@@ -152,6 +153,7 @@ def ppo_step(progress, models, engine, task, cfg, mesh):
             # 3. the reward: the task's rule, or a learned reward model's score
             reward = (batch.task_score if models.reward_model is None
                       else reward_model_scores(models.reward_model, batch, cfg, mesh))
+            reward = reward + batch.length_penalty  # DAPO's overlong shaping (training_batch)
             old_lp, entropy, ref_lp, values, teacher_lp = score(models, batch, cfg, mesh)  # 4.
             batch = replace(batch, reward=reward, old_lp=old_lp, entropy=entropy, ref_lp=ref_lp,
                             values=values, teacher_lp=teacher_lp)
@@ -170,7 +172,8 @@ def ppo_step(progress, models, engine, task, cfg, mesh):
                 metrics.update(refit(engine, models.parts["policy"].model, cfg))
         rollout.dump_rollouts(every, all_rewards, cfg, step)  # rank 0, in the background
         if evaluate and step + 1 == cfg.steps:  # the policy that is exported: after the last update
-            metrics["final_val_accuracy"] = rollout.validation_accuracy(engine, task, cfg)
+            final = rollout.validation(engine, task, cfg)
+            metrics.update({f"final_{name}": value for name, value in final.items()})
         named = step_metrics(batch, sums, cfg, mesh)  # 10. one all-reduce, then named means
     metrics.update(named, tokens_per_s=named["tokens"] / metrics["time_step_s"])
     return metrics, list(sums.losses)
@@ -202,11 +205,14 @@ def training_batch(every, cfg, mesh, pad_id, device):
     split = balanced_split(lengths, cfg.num_minibatches, mesh["dp"].size(), chunk)
     index = split[mesh["dp"].get_local_rank()]
     samples = [every[j] for j in index]
+    # DAPO's overlong shaping (rollout.overlong_shaping) may give a sample a length penalty, and
+    # take a cut-off response out of the loss (a loss_mask of 0s)
     batch = make_batch([s["prompt_ids"] for s in samples], [s["response_ids"] for s in samples],
                        pad_id, [s["engine_logprobs"] for s in samples], device,
-                       [s["action_mask"] for s in samples])
+                       [s.get("loss_mask", s["action_mask"]) for s in samples])
     task_score = torch.tensor([s["task_score"] for s in samples], device=device)  # (b,)
-    return replace(batch, index=index, task_score=task_score)
+    penalty = torch.tensor([s.get("length_penalty", 0.0) for s in samples], device=device)
+    return replace(batch, index=index, task_score=task_score, length_penalty=penalty)
 
 
 def balanced_split(lengths, num_minibatches, dp_size, chunk=1):
@@ -484,7 +490,8 @@ def train_minibatch(name, part, rows, batch, cfg, mesh):
     stepped)."""
     # the loss's normalizers: counts over the whole global minibatch (num_tokens: its response
     # tokens), before any microbatch runs, so that no mesh changes the loss (docs/losses.md)
-    num_tokens = dp_sum(batch.mask[rows.start:rows.stop].sum(), mesh)  # (a slice: no host copy)
+    # (a slice: no host copy; at least 1: overlong_mask may leave a minibatch no token)
+    num_tokens = dp_sum(batch.mask[rows.start:rows.stop].sum(), mesh).clamp(min=1)
     aggregate = functools.partial(aggregate_loss, mode=cfg.loss_agg_mode, num_tokens=num_tokens,
                                   num_seqs=len(rows) * mesh["dp"].size(),  # sequences
                                   norm=cfg.loss_agg_norm or cfg.max_new_tokens)
@@ -516,8 +523,8 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
     """The policy's loss on the batch rows `idx`, as named terms: train_minibatch minimizes
     their sum, and step_metrics logs each under its name (a mean over the step's optimizer steps).
 
-      policy_loss     the clipped surrogate (policy_loss), each token weighted by its truncated
-                      importance weight if tis_cap > 0
+      policy_loss     the clipped surrogate (policy_loss), each token weighted by the off-policy
+                      correction's weight if one is on (offpolicy_weights)
       entropy_loss    -entropy_coef * entropy, if entropy_coef > 0 (an entropy bonus: negative,
                       so minimizing the loss raises the entropy)
       kl_loss         kl_coef * KL(pi || pi_ref), k3, for the critic-free estimators (grpo,
@@ -551,9 +558,11 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
         clip, sequence_mask = (cfg.gspo_clip_ratio, cfg.gspo_clip_ratio_high), mask
     surrogate, clipped = policy_loss(lp, batch.old_lp[idx], batch.advantages[idx], clip,
                                      cfg.clip_ratio_c, sequence_mask)  # (rows, S) each
-    # truncated importance weights (tis_weights; distill_loss weighs its surrogate alike)
-    tis = tis_weights(batch, idx, cfg) if cfg.tis_cap else 1.0  # (rows, S)
-    surrogate = surrogate * tis
+    # the off-policy correction's weights (offpolicy_weights, after "Beyond one step"; distill_loss
+    # weighs its surrogate alike)
+    correcting = cfg.offpolicy_is != "off" or cfg.offpolicy_reject != "off"
+    weight = offpolicy_weights(batch, idx, cfg) if correcting else 1.0  # (rows, S)
+    surrogate = surrogate * weight
     # (distill_task=false: pure distillation, the task's reward trains nothing)
     terms = {"policy_loss": aggregate(surrogate, mask)} if cfg.distill_task else {}
     if cfg.entropy_coef > 0:
@@ -567,16 +576,8 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
         kl = kl_penalty(lp, batch.ref_lp[idx], "k3")  # (rows, S)
         terms["kl_loss"] = cfg.kl_coef * aggregate(kl, mask)
     if batch.teacher_lp is not None:  # on-policy distillation: after the banner "Beyond one step"
-        terms["distill_loss"] = distill_loss(lp, batch, idx, aggregate, cfg, tis)
+        terms["distill_loss"] = distill_loss(lp, batch, idx, aggregate, cfg, weight)
     return terms, masked_sum(clipped.float(), mask).detach()
-
-
-def tis_weights(batch, idx, cfg):
-    """Truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings you
-    off-policy RL training", 2025): the engine sampled from pi_engine, not from the trainer's
-    pi_old; each token of the rows idx weighs min(pi_old / pi_engine, tis_cap), (rows, S)."""
-    log_ratio = batch.old_lp[idx] - batch.engine_lp[idx]  # (rows, S)
-    return torch.clamp(ratio_from_log(log_ratio), max=cfg.tis_cap)
 
 
 def policy_loss(logprobs, old_logprobs, advantages, clip, clip_ratio_c=0.0, sequence_mask=None):
@@ -703,7 +704,7 @@ def refit(engine, policy, cfg):
     merged bf16 refit drifted, NeMo-RL #3696). Else every weight (under LoRA merged), in buckets."""
     if cfg.lora_rank and engine.serves_adapters:
         path = os.path.join(cfg.out_dir, "refit_adapter")
-        nbytes = save_adapter(policy, path, cfg, cfg.model, engine.dtype)
+        nbytes = model_parallel.save_adapter(policy, path, cfg, cfg.model, engine.dtype)
         engine.load_adapter(path)
         return {"refit_bytes": nbytes}
     return rollout.refit(engine, model_parallel.iter_full_params(policy, engine.dtype),
@@ -720,11 +721,17 @@ def step_metrics(batch, sums, cfg, mesh):
     reports the same names in the same order: their sums travel in one tensor.)"""
     losses, counts, norms = sums
     mask, reward = batch.mask, batch.reward  # (b, S), (b,)
-    mismatch = (batch.old_lp - batch.engine_lp).abs()  # (b, S)
+    log_ratio = batch.old_lp - batch.engine_lp  # (b, S) log pi_old / pi_engine
     shares = dict(tokens=mask.sum(), sequences=len(batch.lens), all_tokens=sum(batch.lens),
                   reward=reward.sum(), reward_sq=(reward ** 2).sum(),
-                  mismatch=masked_sum(mismatch, mask),
-                  mult_prob_error=masked_sum(torch.exp(mismatch), mask))
+                  logprob_mismatch=masked_sum(log_ratio.abs(), mask),
+                  token_mult_prob_error=masked_sum(torch.exp(log_ratio.abs()), mask),
+                  # KL(pi_engine || pi_old) estimated from the engine's samples, k1 and k3 (verl's)
+                  mismatch_k1=masked_sum(-log_ratio, mask),
+                  mismatch_k3=masked_sum(torch.expm1(log_ratio) - log_ratio, mask))
+    # the correction's weights: offpolicy_shares, after "Beyond one step"
+    if cfg.offpolicy_is != "off" or cfg.offpolicy_reject != "off":
+        shares.update(offpolicy_shares(batch, cfg))
     if batch.ref_lp is not None:  # none at kl_coef 0
         shares["kl"] = masked_sum(kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator), mask)
     if batch.teacher_lp is not None:  # distillation: distill_shares, after "Beyond one step"
@@ -755,15 +762,16 @@ def step_metrics(batch, sums, cfg, mesh):
     m = dict(reward_mean=s["reward"] / n_seq,
              reward_std=math.sqrt(max(variance("reward", n_seq), 0.0)),
              response_len_mean=n_tok / n_seq,
-             logprob_mismatch=s["mismatch"] / n_tok,
-             token_mult_prob_error=s["mult_prob_error"] / n_tok,
              # each epoch's update sees all n_tok tokens again
              clip_frac=s.get("clipped_tokens", 0.0) / (n_tok * cfg.ppo_epochs),
              skipped_updates=int(s.get("skipped_updates", 0)))
-    # what a run may lack: per token the KL to the reference, the entropy and distillation's
-    # (DISTILL_METRICS); per sequence the task's rule, beside a reward model's score (reward_mean)
-    per = {"kl": n_tok, "entropy": n_tok, "task_score": n_seq, **dict.fromkeys(DISTILL, n_tok)}
+    # means over response tokens (PER_TOKEN, after "Beyond one step": the engine's mismatch, and
+    # what a run may lack: the KL to the reference, the entropy, distillation's); per sequence
+    # the task's rule beside a reward model's score (reward_mean), the correction's rejections
+    per = {**dict.fromkeys(PER_TOKEN, n_tok), "task_score": n_seq, "offpolicy_seq_masked": n_seq}
     m.update({name: s[name] / n for name, n in per.items() if name in s})
+    if "offpolicy_w" in s:  # the effective sample size of the weights, (sum w)^2 / (n sum w^2)
+        m["offpolicy_ess"] = s["offpolicy_w"] ** 2 / max(n_tok * s["offpolicy_w_sq"], 1e-12)
     if "ret" in s:
         m["value_explained_var"] = 1 - variance("err", n_tok) / max(variance("ret", n_tok), 1e-12)
     updates = cfg.ppo_epochs * cfg.num_minibatches  # optimizer steps of each trained model
@@ -827,9 +835,103 @@ def reward_model_scores(reward_model, batch, cfg, mesh):
     return outputs[torch.arange(len(batch.lens)), last]  # (b,)
 
 
+# The metrics that are means over the step's response tokens (step_metrics): the engine's
+# mismatch with the trainer's pi_old (mean |log ratio|, mean exp |log ratio|, KL(pi_engine ||
+# pi_old) as k1 and k3), and the ones a run may lack.
+PER_TOKEN = ("logprob_mismatch", "token_mult_prob_error", "mismatch_k1", "mismatch_k3", "kl",
+             "entropy", "distill_kl_k1", "distill_kl_k3", "teacher_logprob",
+             "offpolicy_token_masked")
+
+
+# The off-policy correction (docs/losses.md): the engine sampled from pi_engine, not from the
+# trainer's pi_old (another dtype, other kernels), so every token's policy loss is weighed by
+# offpolicy_weights (policy_loss_terms), from log pi_old - log pi_engine, as verl 0.9.1's
+# rollout_corr_helper weighs it (compute_rollout_correction_weights and
+# compute_rollout_rejection_mask); its metrics come from offpolicy_shares (step_metrics).
+
+def offpolicy_weights(batch, idx, cfg):
+    """The off-policy correction's weight of each token of the rows idx, (rows, S): the
+    importance weight (importance_weights) times the rejection's keep (rejection_mask), 0 outside
+    the mask. A token of weight 0 stays in the loss's normalizers (num_tokens counts it): a
+    correction that rejects much trains a smaller step, not a renormalized one. verl drops a
+    rejected token from its response_mask instead (the normalizer, and the critic's loss too),
+    while its IcePop mask keeps it, as here."""
+    log_ratio = batch.old_lp[idx] - batch.engine_lp[idx]  # (rows, S) log pi_old / pi_engine
+    mask = batch.mask[idx]  # (rows, S)
+    weight = mask.clone()  # (rows, S)
+    if cfg.offpolicy_is != "off":
+        weight = importance_weights(log_ratio, mask, cfg)
+    if cfg.offpolicy_reject != "off":
+        weight = weight * rejection_mask(log_ratio, mask, cfg)
+    return weight
+
+
+def importance_weights(log_ratio, mask, cfg):
+    """pi_old / pi_engine per token (B, S), at the level offpolicy_is says: each token's own
+    (token), its sequence's product (sequence: unbiased for the sequence, and its variance grows
+    with the length), or their geometric mean (geometric: exp of the mean log ratio, as GSPO's
+    ratio; SkyRL's geometric mask). Then truncated at offpolicy_is_bound (TIS: Yao et al., "Your
+    efficient RL framework secretly brings you off-policy RL training", 2025), or masked to 0
+    outside [offpolicy_is_lower, offpolicy_is_bound] (IcePop, MiniMax-M1's report). The log
+    ratio is clamped to +-20 before exp, as verl's (ratio_from_log)."""
+    if cfg.offpolicy_is == "token":
+        weight = ratio_from_log(log_ratio)  # (B, S)
+    else:
+        per_seq = masked_sum(log_ratio, mask, -1)  # (B,) the log of the product
+        if cfg.offpolicy_is == "geometric":
+            per_seq = per_seq / mask.sum(-1).clamp(min=1)  # (B,) the mean log ratio
+        weight = ratio_from_log(per_seq)[:, None].expand_as(log_ratio)  # (B, S)
+    weight = torch.where(mask.bool(), weight, 0.0)  # (B, S)
+    if cfg.offpolicy_is_mode == "truncate":
+        return weight.clamp(max=cfg.offpolicy_is_bound)
+    inside = (weight >= cfg.offpolicy_is_lower) & (weight <= cfg.offpolicy_is_bound)
+    return torch.where(inside, weight, 0.0)
+
+
+def rejection_mask(log_ratio, mask, cfg):
+    """1 on the tokens the rejection keeps, 0 on the rest and outside the mask (B, S), as verl's
+    rollout_rs. Per token the divergence of pi_old from pi_engine, with lr = log pi_old / pi_engine
+    clamped to +-20: k1 = -lr, k2 = lr^2 / 2, k3 = e^lr - 1 - lr (estimates of KL(pi_engine ||
+    pi_old) from the engine's samples); token_kN judges each token by its own, seq_sum_kN,
+    seq_mean_kN and seq_max_kN a whole sequence by the sum, mean or max of its tokens'. Kept: k2
+    and k3 at most offpolicy_reject_bound; k1 (a log ratio, either sign) within [-log B, log B]
+    for B = offpolicy_reject_bound (verl's k1 bounds are [1/B, B] on the ratio by default)."""
+    level, estimator = cfg.offpolicy_reject.rsplit("_", 1)  # e.g. ("seq_mean", "k3")
+    log_ratio = log_ratio.clamp(-20.0, 20.0)  # (B, S)
+    if estimator == "k1":
+        div = -log_ratio
+    elif estimator == "k2":
+        div = 0.5 * log_ratio ** 2
+    else:
+        div = torch.expm1(log_ratio) - log_ratio  # (B, S)
+    if level == "seq_sum":
+        div = masked_sum(div, mask, -1)[:, None]  # (B, 1)
+    elif level == "seq_mean":
+        div = (masked_sum(div, mask, -1) / mask.sum(-1).clamp(min=1))[:, None]  # (B, 1)
+    elif level == "seq_max":
+        div = torch.where(mask.bool(), div, -math.inf).amax(-1, keepdim=True)  # (B, 1)
+    bound = cfg.offpolicy_reject_bound
+    if estimator == "k1":
+        keep = div.abs() <= math.log(bound)
+    else:
+        keep = div <= bound
+    return (keep & mask.bool()).to(mask.dtype)  # (B, S)
+
+
+def offpolicy_shares(batch, cfg):
+    """This rank's sums for the correction's metrics (step_metrics): the response tokens of weight
+    0 (masked or rejected), the sequences with any such token, and the sums of the weights and of
+    their squares over response tokens (offpolicy_ess, Kish's effective sample size)."""
+    mask = batch.mask  # (b, S)
+    weight = offpolicy_weights(batch, slice(None), cfg)  # (b, S)
+    zero = (weight == 0) & mask.bool()  # (b, S)
+    return {"offpolicy_token_masked": zero.sum(), "offpolicy_seq_masked": zero.any(-1).sum(),
+            "offpolicy_w": masked_sum(weight, mask),
+            "offpolicy_w_sq": masked_sum(weight ** 2, mask)}
+
+
 # On-policy distillation (docs/distillation.md): the teacher's pass beside the reference's (score
 # calls it), its term in the policy loss (policy_loss_terms), its metrics (step_metrics).
-DISTILL = ("distill_kl_k1", "distill_kl_k3", "teacher_logprob")  # means over response tokens
 
 
 def teacher_logprobs(models, batch, cfg, mesh):
@@ -845,7 +947,7 @@ def teacher_logprobs(models, batch, cfg, mesh):
     return teacher_lp
 
 
-def distill_loss(lp, batch, idx, aggregate, cfg, tis=1.0):
+def distill_loss(lp, batch, idx, aggregate, cfg, weight=1.0):
     """On-policy distillation's term of the policy loss on the batch rows idx, one of verl
     0.9.1's two forms (verl/trainer/distillation/losses.py), times distill_coef. Per token
     d_t = distill_estimator's estimate of KL(student || teacher) from log pi_t - log pi_teacher_t
@@ -853,8 +955,8 @@ def distill_loss(lp, batch, idx, aggregate, cfg, tis=1.0):
 
       reward  A_t = -d_t of the sampling policy pi_old: each token's own negative KL is its
               advantage (a per-token reward with discount 0, no return summed over later
-              tokens), through the clipped token surrogate (policy_loss, times `tis`, the
-              task's truncated importance weights, as verl's rollout_is_weights): Thinking
+              tokens), through the clipped token surrogate (policy_loss, times `weight`, the
+              off-policy correction's, as verl's rollout_is_weights): Thinking
               Machines' form. pi_old, where verl takes the current pi detached: the reward is
               fixed when the sample is scored, as the task's is, so the clip measures the
               policy's move from the one that earned it (the two agree in an update's first
@@ -871,7 +973,7 @@ def distill_loss(lp, batch, idx, aggregate, cfg, tis=1.0):
         advantages = -_clamped(kl_penalty(old, teacher, cfg.distill_estimator), cfg)
         clip = (cfg.clip_ratio, cfg.clip_ratio_high or None)
         per_token, _ = policy_loss(lp, old, advantages, clip, cfg.clip_ratio_c)  # (rows, S)
-        per_token = per_token * tis
+        per_token = per_token * weight
     else:
         per_token = _clamped(kl_penalty(lp, teacher, cfg.distill_estimator), cfg)  # (rows, S)
     return cfg.distill_coef * aggregate(per_token, mask)
@@ -885,8 +987,8 @@ def _clamped(per_token, cfg):
 
 
 def distill_shares(batch):
-    """This rank's sums for DISTILL's metrics: the reverse KL to the teacher (k1 and k3) of the
-    sampling policy, and the teacher's logprob of the student's tokens."""
+    """This rank's sums for distillation's metrics (in PER_TOKEN): the reverse KL to the teacher
+    (k1 and k3) of the sampling policy, and the teacher's logprob of the student's tokens."""
     mask, teacher = batch.mask, batch.teacher_lp  # (b, S) each
     return {"distill_kl_k1": masked_sum(kl_penalty(batch.old_lp, teacher, "k1"), mask),
             "distill_kl_k3": masked_sum(kl_penalty(batch.old_lp, teacher, "k3"), mask),
@@ -974,8 +1076,9 @@ def main(cfg, task=None):
             print0(f"stopping: {bad_steps} steps in a row skipped updates "
                    "(NaN/inf loss or grad norm): lower lr or check the rewards")
             sys.exit(1)
+        # the stream advances by what the step drew (dynamic sampling draws rounds)
         progress.update(step=step + 1,
-                        prompts_drawn=progress["prompts_drawn"] + cfg.prompts_per_step)
+                        prompts_drawn=progress["prompts_drawn"] + metrics["rollout_prompts"])
         stopped = stop_requested()  # collective: the same answer on every rank
         # with save_every: every save_every steps and after the last; a stopped run saves too, so
         # that resume=auto goes on from there
@@ -1022,7 +1125,7 @@ def start_run(cfg, task):
     print0(f"mesh dp={mesh['dp'].size()} cp={cfg.cp_size} tp={cfg.tp_size} "
            f"on {dist.get_world_size()} x {device.type}, {cfg.dtype}, "
            f"{'packed' if cfg.packing else 'padded'} rows, attention: {kernel}, "
-           f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine, "
+           f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine in {cfg.engine_dtype}, "
            f"{cfg.prompts_per_step}x{cfg.samples_per_prompt} samples a step")
     return device, mesh, model_dir, resume_dir, task
 
@@ -1311,33 +1414,7 @@ def export(policy, cfg, model_dir):
     dtype = torch.bfloat16 if cfg.export_dtype == "bf16" else torch.float32
     model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"), dtype, copy_from=model_dir)
     if cfg.lora_rank:
-        save_adapter(policy, os.path.join(cfg.out_dir, "adapter"), cfg, model_dir)
-
-
-def save_adapter(model, path, cfg, base_dir, dtype=torch.float32):
-    """Collective (every rank): the LoRA adapters as a PEFT adapter dir, which
-    peft.PeftModel.from_pretrained loads over the base at base_dir and vLLM serves (a LoRARequest):
-    adapter_config.json and adapter_model.safetensors, tensors named as PEFT names them
-    (base_model.model.<module>.lora_A.weight), in `dtype`. Written to a temp dir and renamed.
-    Returns the tensors' bytes."""
-    tensors = {f"base_model.model.{name}.weight": full.cpu().contiguous()
-               for name, full in model_parallel.iter_adapters(model, dtype)}
-    if dist.get_rank() == 0:
-        tmp = path.rstrip("/") + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"))
-        # (vLLM reads r, lora_alpha and target_modules; scale = lora_alpha / r, as here)
-        peft_config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=cfg.lora_rank,
-                           lora_alpha=cfg.lora_alpha, target_modules=cfg.lora_targets.split(","),
-                           lora_dropout=0.0, bias="none", fan_in_fan_out=False,
-                           base_model_name_or_path=os.path.abspath(base_dir))
-        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
-            json.dump(peft_config, f, indent=1)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-    dist.barrier()
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+        model_parallel.save_adapter(policy, os.path.join(cfg.out_dir, "adapter"), cfg, model_dir)
 
 
 def saved_lora_rank(path):

@@ -121,7 +121,7 @@ measured["adapter_files"] = sorted(os.listdir(os.path.join(args.dir, "refit_adap
 
 # ---- 2. the merged export and the PEFT adapter dir, each loaded by its own library -------------
 model_parallel.save_hf(policy, os.path.join(args.dir, "hf"), torch.float32, copy_from=path)
-train_ppo.save_adapter(policy, os.path.join(args.dir, "adapter"), cfg, path)
+model_parallel.save_adapter(policy, os.path.join(args.dir, "adapter"), cfg, path)
 if rank == 0:
     from peft import PeftModel
     x = torch.tensor([prompts[0] + [5, 9, 11, 2]])

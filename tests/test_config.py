@@ -3,6 +3,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import json
 import time
 
 import pytest
@@ -39,7 +40,20 @@ def test_every_field_has_a_doc_and_sizes_say_per_rank_or_global():
     (["--lam=1.5"], 1, "lam"),
     (["--sequence_parallel=true"], 1, "sequence_parallel"),
     (["--rollout_tp_size=2"], 3, "rollout_tp_size"),
-    (["--old_logprobs=engine", "--tis_cap=2"], 1, "tis_cap"),  # TIS would do nothing
+    # issue 53: a correction of pi_old / pi_engine, with pi_old the engine's, weighs nothing
+    (["--old_logprobs=engine", "--offpolicy_is=token"], 1, "old_logprobs=trainer"),
+    (["--old_logprobs=engine", "--offpolicy_reject=token_k3", "--offpolicy_reject_bound=0.1"], 1,
+     "old_logprobs=engine makes 1"),
+    # issue 53: the key of an earlier version names its replacement
+    (["--tis_cap=2"], 1, "tis_cap .in the command line. was replaced: use offpolicy_is=token"),
+    (["--offpolicy_reject=seq_mean_k3"], 1, "needs offpolicy_reject_bound > 0"),
+    (["--offpolicy_reject=token_k1", "--offpolicy_reject_bound=0.5"], 1, "needs offpolicy_reject_bound > 1"),
+    (["--offpolicy_is=token", "--offpolicy_is_mode=mask", "--offpolicy_is_lower=3"], 1,
+     "offpolicy_is_lower=3 must be below offpolicy_is_bound=2"),
+    (["--offpolicy_is=sentence"], 1, "offpolicy_is"),
+    (["--dynamic_sampling=true", "--samples_per_prompt=1"], 1, "use samples_per_prompt >= 2"),
+    (["--overlong_buffer=8"], 1, "overlong_buffer=8 is longer than max_new_tokens=6"),
+    (["--val_pass_k=4", "--val_samples=2"], 1, "val_pass_k=4 needs at least as many val_samples"),
     (["--old_logprobs=policy"], 1, "old_logprobs"),
     (["--data_parallel=ddp", "--tp_size=2"], 2, "data_parallel=ddp"),  # DDP replicas are plain tensors
     (["--data_parallel=ddp", "--dtype=bf16"], 2, "data_parallel=ddp"),  # bf16 is FSDP2's mixed precision
@@ -224,3 +238,21 @@ def test_lora_with_vllm_in_fp32_on_cuda_is_refused(argv, refused):
     else:
         config.resolve_auto(cfg, "cuda", None)
     config.resolve_auto(config.parse_args(["--lora_rank=8", *argv]), "cpu", None)  # CPU: any dtype
+
+
+def test_a_resumed_run_that_had_tis_cap_is_refused_naming_the_new_keys(tmp_path):
+    """issue 53: tis_cap left the config. A run that trained with it, resumed with the same command
+    line less that key, would silently train without its correction: its saved config.json
+    names it, and the resume is refused, naming the keys that replace it."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"tis_cap": 2.0, "steps": 5}))
+    with pytest.raises(config.ConfigError,
+                       match=r"tis_cap=2, which was replaced: resume with offpolicy_is=token "
+                             r"offpolicy_is_bound=2"):
+        config.validate(config.parse_args([f"--out_dir={out}", "--resume=auto"]), 1)
+    # with the correction named it goes on; a fresh run in that dir is not a resume
+    config.validate(config.parse_args([f"--out_dir={out}", "--resume=auto",
+                                       "--offpolicy_is=token"]), 1)
+    config.validate(config.parse_args([f"--out_dir={out}"]), 1)
+

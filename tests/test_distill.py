@@ -104,11 +104,13 @@ def ours(lp, batch, cfg):
                                              ("loss", "k2")])
 def test_both_forms_equal_verls_in_every_loss_mode(form, estimator, mode):
     """The distillation term and its gradient w.r.t. the student's logprobs: verl's, on gapped
-    masks, with the clamp acting on one token; the reward form with TIS (tis_cap 1.5). The term
-    joins the task's policy_loss as verl's sum of losses; distill_task=false leaves it alone."""
+    masks, with the clamp acting on one token; the reward form with TIS (offpolicy_is=token, bound
+    1.5). The term joins the task's policy_loss as verl's sum of losses; distill_task=false leaves
+    it alone."""
     batch = _batch()
     cfg = config.Config(teacher="dir", distill_form=form, distill_estimator=estimator,
-                        distill_coef=0.7, loss_agg_mode=mode, tis_cap=1.5, kl_coef=0.0,
+                        distill_coef=0.7, loss_agg_mode=mode, offpolicy_is="token",
+                        offpolicy_is_bound=1.5, kl_coef=0.0,
                         advantage_estimator="grpo", samples_per_prompt=3)
     g = torch.Generator().manual_seed(1)
     moved = batch.old_lp + 0.3 * torch.randn(batch.old_lp.shape, generator=g)  # pi != pi_old

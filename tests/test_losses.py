@@ -131,7 +131,7 @@ def test_gspo_by_hand():
 def test_gspo_is_the_policy_loss_mode_the_update_runs():
     """policy_loss_terms with policy_loss_mode=gspo gives GSPO's loss in its own clip range."""
     cfg = config.Config(policy_loss_mode="gspo", gspo_clip_ratio=0.2, gspo_clip_ratio_high=0.2,
-                        loss_agg_mode="seq-mean-token-mean", tis_cap=0.0)
+                        loss_agg_mode="seq-mean-token-mean", offpolicy_is="off")
     batch = train_ppo.make_batch([[1]] * 2, [[2, 3, 4], [5, 6]], pad_id=0)
     old = torch.tensor([[0.0, -1.0, -2.0, -0.5], [0.0, -1.0, -1.0, 0.0]])
     lp = old + torch.tensor([[0.0, 0.1, -0.1, 0.3], [0.0, 0.4, 0.6, 0.0]])

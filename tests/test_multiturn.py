@@ -239,7 +239,7 @@ def _batches(estimator, **overrides):
     shared = dict(index=[0, 1, 2], reward=torch.tensor([1.0, 0.0, 0.5]))
     full = dataclasses.replace(full, **shared, **fields(full, OFF_MASK))
     cut = dataclasses.replace(cut, **shared, **fields(cut, ZEROS))
-    cfg = config.Config(**{**dict(advantage_estimator=estimator, samples_per_prompt=3, tis_cap=2.0,
+    cfg = config.Config(**{**dict(advantage_estimator=estimator, samples_per_prompt=3, offpolicy_is="token",
                                   entropy_coef=0.01, kl_coef=0.1, gamma=0.9, lam=0.8, gspo_clip_ratio=0.2,
                                   gspo_clip_ratio_high=0.2), **overrides})
     return full, cut, cfg, moves
@@ -406,7 +406,8 @@ def test_replayed_episodes_train_as_their_cut_rows(estimator, mode, ratio, tmp_p
         for name in ("full", "cut"):
             cfg = config.Config(advantage_estimator=estimator, loss_agg_mode=mode, policy_loss_mode=ratio,
                                 prompts_per_step=2, samples_per_prompt=2, num_minibatches=2,
-                                micro_batch_size=1, ppo_epochs=2, entropy_coef=0.01, kl_coef=0.1, tis_cap=2.0,
+                                micro_batch_size=1, ppo_epochs=2, entropy_coef=0.01, kl_coef=0.1,
+                                offpolicy_is="token",
                                 gamma=0.9, lam=0.8, gspo_clip_ratio=0.2, gspo_clip_ratio_high=0.2,
                                 max_new_tokens=4,
                                 replay_rollouts=str(tmp_path / name), out_dir=str(tmp_path / "out"))
@@ -637,7 +638,7 @@ def test_a_bad_observation_in_validation_stops_every_rank_with_one_line(one_rank
     task = Echo([999])
     task.val, task.encode = [("1+1=", "2")], lambda q: [1]
     with pytest.raises(SystemExit, match=r"^task error: observe\(\) must return a list of token ids in"):
-        rollout.validation_accuracy(ScriptedEngine(lambda ids: [7, EOS]), task, cfg_of())
+        rollout.validation(ScriptedEngine(lambda ids: [7, EOS]), task, cfg_of())
 
 
 def test_the_tool_is_taken_away_with_max_turns_1_from_the_warm_up_too(tmp_path):
@@ -674,11 +675,12 @@ def test_a_dump_the_trainer_cannot_train_on_is_refused_in_one_line(one_rank, tmp
     good = dict(index=0, prompt_ids=[1], response_ids=[7, EOS], engine_logprobs=[-1.0, -1.0],
                 action_mask=[1, 1], calls=0, ended="stop", task_score=1.0, reward=1.0)
     cfg = config.Config(replay_rollouts=str(tmp_path))
+    replayed = dict(rollout_samples=0, rollout_prompts=cfg.prompts_per_step)  # none generated
     _write_dump(tmp_path / "step_0.jsonl", [good])
-    assert rollout.rollouts(None, None, cfg, 0, 0) == ({0: good}, 0)
+    assert rollout.rollouts(None, None, cfg, 0, 0) == ({0: good}, replayed)
     # a dump written before task_score had a key of its own: its reward is the task's score
     _write_dump(tmp_path / "step_0.jsonl", [{k: v for k, v in good.items() if k != "task_score"}])
-    assert rollout.rollouts(None, None, cfg, 0, 0) == ({0: good}, 0)
+    assert rollout.rollouts(None, None, cfg, 0, 0) == ({0: good}, replayed)
     old = {k: v for k, v in good.items() if k not in ("action_mask", "calls", "ended")}
     _write_dump(tmp_path / "step_0.jsonl", [good, old])
     with pytest.raises(SystemExit, match=rf"^replay error: {tmp_path}/step_0.jsonl:2: the sample has no "
