@@ -38,7 +38,8 @@ def verl_weights(log_ratio, mask, level, upper, lower=None):
     """verl's compute_rollout_correction_weights, one row and token at a time: token level
     exp(clamp(lr)); sequence level exp(clamp(sum of the row's lr over the mask)); zero outside
     the mask; a single threshold truncates (TIS, clamp(max=upper)), a lower_upper pair masks
-    (IcePop: weights outside [lower, upper] are 0). `geometric` (not verl's): exp(clamp(mean lr))."""
+    (IcePop: weights outside [lower, upper] are 0). `geometric` (not verl's): exp(clamp(mean
+    lr))."""
     B, S = log_ratio.shape
     out = torch.zeros(B, S, dtype=torch.float64)
     for b in range(B):
