@@ -29,7 +29,10 @@ from conftest import (ROOT, close, cpu_env, kill_torchrun, plain_logprobs, read_
 
 pytestmark = pytest.mark.slow  # four CLI runs under torchrun, and a vLLM engine
 
-ARGS = ("--config", "configs/test_tiny.toml", "--rollout_engine=hf", "--sft_steps=30")
+# every run samples under dynamic sampling (issue 53): a step may draw rounds of prompts, so the
+# prompt stream's position after it depends on what it drew, and a resume must go on from there
+ARGS = ("--config", "configs/test_tiny.toml", "--rollout_engine=hf", "--sft_steps=30",
+        "--dynamic_sampling=true")
 VOLATILE = ("tokens_per_s", "mem_used_gb")  # and every time_* key: wall clock and memory, not training
 COMPARED = ("policy_loss", "value_loss", "kl", "grad_norm", "reward_mean")
 
@@ -105,20 +108,30 @@ def test_resume_same_mesh_is_identical(straight, resumed):
 
 def test_resume_draws_the_prompts_the_straight_run_drew(straight, resumed):
     """Prompts come as shuffled epochs over the task's 25 facts, each fact once an epoch: the
-    warm-up draws the first 30 x 8 = 240, PPO 4 a step from there (the stream crosses into epoch
-    10 at 250, during step 2). The checkpoint saves the position, and the resumed runs go on from
-    it."""
+    warm-up draws the first 30 x 8 = 240, PPO rounds of 4 from there under dynamic sampling (a
+    step draws rounds until 4 of its groups vary, at most 4 rounds: rollout_prompts). The
+    checkpoint saves the position the steps' draws reached, and the resumed runs go on from it:
+    each step keeps the groups the straight run kept, from the prompts of the stream at those
+    positions (a sample's `drawn` index: its position among the step's draws)."""
+    rows = read_metrics(straight[0])
+    drawn = [r["rollout_prompts"] for r in rows]
+    assert max(drawn[:2]) > 4, f"no step before the resume drew a second round: {drawn}"
     state = torch.load(os.path.join(resumed["out"], "ckpt", "step_2", "trainer_state_rank0.pt"),
                        weights_only=False)
-    assert state["progress"] == {"step": 2, "prompts_drawn": 248}
-    want = [prompt for prompt, _ in rollout.ToyTask(1).prompts(240, 16)]
-    assert len(set(want[:10])) == 10 and want[:10] != want[10:]  # the rest of epoch 9, then a new order
+    assert state["progress"] == {"step": 2, "prompts_drawn": 240 + drawn[0] + drawn[1]}
+    stream = [prompt for prompt, _ in rollout.ToyTask(1).prompts(240, sum(drawn))]
     for out in (straight[0], resumed["out"]):
-        drawn = []
+        kept = []
         for step in range(4):
             with open(os.path.join(out, "rollouts", f"step_{step}.jsonl")) as f:
-                drawn += [s["prompt"] for s in map(json.loads, f)][::2]  # 2 samples a prompt
-        assert drawn == want, out
+                samples = [json.loads(line) for line in f]
+            start = 240 + sum(drawn[:step])
+            # 2 samples a prompt: sample `drawn` d answers the step's (d // 2)-th prompt drawn
+            assert all(s["prompt"] == stream[start - 240 + s["drawn"] // 2] for s in samples), out
+            kept.append([(s["drawn"], s["response"]) for s in samples])
+        if out == straight[0]:
+            want = kept
+        assert kept == want, out  # the same groups, the same responses: on dp=2, then tp=2
 
 
 def test_killed_save_is_ignored_and_resume_on_another_mesh_matches(straight, resumed):
