@@ -599,9 +599,24 @@ class VLLMEngine:
                                  detokenize=False)
                   for s, m in zip(seeds, budgets)]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
+        # CPU only: vLLM 0.32's CPU runner crashes on a seeded request whose prefill the scheduler
+        # splits over two steps (it rewinds the request's generator by an offset, which a CPU
+        # generator has not: "CPU Generator does not use offset"): calls of at most one step's
+        # token budget of prompts each, so that no prefill is split (pass@k's 8 samples of 48
+        # prompts hit it). A sample depends on its seed alone, not on its call
+        budget = self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+        calls, used = [[]], 0
+        for k, p in enumerate(prompt_ids):
+            if calls[-1] and used + len(p) > budget and not self.on_gpu:
+                calls.append([])
+                used = 0
+            calls[-1].append(k)
+            used += len(p)
+        outs = []
         with _trainer_state_kept():
-            # in prompt order
-            outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.adapter)
+            for ks in calls:  # in prompt order
+                outs += self.llm.generate([prompts[k] for k in ks], [params[k] for k in ks],
+                                          use_tqdm=False, lora_request=self.adapter)
         samples = [out.outputs[0] for out in outs]
         # sample.logprobs: one {token id: Logprob} per step, the sampled token among them
         return [(list(s.token_ids), [step[t].logprob for t, step in zip(s.token_ids, s.logprobs)])

@@ -1,7 +1,7 @@
 """The engine/trainer mismatch made real on CPU, and what the off-policy correction does with it.
 
-    .venv/bin/python bench/offpolicy.py            # make demo's toy, 2 ranks, vLLM, 10 PPO steps a run
-    .venv/bin/python bench/offpolicy.py --smoke    # 1 rank, the HF engine, 1 step, one bf16 run
+    .venv/bin/python bench/offpolicy.py          # make demo's toy, 2 ranks, vLLM, 10 steps a run
+    .venv/bin/python bench/offpolicy.py --smoke  # 1 rank, the HF engine, 1 step, one bf16 run
 
 The trainer computes in fp32; the engine samples in bf16 (engine_dtype=bf16), as a GPU's vLLM
 does under fp32 master weights. Three runs of make demo's config from the same warm-up, the same

@@ -113,6 +113,18 @@ measured["n_samples"] = len(prompts)
 # one request identical on every rank: the sample must not depend on the rank or its engine
 measured["shared_sample"] = tokens(generate([tok.encode("1+2=")], [12345]))[0]
 measured["group_samples"] = tokens(first)
+# issue 53: one call of more prompt tokens than a scheduler step takes (pass@k's 8 samples of each
+# of 48 prompts): vLLM 0.32's CPU runner crashed on a seeded prefill split over two steps. The
+# engine cuts such a call in pieces of one step's budget: the call returns, and each sample is
+# still its seed's alone
+budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+long_prompt = (prompts[0] * 40)[:40]  # 40 tokens, + 12 new within max_model_len 64
+many = [long_prompt] * (budget // 40 + 10)
+many_seeds = list(range(1000, 1000 + len(many)))
+big = tokens(generate(many, many_seeds))
+measured["over_budget_times"] = len(many) * 40 / budget
+measured["over_budget_same_samples"] = (big[:2] + big[-2:] == tokens(generate(many[:2], many_seeds[:2]))
+                                        + tokens(generate(many[-2:], many_seeds[-2:])))
 
 # ---- 2. before refit: engine logprobs == plain HF on the engine's own samples ----------------
 ids, lens, mask, engine_lp = rows(first)
