@@ -30,8 +30,9 @@ gathered, then cast), counted at each all-gather (DTensor.full_tensor).
 
 LoRA's refit, in bytes (also with --smoke: no engine, seconds). Under LoRA, train_ppo.refit sends
 an engine that serves adapters (vLLM) the adapters alone, the PEFT dir of
-model_parallel.save_adapter (model_parallel.iter_adapters: A (r, in) and B (out, r) of each target projection, in the engine's
-dtype), where any other engine gets merged weights, iter_full_params: every HF weight, W + s B A
+model_parallel.save_adapter (model_parallel.iter_adapters: A (r, in) and B (out, r) of each
+target projection, in the engine's dtype), where any other engine gets merged weights,
+iter_full_params: every HF weight, W + s B A
 for the targets, in the engine's dtype. Both are counted for rank 8 and 16 (alpha = 2 rank), all
 7 projections, in bf16 and fp32, at two shapes: the demo's (the "tiny-llama" preset of
 configs/demo_cpu.toml) and SmolLM2-135M's (checkpoints/SmolLM2-135M-Instruct/config.json if
