@@ -16,8 +16,9 @@ from conftest import ROOT
 MODULES = ("train_ppo.py", "model_parallel.py", "logprobs.py", "rollout.py", "config.py")
 # issue 44 (LoRA) set 700 a module and 2,450 together (from 650 and 2,300); issue 50 (a GPU and a
 # new user, round 5) 710 and 2,470; issue 51 (the afternoon path: the width rule) 745 and 2,600;
-# issue 52 (on-policy distillation) 780 and 2,750
-BUDGET_EACH, BUDGET_TOTAL = 780, 2750
+# issue 52 (on-policy distillation) 780 and 2,750; issue 53 (off-policy correction, DAPO) 820 and
+# 2,950
+BUDGET_EACH, BUDGET_TOTAL = 820, 2950
 NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
             tokenize.ENDMARKER, tokenize.ENCODING}
 
