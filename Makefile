@@ -67,11 +67,13 @@ $(SMOL)/config.json: requirements-smollm2.lock | $(STAMP)
 	$(VENV)/bin/python scripts/smollm2.py build $(SMOL)
 
 # ALGO=ppo: PPO itself, a critic and GAE (configs/smollm2_ppo_cpu.toml), into out/smollm2-ppo/
+# ALGO=dapo: DAPO's recipe with a bf16 engine and pass@4 (configs/smollm2_dapo_cpu.toml), into
+# out/smollm2-dapo/ (docs/real_model.md, "DAPO")
 # LORA=1 (see demo): vLLM serves the adapters and gets them alone at each refit; into out/smollm2-lora/
 SEED ?= 1
 ALGO ?= grpo
-REAL_CONFIG := $(if $(filter ppo,$(ALGO)),configs/smollm2_ppo_cpu.toml,configs/smollm2_cpu.toml)
-REAL_OUT := $(if $(filter ppo,$(ALGO)),out/smollm2-ppo,out/smollm2)$(if $(filter 1,$(LORA)),-lora)/seed$(SEED)
+REAL_CONFIG := configs/smollm2$(if $(filter grpo,$(ALGO)),,_$(ALGO))_cpu.toml
+REAL_OUT := out/smollm2$(if $(filter grpo,$(ALGO)),,-$(ALGO))$(if $(filter 1,$(LORA)),-lora)/seed$(SEED)
 REAL_LORA := $(if $(filter 1,$(LORA)),$(LORA_ARGS) --lr=1e-4)
 real-demo: $(STAMP) $(SMOL)/config.json
 	$(VENV)/bin/python scripts/smollm2.py data data
