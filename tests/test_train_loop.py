@@ -165,7 +165,8 @@ def test_step_metrics_console_plot_and_summary_follow_the_loss_terms(tmp_path, m
     metrics = {"step": 0, **named, "time_step_s": 2.0}
     # means over the 4 optimizer steps, skipped one included; clip_frac over 2 epochs of 20 tokens
     by_hand = dict(step=0, reward_mean=0.75, reward_std=math.sqrt(0.75 - 0.75 ** 2), kl=0.01,
-                   response_len_mean=5.0, logprob_mismatch=0.0, token_mult_prob_error=1.0, clip_frac=0.2,
+                   response_len_mean=5.0, logprob_mismatch=0.0, token_mult_prob_error=1.0,
+                   mismatch_k1=0.0, mismatch_k3=0.0, clip_frac=0.2,
                    skipped_updates=1, policy_loss=0.1, entropy_loss=-0.003, ratio_penalty=0.03,
                    grad_norm=3.0, time_step_s=2.0, tokens=60)
     assert metrics == pytest.approx(by_hand)  # the same keys, and these values
