@@ -37,9 +37,10 @@ def run(name, flags, out, smoke):
     size = (["--steps=1", "--sft_steps=2", "--prompts_per_step=4", "--samples_per_prompt=2",
              "--micro_batch_size=2", "--rollout_engine=hf"] if smoke else ["--steps=10"])
     ranks = 1 if smoke else 2
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), f"--nproc_per_node={ranks}",
-           "train_ppo.py", "--config", "configs/demo_cpu.toml", "--old_logprobs=trainer",
-           "--plot_every=0", "--export_hf=false", f"--out_dir={out}/{name}", *size, *flags]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--standalone", f"--nproc_per_node={ranks}", "train_ppo.py",
+           "--config", "configs/demo_cpu.toml", "--old_logprobs=trainer", "--plot_every=0",
+           "--export_hf=false", f"--out_dir={out}/{name}", *size, *flags]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"{name}: the run failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
