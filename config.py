@@ -290,10 +290,13 @@ class Config:
     # ---- DAPO (Yu et al., 2025): with clip_ratio_high and token-mean, its recipe ----
     # dynamic sampling: a prompt group whose samples all got the same task score (the rule's,
     # before any shaping) has zero advantage: it is dropped, and more prompts are drawn, a round
-    # of prompts_per_step at a time, until the step holds prompts_per_step groups (grpo, rloo)
+    # of prompts_per_step at a time, until the step holds prompts_per_step groups. Made for grpo
+    # and rloo: under gae the critic still gives such a group per-token advantages, and a
+    # teacher's term still trains on it, so dropping it discards a signal there (allowed)
     dynamic_sampling: bool = False
-    # rounds of a step at most; after the last, the newest dropped groups fill the batch (they
-    # train nothing through the surrogate; dynamic_kept_fraction shows it)
+    # rounds of a step at most; after the last, the newest dropped groups fill the batch (under
+    # grpo/rloo only their overlong penalties, if any, reach the surrogate; dynamic_kept_fraction
+    # shows how many)
     dynamic_max_rounds: int = 4
     # overlong shaping: a response whose model tokens L pass max_new_tokens - this buffer gets
     # -overlong_penalty * (L - (max_new_tokens - buffer)) / buffer added to its reward, down to
@@ -568,6 +571,9 @@ def _validate_sampling(cfg: Config) -> None:
     if cfg.val_pass_k > cfg.val_samples:
         raise ConfigError(f"val_pass_k={cfg.val_pass_k} needs at least as many val_samples "
                           f"(got {cfg.val_samples}): pass@k draws k of n samples")
+    if cfg.val_pass_k and not cfg.eval_every:
+        raise ConfigError(f"val_pass_k={cfg.val_pass_k} is measured at each evaluation, and "
+                          f"eval_every=0 makes none: set eval_every=N (steps between them)")
 
 
 def _validate_sizes(cfg: Config, world_size: int) -> None:
@@ -623,7 +629,9 @@ def _validate_paths(cfg: Config) -> None:
         raise ConfigError(f"reward_model={cfg.reward_model!r} is not a directory: give a "
                           f"*ForSequenceClassification checkpoint dir "
                           f"(scripts/train_reward_model.py)")
-    saved = os.path.join(cfg.out_dir, "config.json")  # the run a resume goes on with
+    # the run a resume goes on with: its config.json beside ckpt/ (resume=OUT/ckpt/step_N)
+    run_dir = os.path.dirname(os.path.dirname(os.path.normpath(cfg.resume)))
+    saved = os.path.join(cfg.out_dir if cfg.resume == "auto" else run_dir, "config.json")
     if cfg.resume and os.path.isfile(saved) and cfg.offpolicy_is == "off":
         with open(saved) as f:
             cap = json.load(f).get("tis_cap")

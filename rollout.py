@@ -170,15 +170,19 @@ def last_turn(ids, action_mask):
 
 
 def episode_metrics(samples) -> dict:
-    """The step's episodes in numbers (docs/metrics.md): model turns and tool calls per episode,
-    and the rate of each way an episode ended (ENDINGS). `samples`: every sample of the step."""
+    """The step's episodes in numbers (docs/metrics.md): the response length (the model's own
+    tokens, whether or not overlong_mask took them out of the loss), model turns and tool calls
+    per episode, and the rate of each way an episode ended (ENDINGS). `samples`: every sample of
+    the step."""
     n = len(samples)
+    tokens = sum(sum(s["action_mask"]) for s in samples)  # an episode's observations not counted
     # an episode's turns: its runs of the model's tokens (observations lie between them)
     turns = sum(1 + sum(a < b for a, b in zip(s["action_mask"], s["action_mask"][1:]))
                 for s in samples)
     calls = sum(s["calls"] for s in samples)
     rates = {f"ended_{name}_rate": sum(s["ended"] == name for s in samples) / n for name in ENDINGS}
-    return dict(turns_per_episode=turns / n, tool_calls_per_episode=calls / n, **rates)
+    return dict(response_len_mean=tokens / n, turns_per_episode=turns / n,
+                tool_calls_per_episode=calls / n, **rates)
 
 
 def gather_or_stop(share, what):
@@ -201,7 +205,8 @@ def rollouts(engine, task, cfg, step, start):
     own (keep_groups). Each sample exists once, drawn by the rank it is generated_by (vLLM's
     sampling is not bit-identical across GPUs, so the ranks of a dp slice must not mix copies);
     one all-gather a round hands every rank the whole batch, whose lengths then decide the
-    update's split over dp ranks. replay_rollouts: a dumped step's samples instead."""
+    update's split over dp ranks. replay_rollouts: a dumped step's samples instead, as they were
+    kept and shaped (whatever the config now says of dynamic sampling and overlong shaping)."""
     if cfg.replay_rollouts:  # every rank reads the whole step (and refuses a bad dump alike)
         try:
             every = load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
@@ -306,15 +311,17 @@ _pending = []
 def dump_rollouts(every: dict, rewards, cfg, step: int) -> None:
     """Rank 0: every sample of the step ({global index: sample}) to out_dir/rollouts/step_N.jsonl,
     one JSON line each, with the task's rule as `task_score` and beside it `reward`, what it was
-    trained on (`rewards`, (N,) by global index: a reward model's score, else the task's).
+    trained on (`rewards`, (N,) by global index: a reward model's score, else the task's, each
+    with its overlong penalty).
     Written in the background, atomically (temp file, then rename): the samples must not change
     afterwards. Waits for the previous dump first."""
     if dist.get_rank() != 0:
         return
     wait_for_dumps()
-    trained_on = rewards.tolist() if cfg.reward_model else None  # (N,) one host read
+    # (N,) one host read, where the reward is not the task's score alone
+    trained_on = rewards.tolist() if cfg.reward_model or cfg.overlong_buffer else None
     for j, sample in every.items():
-        sample["reward"] = trained_on[j] if cfg.reward_model else sample["task_score"]
+        sample["reward"] = sample["task_score"] if trained_on is None else trained_on[j]
     path = os.path.join(cfg.out_dir, "rollouts", f"step_{step}.jsonl")
     _pending.append(_DUMPS.submit(_write_jsonl, path,
                                   sorted(every.values(), key=lambda s: s["index"])))
@@ -1181,9 +1188,10 @@ def keep_groups(every, cfg):
     drawn, re-indexed 0.. so that group g holds indices g*K .. g*K + K - 1, as the group
     estimators read them (a sample keeps its drawn index as `drawn`). After the last round with
     too few, the newest groups that did not vary fill the batch: a full batch keeps every size
-    the config divided (dp, minibatches) and a run goes on, where verl raises; they train nothing
-    through the surrogate under GRPO or RLOO (their advantage is 0). Returns (samples, metrics):
-    dynamic_kept_fraction, the varied groups over the groups drawn, and dynamic_filled_groups."""
+    the config divided (dp, minibatches) and a run goes on, where verl raises; under GRPO or RLOO
+    their task scores give them no advantage (only unequal overlong penalties would). Returns
+    (samples, metrics): dynamic_kept_fraction, the varied groups over the groups drawn, and
+    dynamic_filled_groups."""
     K, P = cfg.samples_per_prompt, cfg.prompts_per_step
     drawn = sorted({j // K for j in every})
     varied = varied_groups(every, cfg)
@@ -1208,8 +1216,9 @@ def overlong_shaping(samples, cfg) -> None:
     length alone: a response that stops inside the buffer pays its share too, one cut off at
     max_new_tokens pays it all (so does an episode of turns longer than one turn's budget).
     Overlong mask (DAPO's overlong filtering), with overlong_mask: a response cut off by its token
-    budget (ended "length") gets a loss_mask of 0s, and leaves the loss, normalizers included;
-    its reward still counts in its group's baseline."""
+    budget (ended "length") gets a loss_mask of 0s: its tokens leave the loss and token-mean's
+    count, while the seq-mean modes still count it among the minibatch's sequences (as verl's
+    global batch size does); its reward still counts in its group's baseline."""
     for s in samples:
         if cfg.overlong_buffer:
             past = sum(s["action_mask"]) - (cfg.max_new_tokens - cfg.overlong_buffer)

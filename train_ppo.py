@@ -114,7 +114,7 @@ class Batch:
     step has set is None only where the run has no such thing (values and returns without a
     critic; entropy with old_logprobs=engine or log_entropy=false)."""
     ids: torch.Tensor  # (b, S) prompt + response token ids, pad_id after the end
-    mask: torch.Tensor  # (b, S) 1 on response tokens
+    mask: torch.Tensor  # (b, S) 1 on response tokens (the loss's: overlong_mask may zero a row)
     engine_lp: torch.Tensor  # (b, S) the engine's logprob of each response token
     lens: list  # b ints: prompt + response tokens of each row
     unscored: int  # the shortest prompt: leading positions that no row scores
@@ -438,7 +438,7 @@ def masked_whiten(x, mask, group=None, eps=1e-8):
     if group is not None:
         dist.all_reduce(stats, group=group)
     total, total_sq, n = stats
-    mean = total / n
+    mean = total / n.clamp(min=1)  # a batch may have no token in the loss (overlong_mask)
     var = (total_sq - n * mean * mean) / (n - 1).clamp(min=1)
     return ((x - mean) * torch.rsqrt(var + eps)).to(x.dtype) * mask
 
@@ -755,13 +755,13 @@ def step_metrics(batch, sums, cfg, mesh):
     # the shares summed over dp; the norms are global already: one host read for everything
     values = torch.cat([dp_sum(column(shares.values()), mesh), column(norms.values())]).tolist()
     s = dict(zip([*shares, *norms], values))
-    n_tok, n_seq = s["tokens"], s["sequences"]
+    # the loss's tokens: at least 1, as overlong_mask may take every response out of the loss
+    n_tok, n_seq = max(s["tokens"], 1.0), s["sequences"]
 
     def variance(name, n):  # E[x^2] - E[x]^2 from the sums of x and of x^2 over n
         return s[name + "_sq"] / n - (s[name] / n) ** 2
     m = dict(reward_mean=s["reward"] / n_seq,
              reward_std=math.sqrt(max(variance("reward", n_seq), 0.0)),
-             response_len_mean=n_tok / n_seq,
              # each epoch's update sees all n_tok tokens again
              clip_frac=s.get("clipped_tokens", 0.0) / (n_tok * cfg.ppo_epochs),
              skipped_updates=int(s.get("skipped_updates", 0)))

@@ -54,6 +54,7 @@ def test_every_field_has_a_doc_and_sizes_say_per_rank_or_global():
     (["--dynamic_sampling=true", "--samples_per_prompt=1"], 1, "use samples_per_prompt >= 2"),
     (["--overlong_buffer=8"], 1, "overlong_buffer=8 is longer than max_new_tokens=6"),
     (["--val_pass_k=4", "--val_samples=2"], 1, "val_pass_k=4 needs at least as many val_samples"),
+    (["--val_pass_k=4"], 1, "eval_every=0 makes none"),
     (["--old_logprobs=policy"], 1, "old_logprobs"),
     (["--data_parallel=ddp", "--tp_size=2"], 2, "data_parallel=ddp"),  # DDP replicas are plain tensors
     (["--data_parallel=ddp", "--dtype=bf16"], 2, "data_parallel=ddp"),  # bf16 is FSDP2's mixed precision
@@ -255,4 +256,11 @@ def test_a_resumed_run_that_had_tis_cap_is_refused_naming_the_new_keys(tmp_path)
     config.validate(config.parse_args([f"--out_dir={out}", "--resume=auto",
                                        "--offpolicy_is=token"]), 1)
     config.validate(config.parse_args([f"--out_dir={out}"]), 1)
+    # resume=OUT/ckpt/step_N into another out_dir: the config.json read is the checkpoint's run's
+    step = out / "ckpt" / "step_4"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_text("")
+    (step / "trainer_state_rank0.pt").write_text("")
+    with pytest.raises(config.ConfigError, match=r"run/config.json ran with tis_cap=2"):
+        config.validate(config.parse_args([f"--out_dir={tmp_path / 'next'}", f"--resume={step}"]), 1)
 

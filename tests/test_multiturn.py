@@ -607,13 +607,16 @@ def test_the_warm_up_trains_on_the_models_tokens_of_a_tool_trace(one_rank, tmp_p
 
 def test_episode_metrics_count_turns_calls_and_endings():
     """Three episodes by hand: two turns around an answered call that ended naturally; a call on
-    the last turn (counted, never answered); a response cut off by its budget."""
+    the last turn (counted, never answered); a response cut off by its budget, out of the loss
+    (overlong_mask). Its length is the model's tokens: (4 + 2 + 3) / 3."""
     samples = [dict(action_mask=[1, 1, 0, 0, 1, 1], calls=1, ended="stop"),
                dict(action_mask=[1, 1], calls=1, ended="max_turns"),
-               dict(action_mask=[1, 1, 1], calls=0, ended="length")]
+               dict(action_mask=[1, 1, 1], loss_mask=[0, 0, 0], calls=0,
+                    ended="length")]
     assert rollout.episode_metrics(samples) == pytest.approx(dict(
-        turns_per_episode=4 / 3, tool_calls_per_episode=2 / 3, ended_stop_rate=1 / 3, ended_length_rate=1 / 3,
-        ended_max_turns_rate=1 / 3, ended_context_rate=0.0))
+        response_len_mean=3.0, turns_per_episode=4 / 3, tool_calls_per_episode=2 / 3,
+        ended_stop_rate=1 / 3, ended_length_rate=1 / 3, ended_max_turns_rate=1 / 3,
+        ended_context_rate=0.0))
 
 
 def test_a_prompt_that_leaves_no_room_is_one_clear_error():

@@ -7,8 +7,11 @@ compute_rollout_correction_weights and compute_rollout_rejection_mask
 against train_ppo's, and docs/losses.md gives that run's figures), on episodes whose masks have
 gaps (a tool's output between two model turns) and padding, in every level and mode both have;
 the geometric level, which verl lacks, against its definition."""
+import dataclasses
 import itertools
+import json
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -18,6 +21,18 @@ import rollout
 import train_ppo
 
 SAFETY = 20.0  # verl's SAFETY_BOUND on a log ratio before exp
+
+
+class OneRank:
+    """A mesh of one dp rank, as training_batch reads it."""
+    def __getitem__(self, name):
+        return self
+
+    def size(self):
+        return 1
+
+    def get_local_rank(self):
+        return 0
 
 
 def gapped_case(seed=0):
@@ -309,22 +324,53 @@ def test_overlong_shaping_reaches_the_reward_and_the_mask_of_the_batch(monkeypat
                      action_mask=[1, 1, 1], task_score=1.0, length_penalty=-0.25),
              1: dict(prompt_ids=[1, 2], response_ids=[5, 6], engine_logprobs=[-1.0] * 2,
                      action_mask=[1, 1], loss_mask=[0, 0], task_score=0.0)}
-
-    class Mesh:  # one dp rank
-        def __getitem__(self, name):
-            return self
-
-        def size(self):
-            return 1
-
-        def get_local_rank(self):
-            return 0
     cfg = config.Config(prompts_per_step=1, samples_per_prompt=2, micro_batch_size=2)
-    batch = train_ppo.training_batch(every, cfg, Mesh(), 0, "cpu")
+    batch = train_ppo.training_batch(every, cfg, OneRank(), 0, "cpu")
     rows = {j: r for r, j in enumerate(batch.index)}
     assert batch.length_penalty[rows[0]] == -0.25 and batch.length_penalty[rows[1]] == 0.0
     assert batch.task_score[rows[0]] == 1.0
     assert batch.mask[rows[0]].sum() == 3 and batch.mask[rows[1]].sum() == 0
+
+
+def test_the_dump_holds_the_reward_trained_on_with_its_penalty(tmp_path, monkeypatch):
+    """dump_rollouts without a reward model: `reward` is the task's score plus the overlong
+    penalty (the step's rewards, as trained on), task_score the rule's alone."""
+    monkeypatch.setattr(rollout.dist, "get_rank", lambda: 0)
+    every = {j: dict(index=j, task_score=1.0, length_penalty=-0.25 * j) for j in range(2)}
+    for buffer, rewards in ((2, [1.0, 0.75]), (0, [1.0, 1.0])):
+        cfg = config.Config(out_dir=str(tmp_path), overlong_buffer=buffer)
+        trained_on = torch.tensor([1.0, 0.75]) if buffer else torch.tensor([1.0, 1.0])
+        rollout.dump_rollouts(every, trained_on, cfg, step=buffer)
+        rollout.wait_for_dumps()
+        with open(tmp_path / "rollouts" / f"step_{buffer}.jsonl") as f:
+            dumped = [json.loads(line) for line in f]
+        assert [s["reward"] for s in dumped] == rewards
+        assert [s["task_score"] for s in dumped] == [1.0, 1.0]
+
+
+def test_a_step_whose_every_response_overlong_mask_cut(monkeypatch):
+    """overlong_mask may take every response of a step out of the loss. The step's metrics are
+    then 0 over no token (no division by zero), its response length is still the model's tokens
+    ((3 + 2) / 2, episode_metrics), and GAE's whitening over no token gives zeros, not NaN."""
+    every = {0: dict(prompt_ids=[1, 2], response_ids=[5, 6, 7], engine_logprobs=[-1.0] * 3,
+                     action_mask=[1, 1, 1], loss_mask=[0, 0, 0], task_score=1.0, calls=0,
+                     ended="length"),
+             1: dict(prompt_ids=[1, 2], response_ids=[5, 6], engine_logprobs=[-1.0] * 2,
+                     action_mask=[1, 1], loss_mask=[0, 0], task_score=0.0, calls=0,
+                     ended="length")}
+    monkeypatch.setattr(train_ppo, "dp_sum", lambda tensor, mesh: tensor)
+    cfg = config.Config(prompts_per_step=1, samples_per_prompt=2, micro_batch_size=2,
+                        advantage_estimator="grpo", kl_coef=0.0, overlong_mask=True)
+    batch = train_ppo.training_batch(every, cfg, OneRank(), 0, "cpu")
+    batch = dataclasses.replace(batch, reward=batch.task_score, old_lp=batch.engine_lp)
+    sums = train_ppo.UpdateSums(Counter(policy_loss=0.0), Counter(clipped_tokens=0),
+                                Counter(grad_norm=0.0))
+    metrics = train_ppo.step_metrics(batch, sums, cfg, mesh=None)
+    assert metrics["clip_frac"] == 0.0 and rollout.episode_metrics(every.values())[
+        "response_len_mean"] == 2.5
+    assert metrics["mismatch_k3"] == 0.0 and metrics["reward_mean"] == 0.5
+    values = torch.randn(batch.mask.shape)
+    assert torch.equal(train_ppo.masked_whiten(values, batch.mask), torch.zeros_like(values))
 
 
 # -----------------------------------------------------------------------------

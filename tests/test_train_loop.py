@@ -162,7 +162,8 @@ def test_step_metrics_console_plot_and_summary_follow_the_loss_terms(tmp_path, m
     norms = Counter(grad_norm=12.0, skipped_updates=1)
     sums = train_ppo.UpdateSums(losses, Counter(clipped_tokens=8), norms)
     named = train_ppo.step_metrics(batch, sums, cfg, mesh=None)
-    metrics = {"step": 0, **named, "time_step_s": 2.0}
+    # beside them in ppo_step: rollout.episode_metrics' length (by hand in test_multiturn.py)
+    metrics = {"step": 0, **named, "response_len_mean": 5.0, "time_step_s": 2.0}
     # means over the 4 optimizer steps, skipped one included; clip_frac over 2 epochs of 20 tokens
     by_hand = dict(step=0, reward_mean=0.75, reward_std=math.sqrt(0.75 - 0.75 ** 2), kl=0.01,
                    response_len_mean=5.0, logprob_mismatch=0.0, token_mult_prob_error=1.0,
