@@ -10,23 +10,17 @@ trainer of one process (train_ppo.py run by python) binds its store there, 29500
 import concurrent.futures
 import glob
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from _dist import _free_port
 from conftest import ROOT, cpu_env
 
 BENCHES = sorted(os.path.basename(path) for path in glob.glob(os.path.join(ROOT, "bench", "*.py")))
 LONGEST = ("gpu_check.py", "scale_memory.py", "refit.py")  # ~51, 26, 23 s on 2 cores (2026-11-29)
 PEER_VENV = os.path.join(ROOT, "bench", ".venv-trl")
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _smoke(script):
