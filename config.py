@@ -9,6 +9,7 @@ N+ implementation details of RLHF with PPO" (Huang et al., 2024). Nothing here t
 torch.distributed or a model: bad input is refused before any heavy work starts, with one line
 naming the key and the fix (`ConfigError`).
 """
+import ast
 import contextlib
 import dataclasses
 import importlib.util
@@ -31,9 +32,10 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass
-class Config:
-    """Every setting of a run. A field's doc is the run of comment lines directly above it and/or
-    its trailing comment; `# ---- name ----` banners head the groups (see field_docs)."""
+class CoreConfig:
+    """Every setting of the core. A field's doc is the run of comment lines directly above it
+    and/or its trailing comment; `# ---- name ----` banners head the groups (see field_docs).
+    Config, below, adds the extensions' options to these."""
 
     # ---- I/O ----
     # where metrics.jsonl, rollouts/, curves.png and config.json go
@@ -78,25 +80,6 @@ class Config:
     # trains one): its score at each response's last token is the PPO reward, and the task's rule
     # is logged beside it as task_score. "" = the task's rule is the reward
     reward_model: str = ""
-    # on-policy distillation (docs/distillation.md): a teacher, an HF causal LM with the policy's
-    # tokenizer, frozen and sharded like the policy; its logprobs of the student's own tokens give
-    # a per-token reverse KL, log pi(x_t) - log pi_teacher(x_t). "" = no teacher
-    teacher: str = ""
-    # how that KL trains the student (verl 0.9.1's two forms): reward = each token's advantage is
-    # -(log pi_old - log pi_teacher), discount 0, through the clipped surrogate (Thinking
-    # Machines' form, verl's use_policy_gradient); loss = distill_estimator's KL estimate per token
-    # through loss_agg_mode (verl's default form)
-    distill_form: Literal["reward", "loss"] = "reward"
-    # the per-token estimate: k1 = log ratio, k2 = (log ratio)^2 / 2, k3 = (r - 1) - log r; the
-    # loss form refuses k1 (its gradient does not depend on the teacher)
-    distill_estimator: Literal["k1", "k2", "k3"] = "k1"
-    # the distillation term's weight beside the task's policy loss (verl: distillation_loss_coef)
-    distill_coef: float = 1.0
-    # false = pure distillation: the task's reward trains nothing (needs grpo or rloo: no critic
-    # for a reward no loss reads)
-    distill_task: bool = True
-    # each token's estimate is clamped to +-this (verl's loss_max_clamp; 0 = no clamp)
-    distill_clamp: float = 10.0
     # tensor-parallel degree (GPUs that split each matmul)
     tp_size: int = 1
     # context-parallel degree (GPUs that split each sequence); dp = world / (tp * cp)
@@ -126,16 +109,6 @@ class Config:
     # microbatches): half the all-gathers, at the cost of the whole model's memory (ZeRO-2-like;
     # on CPU, data_parallel=ddp is faster still)
     reshard_after_forward: bool = True
-    # LoRA (Hu et al., 2021): train a low-rank adapter beside each target projection, W x +
-    # (lora_alpha / lora_rank) B(A x), the policy's other weights frozen in the compute dtype (no
-    # fp32 master copy, no AdamW moments). 0 = off: every weight is trained. The critic is trained
-    # in full either way (model_parallel.py, "LoRA")
-    lora_rank: int = 0
-    # the adapters' scale is lora_alpha / lora_rank: keep it a power of two (16 / 8 = 2), and the
-    # engine's bf16 copy of B, which vLLM scales at load, rounds as the trainer's does
-    lora_alpha: float = 16.0
-    # the projections that get adapters, by module name (default: every attention and MLP one)
-    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     # compute dtype: bf16 (FSDP2 mixed precision, fp32 master weights) or fp32; auto = bf16 on
     # CUDA (with fsdp), else fp32
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
@@ -152,12 +125,6 @@ class Config:
     prompts: str = ""
     # gsm8k: a held-out JSONL file (same format) for validation
     val_prompts: str = ""
-    # greedy accuracy on val_prompts every N steps and after the last (0 = never)
-    eval_every: int = 0
-    # with eval_every: also pass@k for this k (0 = greedy only): val_samples samples a prompt at
-    # the training temperature, and the unbiased estimator of Chen et al. (2021)
-    val_pass_k: int = 0
-    val_samples: int = 8  # samples a prompt for pass@k (>= val_pass_k)
     # gsm8k: appended to each question; "" = rollout.GSM8K_INSTRUCTION (think step by step, answer
     # after ####)
     instruction: str = ""
@@ -168,12 +135,6 @@ class Config:
     prompts_per_step: int = 16  # global: distinct prompts per step
     samples_per_prompt: int = 4  # responses sampled per prompt
     max_new_tokens: int = 6  # per response (per model turn, in an episode of several)
-    # model turns per episode at most, for a task with observations (a tool's output) between
-    # them; the episode (prompt + turns + observations) stays within max_model_len, which bounds
-    # it anyway (docs/multiturn.md). Many by default, as TRL (no limit) and NeMo-RL (999,999): 1
-    # would end every episode at its first tool call, silently. A task without observe() is
-    # single-turn whatever this says; max_turns=1 takes a task's tool away
-    max_turns: int = 1000
     # sampling temperature; the trainer divides its logits by it too
     temperature: float = 1.0
     # vLLM tensor-parallel size (ranks that share one engine)
@@ -186,33 +147,6 @@ class Config:
     # mode frees it while training
     vllm_gpu_memory_utilization: float = 0.3
     vllm_kv_cache_gb: int = 1  # vLLM on CPU: KV cache size in GiB (per rank)
-    # the engine's dtype: auto = the compute dtype. bf16 under an fp32 trainer is the GPU's
-    # mismatch (a bf16 engine sampling for fp32 master weights) made real on a CPU
-    engine_dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    # ---- off-policy correction (docs/losses.md) ----
-    # The engine samples from pi_engine, not from the trainer's pi_old (another dtype, other
-    # kernels): per token, log pi_old - log pi_engine says by how much. Needs old_logprobs=trainer.
-
-    # an importance weight pi_old / pi_engine on each token's policy loss, at the level of the
-    # token, the sequence (the product of its tokens' ratios) or geometric (their geometric mean,
-    # exp of the mean log ratio); off = none
-    offpolicy_is: Literal["off", "token", "sequence", "geometric"] = "off"
-    # truncate: a weight above offpolicy_is_bound counts as the bound (TIS, Yao et al. 2025).
-    # mask: a weight outside [offpolicy_is_lower, offpolicy_is_bound] counts 0 (IcePop at the
-    # token level; SkyRL's geometric mask is [0.99, 1.01])
-    offpolicy_is_mode: Literal["truncate", "mask"] = "truncate"
-    offpolicy_is_bound: float = 2.0  # the weight's upper bound (verl's rollout_is_threshold)
-    offpolicy_is_lower: float = 0.5  # mask: the lower bound
-    # reject (weight 0) tokens or whole sequences whose divergence from the engine passes a bound:
-    # token_kN per token; seq_sum_kN, seq_mean_kN, seq_max_kN per sequence (verl's rollout_rs);
-    # kN is verl's estimate (k1 = log pi_engine / pi_old, k2 = its square / 2, k3 = r - 1 - log r)
-    offpolicy_reject: Literal[
-        "off", "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-        "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"] = "off"
-    # the rejection's bound: for k2 and k3 the largest divergence kept; for k1 a ratio B > 1,
-    # kept within [1/B, B] (of exp(k1))
-    offpolicy_reject_bound: float = 0.0
-
     # pi_old of the ratio. trainer: a no-grad policy pass (exact whatever the engine). engine: the
     # engine's sampling logprobs, one forward fewer, as TRL's PPOTrainer; exact only if the engine
     # computes as the trainer does (the HF engine in fp32), and no entropy metric then
@@ -260,13 +194,6 @@ class Config:
     clip_ratio_high: float = 0.0
     # dual clip: for A < 0 cap the loss at -A * c (c > 1; 0 = off)
     clip_ratio_c: float = 3.0
-    # the policy's objective (docs/losses.md): ppo clips each token's ratio pi/pi_old; gspo clips
-    # each sequence's (Zheng et al., 2025: the geometric mean of its tokens' ratios), in a range of
-    # its own, as narrow as the paper's: a sequence's ratio stays much nearer 1 than a token's.
-    # GSPO averages over sequences: pair it with loss_agg_mode=seq-mean-token-mean.
-    policy_loss_mode: Literal["ppo", "gspo"] = "ppo"
-    gspo_clip_ratio: float = 3e-4  # GSPO's sequence ratio is kept in [1 - this, 1 + the next one]
-    gspo_clip_ratio_high: float = 4e-4  # the paper's 3e-4 below and 4e-4 above
     # clip of the value update around the old values (0 = no clipping)
     value_clip: float = 0.5
     entropy_coef: float = 0.0  # entropy bonus weight in the policy loss
@@ -284,27 +211,8 @@ class Config:
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
     # seq-mean-token-sum-norm's constant; 0 = max_new_tokens (max_model_len for a task with
-    # turns, max_turns > 1: an episode's responses can fill the context)
+    # turns, multiturn.py: an episode's responses can fill the context)
     loss_agg_norm: int = 0
-
-    # ---- DAPO (Yu et al., 2025): with clip_ratio_high and token-mean, its recipe ----
-    # dynamic sampling: a prompt group whose samples all got the same task score (the rule's,
-    # before any shaping) has zero advantage: it is dropped, and more prompts are drawn, a round
-    # of prompts_per_step at a time, until the step holds prompts_per_step groups. Made for grpo
-    # and rloo: under gae the critic still gives such a group per-token advantages, and a
-    # teacher's term still trains on it, so dropping it discards a signal there (allowed)
-    dynamic_sampling: bool = False
-    # rounds of a step at most; after the last, the newest dropped groups fill the batch (under
-    # grpo/rloo only their overlong penalties, if any, reach the surrogate; dynamic_kept_fraction
-    # shows how many)
-    dynamic_max_rounds: int = 4
-    # overlong shaping: a response whose model tokens L pass max_new_tokens - this buffer gets
-    # -overlong_penalty * (L - (max_new_tokens - buffer)) / buffer added to its reward, down to
-    # -overlong_penalty (0 = off)
-    overlong_buffer: int = 0
-    overlong_penalty: float = 1.0  # the overlong penalty's largest size (DAPO: 1)
-    # a response cut off by its token budget (ended "length") leaves the loss: its mask is 0
-    overlong_mask: bool = False
 
     @property
     def global_batch_size(self) -> int:
@@ -312,28 +220,73 @@ class Config:
         return self.prompts_per_step * self.samples_per_prompt
 
 
+# -----------------------------------------------------------------------------
+# The extensions' options. Each extension (extensions/NAME.py; README, "Extensions") declares its
+# options at its top, in `class Options`, written as CoreConfig's fields are: a name, a type (int,
+# float, str, bool, or a Literal of strings), a default, its doc in the comments above it. They
+# are read here from the file's text, not by importing it: an extension imports torch and the
+# core, and a bad option is refused before either loads. Config is the core's fields, then each
+# extension's in this order; removing an extension removes its line here.
+EXTENSIONS = (
+    "lora",
+    "distill",
+    "offpolicy",
+    "dapo",
+    "gspo",
+    "evaluation",
+    "multiturn",
+)
+EXTENSIONS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "extensions")
+
+
+def extension_options(name: str):
+    """(the source text of the class Options in extensions/NAME.py, its fields as
+    dataclasses.make_dataclass takes them: (name, type, dataclasses.field(default=...)))."""
+    path = os.path.join(EXTENSIONS_DIR, f"{name}.py")
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    options = next(node for node in ast.parse(source, path).body
+                   if isinstance(node, ast.ClassDef) and node.name == "Options")
+    fields = []
+    for line in options.body:  # each `name: type = default`, read, not run
+        if isinstance(line, ast.AnnAssign):
+            kind = line.annotation
+            if isinstance(kind, ast.Subscript):  # Literal["a", "b"]: the choices
+                typ = Literal[ast.literal_eval(kind.slice)]
+            else:
+                typ = {"int": int, "float": float, "str": str, "bool": bool}[kind.id]
+            default = dataclasses.field(default=ast.literal_eval(line.value))
+            fields.append((line.target.id, typ, default))
+    # its whole lines: a segment would end before the last line's trailing comment
+    return "\n".join(source.splitlines()[options.lineno - 1:options.end_lineno]), fields
+
+
+# {extension: (the text of its Options, its fields)}
+OPTIONS = {name: extension_options(name) for name in EXTENSIONS}
+Config = dataclasses.make_dataclass(
+    "Config", [field for _, fields in OPTIONS.values() for field in fields], bases=(CoreConfig,),
+    namespace={"__module__": __name__, "__doc__": "Every setting of a run: CoreConfig's fields, "
+               "then each extension's (EXTENSIONS)."})
+
+
 # Fields that must be >= 1 (integers) and > 0 (floats).
-POSITIVE = ("tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size", "max_turns",
+POSITIVE = ("tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size",
             "prompts_per_step", "samples_per_prompt", "max_new_tokens", "rollout_tp_size",
             "refit_bucket_mb", "max_model_len", "vllm_gpu_memory_utilization", "vllm_kv_cache_gb",
             "sft_batch_size", "ppo_epochs", "num_minibatches", "temperature",
-            "collective_timeout_s", "dynamic_max_rounds", "val_samples", "offpolicy_is_bound")
-# Every other int or float field must be >= 0: a coefficient, a rate or a count where 0 means
-# "off" or "never" (a new field is checked too), except these: the seed, and gamma and lam, which
-# _validate_values checks against [0, 1] with a message of their own.
+            "collective_timeout_s")
+# Every other int or float field must be >= 0, an extension's too: a coefficient, a rate or a
+# count where 0 means "off" or "never" (a new field is checked too), except these: the seed, and
+# gamma and lam, which _validate_values checks against [0, 1] with a message of their own. (An
+# extension's fields that must be > 0: its own check.)
 SIGNED = ("seed", "gamma", "lam")
 
 
-# The projections LoRA may adapt: every Linear of a decoder layer in the supported families.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# the largest adapter rank vLLM serves (vllm/config/lora.py, MaxLoRARanks; tests/test_config.py
-# reads it there, so an upgrade that moves it fails a test, not a run)
-VLLM_MAX_LORA_RANK = 512
-
-
-# Keys a config of an earlier version may name, and what replaced them: one line says so.
-MOVED = {"tis_cap": "offpolicy_is=token with offpolicy_is_bound=CAP (truncated importance "
-                    "sampling is one mode of the off-policy correction, docs/losses.md)"}
+# Keys a config of an earlier version may name: what replaced them (one line says so), the
+# options that replace it, and what a run that had it resumes with (its value in the {}).
+MOVED = {"tis_cap": ("offpolicy_is=token with offpolicy_is_bound=CAP (truncated importance "
+                     "sampling is one mode of the off-policy correction, docs/losses.md)",
+                     ("offpolicy_is",), "offpolicy_is=token offpolicy_is_bound={:g}")}
 
 
 # attention=masked builds a (B, T/cp, T) mask for a microbatch of B rows, and SDPA a score tensor
@@ -374,15 +327,6 @@ def resolve_auto(cfg: Config, device_type: str, gpu_kernel) -> str:
     if cfg.dtype == "auto":
         cfg.dtype = "bf16" if device_type == "cuda" and cfg.data_parallel == "fsdp" else "fp32"
     cfg.export_dtype = cfg.dtype if cfg.export_dtype == "auto" else cfg.export_dtype
-    cfg.engine_dtype = cfg.dtype if cfg.engine_dtype == "auto" else cfg.engine_dtype
-    # vLLM keeps adapters in the model's dtype, and its GPU LoRA kernels take fp16 or bf16 only
-    # (vllm/lora/ops/triton_ops/lora_shrink_op.py asserts both; its CPU kernels take fp32)
-    gpu_vllm = cfg.rollout_engine == "vllm" and device_type == "cuda"
-    if cfg.lora_rank and gpu_vllm and cfg.engine_dtype == "fp32":
-        raise ConfigError(f"lora_rank={cfg.lora_rank} with rollout_engine=vllm on CUDA needs "
-                          f"dtype=bf16 (vLLM's GPU LoRA kernels take no fp32; data_parallel=ddp "
-                          f"is fp32): use data_parallel=fsdp and dtype=bf16 (or "
-                          f"engine_dtype=bf16), or rollout_engine=hf")
     kernel = gpu_kernel if flash_runs(device_type, cfg.dtype) else None
     if cfg.attention == "auto":
         longest = (cfg.max_tokens_per_microbatch if cfg.packing
@@ -396,16 +340,26 @@ def resolve_auto(cfg: Config, device_type: str, gpu_kernel) -> str:
     return kernel or "reference varlen (one SDPA per document)"
 
 
-def field_docs(cls=Config) -> dict:
+def field_docs(cls=None) -> dict:
     """{field name: its doc}, read from the comments in the class's source, so that `--help` and
-    the code can never disagree (cleanrl keeps the docs next to the fields too).
+    the code can never disagree (cleanrl keeps the docs next to the fields too). cls: a dataclass;
+    None: Config, whose docs are CoreConfig's and those of each extension's Options.
 
     A field's doc is the run of comment lines directly above it, then its trailing comment if it
     has one, joined into one paragraph. Two kinds of comment lines belong to no field:
       - a group heading, written as a banner: `# ---- PPO ----`;
       - a comment followed by a blank line: a note on the group (e.g. where its defaults come from).
     """
-    source = inspect.getsource(cls)
+    if cls is not None:
+        return _comment_docs(inspect.getsource(cls), cls.__dataclass_fields__)
+    docs = _comment_docs(inspect.getsource(CoreConfig), CoreConfig.__dataclass_fields__)
+    for source, fields in OPTIONS.values():
+        docs.update(_comment_docs(source, [name for name, _, _ in fields]))
+    return docs
+
+
+def _comment_docs(source: str, names) -> dict:
+    """{name: its doc} for each of `names` declared in `source` (field_docs' rule)."""
     # {line number: comment text}; tokenize, not a split on "#": a string default may hold a "#"
     tokens = tokenize.generate_tokens(io.StringIO(source).readline)
     comments = {t.start[0]: t.string.lstrip("#").strip()
@@ -417,7 +371,7 @@ def field_docs(cls=Config) -> dict:
             above.append(comments[number])
             continue
         name = text.split(":")[0]
-        if name in cls.__dataclass_fields__:
+        if name in names:
             docs[name] = " ".join(above + [comments.get(number, "")]).strip()
         # a heading, a blank line or any other code ends the run of comment lines
         above = []
@@ -428,7 +382,14 @@ def print_help() -> None:
     """The module docstring, then every field: `--name=default` and its whole doc under it."""
     docs = field_docs()
     print(__doc__)
+    # the extension that declares each field (None: the core), named above its first one
+    declared = {name: ext for ext, (_, fields) in OPTIONS.items() for name, _, _ in fields}
+    previous = None
     for f in dataclasses.fields(Config):
+        extension = declared.get(f.name)
+        if extension and extension != previous:
+            print(f"\n  ---- extensions/{extension}.py ----")
+        previous = extension
         print(f"  --{f.name}={f.default!r}")
         # never break inside a word: "tiny-llama" or "data_parallel=ddp" must read whole
         print(textwrap.fill(docs[f.name], width=100,
@@ -489,7 +450,7 @@ def parse_args(argv: list) -> Config:
     kwargs = {}
     for key, (where, value) in values.items():
         if key in MOVED:
-            raise ConfigError(f"{key} (in the {where}) was replaced: use {MOVED[key]}")
+            raise ConfigError(f"{key} (in the {where}) was replaced: use {MOVED[key][0]}")
         if key not in types:
             close = [k for k in types if k.startswith(key[:3])]
             hint = f" (did you mean {close[0]}?)" if close else " (see --help for the keys)"
@@ -521,59 +482,8 @@ def _validate_values(cfg: Config) -> None:
     if cfg.critic_warmup_steps and cfg.advantage_estimator != "gae":
         raise ConfigError(f"critic_warmup_steps={cfg.critic_warmup_steps} needs a critic: "
                           f"advantage_estimator=gae (or critic_warmup_steps=0)")
-    # the adapters' scale is lora_alpha / lora_rank: at 0 they would add nothing and learn nothing
-    if cfg.lora_rank and not cfg.lora_alpha > 0:
-        raise ConfigError(f"lora_alpha={cfg.lora_alpha:g} scales the adapters by lora_alpha / "
-                          f"lora_rank = 0: they would train nothing; use lora_alpha > 0 (often "
-                          f"2 * lora_rank = {2 * cfg.lora_rank})")
-    if cfg.lora_rank and not set(cfg.lora_targets.split(",")) <= set(LORA_TARGETS):
-        raise ConfigError(f"lora_targets={cfg.lora_targets!r} names a module with no adapter here: "
-                          f"a comma-separated subset of {','.join(LORA_TARGETS)}")
-    # verl refuses it too: d/dtheta of log pi - log pi_teacher does not involve the teacher
-    if cfg.teacher and cfg.distill_form == "loss" and cfg.distill_estimator == "k1":
-        raise ConfigError("distill_form=loss with distill_estimator=k1 trains nothing toward the "
-                          "teacher (the gradient of log pi - log pi_teacher is the teacher-free "
-                          "grad log pi): use distill_estimator=k3 or k2, or distill_form=reward")
-    if not cfg.teacher and not cfg.distill_task:
-        raise ConfigError("distill_task=false needs a teacher: without one nothing would train "
-                          "(give teacher=DIR, or distill_task=true)")
-    if cfg.teacher and not cfg.distill_task and cfg.advantage_estimator == "gae":
-        raise ConfigError("distill_task=false (pure distillation) with advantage_estimator=gae "
-                          "would train a critic on a reward no loss reads: use grpo or rloo")
     if not (0.0 <= cfg.gamma <= 1.0 and 0.0 <= cfg.lam <= 1.0):
         raise ConfigError(f"gamma={cfg.gamma} and lam={cfg.lam} must lie in [0, 1]")
-
-
-def _validate_sampling(cfg: Config) -> None:
-    """The off-policy correction, DAPO's options and pass@k: each against what it needs."""
-    correcting = cfg.offpolicy_is != "off" or cfg.offpolicy_reject != "off"
-    if cfg.old_logprobs == "engine" and correcting:
-        raise ConfigError("the off-policy correction weighs pi_old / pi_engine, which "
-                          "old_logprobs=engine makes 1: use old_logprobs=trainer, or "
-                          "offpolicy_is=off and offpolicy_reject=off")
-    if cfg.offpolicy_is_mode == "mask" and not cfg.offpolicy_is_lower < cfg.offpolicy_is_bound:
-        raise ConfigError(f"offpolicy_is_lower={cfg.offpolicy_is_lower:g} must be below "
-                          f"offpolicy_is_bound={cfg.offpolicy_is_bound:g}: the weights kept lie "
-                          f"between them")
-    # k1's bound is a ratio B, kept within [1/B, B]; k2's and k3's a divergence, >= 0
-    least = 1.0 if cfg.offpolicy_reject.endswith("k1") else 0.0
-    if cfg.offpolicy_reject != "off" and not cfg.offpolicy_reject_bound > least:
-        raise ConfigError(f"offpolicy_reject={cfg.offpolicy_reject} needs offpolicy_reject_bound "
-                          f"> {least:g} (k1: a ratio B, kept within [1/B, B], e.g. 2; k2, k3: "
-                          f"the largest divergence kept, e.g. 0.01)")
-    if cfg.dynamic_sampling and cfg.samples_per_prompt < 2:
-        raise ConfigError("dynamic_sampling drops prompt groups whose samples all scored the same: "
-                          "a group of samples_per_prompt=1 always does; use samples_per_prompt "
-                          ">= 2")
-    if cfg.overlong_buffer > cfg.max_new_tokens:
-        raise ConfigError(f"overlong_buffer={cfg.overlong_buffer} is longer than "
-                          f"max_new_tokens={cfg.max_new_tokens}: use a buffer inside the budget")
-    if cfg.val_pass_k > cfg.val_samples:
-        raise ConfigError(f"val_pass_k={cfg.val_pass_k} needs at least as many val_samples "
-                          f"(got {cfg.val_samples}): pass@k draws k of n samples")
-    if cfg.val_pass_k and not cfg.eval_every:
-        raise ConfigError(f"val_pass_k={cfg.val_pass_k} is measured at each evaluation, and "
-                          f"eval_every=0 makes none: set eval_every=N (steps between them)")
 
 
 def _validate_sizes(cfg: Config, world_size: int) -> None:
@@ -622,22 +532,19 @@ def _validate_paths(cfg: Config) -> None:
     if cfg.task == "gsm8k" and not os.path.isfile(cfg.prompts):
         raise ConfigError(f"task=gsm8k needs prompts=FILE (a GSM8K-format JSONL file); "
                           f"{cfg.prompts!r} is not a file")
-    if cfg.teacher and not os.path.isdir(cfg.teacher):
-        raise ConfigError(f"teacher={cfg.teacher!r} is not a directory: give an HF causal LM "
-                          f"checkpoint dir with the policy's tokenizer")
     if cfg.reward_model and not os.path.isdir(cfg.reward_model):
         raise ConfigError(f"reward_model={cfg.reward_model!r} is not a directory: give a "
                           f"*ForSequenceClassification checkpoint dir "
                           f"(scripts/train_reward_model.py)")
-    # the run a resume goes on with: its config.json beside ckpt/ (resume=OUT/ckpt/step_N)
+    # A resumed run that had a key since replaced would silently go on without what it did,
+    # unless the config sets what replaced it: its config.json, beside ckpt/
     run_dir = os.path.dirname(os.path.dirname(os.path.normpath(cfg.resume)))
     saved = os.path.join(cfg.out_dir if cfg.resume == "auto" else run_dir, "config.json")
-    if cfg.resume and os.path.isfile(saved) and cfg.offpolicy_is == "off":
-        with open(saved) as f:
-            cap = json.load(f).get("tis_cap")
-        if cap:  # its correction would silently stop
-            raise ConfigError(f"{saved} ran with tis_cap={cap:g}, which was replaced: resume with "
-                              f"offpolicy_is=token offpolicy_is_bound={cap:g}")
+    ran = json.load(open(saved)) if cfg.resume and os.path.isfile(saved) else {}
+    for key, (_, replacements, resume_with) in MOVED.items():
+        if ran.get(key) and not differs(cfg, replacements):
+            raise ConfigError(f"{saved} ran with {key}={ran[key]:g}, which was replaced: resume "
+                              f"with {resume_with.format(ran[key])}")
     if cfg.val_prompts and not os.path.isfile(cfg.val_prompts):
         raise ConfigError(f"val_prompts={cfg.val_prompts!r} is not a file")
     if cfg.replay_rollouts and not os.path.isdir(cfg.replay_rollouts):
@@ -654,6 +561,12 @@ def _validate_paths(cfg: Config) -> None:
                           f"choose another out_dir")
 
 
+def differs(cfg: Config, names) -> bool:
+    """Whether any field of `names` that Config has is set to other than its default."""
+    fields = Config.__dataclass_fields__
+    return any(getattr(cfg, name) != fields[name].default for name in names if name in fields)
+
+
 def is_checkpoint(path: str) -> bool:
     """A training checkpoint dir (train_ppo.save_checkpoint's) is complete once renamed from .tmp:
     DCP's .metadata (written last, by rank 0) and rank 0's trainer state are both in it."""
@@ -664,7 +577,6 @@ def is_checkpoint(path: str) -> bool:
 def validate(cfg: Config, world_size: int) -> None:
     """Refuse impossible combinations before anything is loaded. One line each."""
     _validate_values(cfg)
-    _validate_sampling(cfg)
     _validate_sizes(cfg, world_size)
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("tensorboard=true needs the tensorboard package: pip install tensorboard")
@@ -675,9 +587,6 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.rollout_engine == "vllm" and not vllm_installed:
         raise ConfigError("rollout_engine='vllm' but vLLM is not installed: install it "
                           "(see README) or use rollout_engine=hf")
-    if cfg.rollout_engine == "vllm" and cfg.lora_rank > VLLM_MAX_LORA_RANK:
-        raise ConfigError(f"lora_rank={cfg.lora_rank} is above the largest rank vLLM serves "
-                          f"({VLLM_MAX_LORA_RANK}): use a smaller lora_rank, or rollout_engine=hf")
     if cfg.rollout_engine == "hf" and cfg.rollout_tp_size != 1:
         raise ConfigError(f"rollout_tp_size={cfg.rollout_tp_size} needs rollout_engine=vllm "
                           "(the HF engine is one full model per rank)")
@@ -712,12 +621,17 @@ def load(argv: list, world_size: int) -> Config:
         cfg = parse_args(argv)
         validate(cfg, world_size)
     except ConfigError as e:
-        # every rank refuses; one of them says why
-        if os.environ.get("RANK", "0") == "0":
-            print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        refuse(e)
     quiet_third_party_output()  # the config is good: the run loads models next
     return cfg
+
+
+def refuse(error: ConfigError) -> None:
+    """Exit 2 on every rank, one of them saying why in one line (config.load's refusals, and the
+    extensions' own checks: train_ppo.check_extensions)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"config error: {error}", file=sys.stderr)
+    sys.exit(2)
 
 
 def save(cfg: Config, path: str, **facts) -> None:

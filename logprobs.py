@@ -80,41 +80,9 @@ def zigzag_positions(seq_len, cp_size, cp_rank, device=None):
                       for c in pair])  # (S/cp,)
 
 
-def zigzag_split(x, cp_size, cp_rank, dim=1):
-    """This cp rank's zigzag part of x along dim (differentiable; x itself when cp = 1)."""
-    if cp_size == 1:
-        return x
-    positions = zigzag_positions(x.shape[dim], cp_size, cp_rank, x.device)  # (S/cp,)
-    return x.index_select(dim, positions)  # (..., S/cp, ...)
-
-
-class _CPGather(torch.autograd.Function):
-    """All-gather zigzag shards over cp into natural order; backward keeps this rank's slice."""
-
-    @staticmethod
-    def forward(ctx, x_local, cp_group, dim):
-        ctx.cp_group, ctx.dim = cp_group, dim
-        parts = [torch.empty_like(x_local) for _ in range(_size(cp_group))]  # cp x (..., S/cp, ...)
-        dist.all_gather(parts, x_local.contiguous(), group=cp_group)
-        # rank r's part is [chunk r, chunk 2cp-1-r]: put its two halves back where they belong, so
-        # chunks 0..cp-1 are the ranks' first halves in rank order, chunks cp..2cp-1 their second
-        # halves in reverse rank order
-        firsts, seconds = zip(*[part.chunk(2, dim)
-                                for part in parts])  # cp x (..., S/2cp, ...) each
-        return torch.cat(firsts + seconds[::-1], dim)  # (..., S, ...)
-
-    @staticmethod
-    def backward(ctx, grad_full):
-        # Every cp rank computes the same loss from the same gathered tensor, so d loss / d x_local
-        # is this rank's entries of grad_full; summing over cp would count the loss cp times.
-        # (FSDP later sums parameter gradients over dp*cp: the cp ranks' tokens add up there.)
-        cp_size, cp_rank = _size(ctx.cp_group), _rank(ctx.cp_group)
-        return zigzag_split(grad_full, cp_size, cp_rank, ctx.dim), None, None  # (..., S/cp, ...)
-
-
 def cp_gather(x_local, cp_group, dim=1):
     """Collective over cp. Full tensor in natural order along dim from each cp rank's zigzag part
-    (x itself when cp = 1)."""
+    (x itself when cp = 1; _CPGather, at the end of the file, gathers it)."""
     return x_local if _size(cp_group) == 1 else _CPGather.apply(x_local, cp_group, dim)
 
 
@@ -351,3 +319,39 @@ def token_logprobs(logits, input_ids, *, tp_group=None, cp_group=None, cu_seqlen
     if with_entropy:
         return align(logprob), align(entropy)  # (B, S), (B, S)
     return align(logprob)  # (B, S)
+
+
+# ----------------------------------------------------------------------------
+# Beyond one step at cp = 1: the zigzag split's gather over cp > 1 (cp_gather calls it) and the
+# split itself (its backward)
+
+def zigzag_split(x, cp_size, cp_rank, dim=1):
+    """This cp rank's zigzag part of x along dim (differentiable; x itself when cp = 1)."""
+    if cp_size == 1:
+        return x
+    positions = zigzag_positions(x.shape[dim], cp_size, cp_rank, x.device)  # (S/cp,)
+    return x.index_select(dim, positions)  # (..., S/cp, ...)
+
+
+class _CPGather(torch.autograd.Function):
+    """All-gather zigzag shards over cp into natural order; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x_local, cp_group, dim):
+        ctx.cp_group, ctx.dim = cp_group, dim
+        parts = [torch.empty_like(x_local) for _ in range(_size(cp_group))]  # cp x (..., S/cp, ...)
+        dist.all_gather(parts, x_local.contiguous(), group=cp_group)
+        # rank r's part is [chunk r, chunk 2cp-1-r]: put its two halves back where they belong, so
+        # chunks 0..cp-1 are the ranks' first halves in rank order, chunks cp..2cp-1 their second
+        # halves in reverse rank order
+        firsts, seconds = zip(*[part.chunk(2, dim)
+                                for part in parts])  # cp x (..., S/2cp, ...) each
+        return torch.cat(firsts + seconds[::-1], dim)  # (..., S, ...)
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        # Every cp rank computes the same loss from the same gathered tensor, so d loss / d x_local
+        # is this rank's entries of grad_full; summing over cp would count the loss cp times.
+        # (FSDP later sums parameter gradients over dp*cp: the cp ranks' tokens add up there.)
+        cp_size, cp_rank = _size(ctx.cp_group), _rank(ctx.cp_group)
+        return zigzag_split(grad_full, cp_size, cp_rank, ctx.dim), None, None  # (..., S/cp, ...)

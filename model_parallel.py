@@ -42,7 +42,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch.distributed._composable.replicate import DDP, replicate
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
@@ -50,9 +49,10 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 from config import flash_runs, masked_attention_error, resolve_auto
+from extensions import lora  # the one extension this module names (extensions/, README)
 from logprobs import gather_shifted, token_logprobs, zigzag_positions
 
 # GPU only: flash-attn's varlen kernel skips the masked-out blocks of a packed row
@@ -100,13 +100,13 @@ class Layout:
     kv_rows: torch.Tensor  # (T,) every share, in rank order (gathered)
     q_docs: torch.Tensor  # (B, T/cp) 0 throughout an unpacked row
     kv_docs: torch.Tensor  # (B, T)
-    # the varlen kernels read these five, flash-attn's contract (see _varlen_index)
-    cu_seqlens_q: torch.Tensor  # (segments + 1,) int32 query boundaries
-    cu_seqlens_k: torch.Tensor  # (segments + 1,) int32 key boundaries
-    max_seqlen_q: int
-    max_seqlen_k: int
-    kv_index: torch.Tensor | None  # (total_k,) CP: keys among the gathered
-    # (`kernel` picks the path; every field is filled either way)
+    # the varlen kernels read these five, flash-attn's contract (see _varlen_index); None under
+    # masked SDPA, which reads none of them
+    cu_seqlens_q: torch.Tensor | None = None  # (segments + 1,) int32 query boundaries
+    cu_seqlens_k: torch.Tensor | None = None  # (segments + 1,) int32 key boundaries
+    max_seqlen_q: int | None = None
+    max_seqlen_k: int | None = None
+    kv_index: torch.Tensor | None = None  # (total_k,) CP: keys among the gathered
 
     def model_inputs(self):
         """What HF's forward gets: this rank's tokens, and the layout for our attention function."""
@@ -254,87 +254,21 @@ def _layout(input_ids, seq_lens, mesh, cfg):
     q_rows = zigzag_positions(ids.shape[1], cp_size, cp_rank, device)  # (T/cp,)
     kv_rows = torch.cat([zigzag_positions(ids.shape[1], cp_size, r, device)
                          for r in range(cp_size)])  # (T,)
-    # (unpacked rows: their length is known only now; config.validate refused the worst case)
+    # the varlen kernel (_varlen_kernel, with _varlen_index below the banner "Beyond one step"),
+    # or None: masked SDPA, refused past MASK_LIMIT (unpacked rows: their length is known only
+    # now; config.validate refused the worst case)
+    kernel = _varlen_kernel(cfg, device) if cfg.attention == "varlen" else None
     error = masked_attention_error(ids.shape[1], cp_size, ids.shape[0])
-    if cfg.attention == "masked" and error:
+    if kernel is None and error:
         raise ValueError(error)
-    return Layout(ids=ids, positions=positions, seq_lens=to_device(list(seq_lens), device),
-                  cu_seqlens=cu_seqlens, kernel=_varlen_kernel(cfg, device),
-                  cp_group=_group(mesh, "cp"),
-                  q_rows=q_rows, kv_rows=kv_rows, q_docs=docs[:, q_rows], kv_docs=docs[:, kv_rows],
-                  **_varlen_index(doc_lens, ids.shape[0], ids.shape[1], cp_size, cp_rank, kv_rows))
-
-
-def _varlen_kernel(cfg, device):
-    """The layout's varlen kernel, once per forward: None for masked SDPA (attention=masked); where
-    config.flash_runs (CUDA, bf16) a flash kernel (it never looks at the masked-out blocks),
-    flash-attn's if installed, else torch's; else the reference, one SDPA per document."""
-    if cfg.attention != "varlen":
-        return None
-    flash = gpu_varlen_kernel() if flash_runs(device.type, cfg.dtype) else None
-    return flash or varlen_attention_reference
-
-
-def _varlen_index(doc_lens, num_rows, row_len, cp_size, cp_rank, kv_rows):
-    """flash-attn's varlen arguments for this rank's queries: one segment per (row, zigzag chunk,
-    document) overlap, in the queries' local order. Each segment's keys run from its document's
-    start to its last query (bottom-right causal: the all-gather CP of Llama 3 and
-    TransformerEngine). Built on the host from Python ints: no device sync in any layer. kv_rows:
-    the row position of each gathered key (Layout.kv_rows).
-
-    A worked example (tests/test_model_parallel.py checks every number): cp=2, one packed row of
-    T=8 tokens holding documents of 3 and 5 tokens, cut into 2*cp=4 zigzag chunks of 2 tokens:
-
-        row position   0 1 2 3 4 5 6 7
-        document       0 0 0 1 1 1 1 1
-        chunk          0 0 1 1 2 2 3 3     rank 0 keeps chunks 0 and 3, rank 1 chunks 1 and 2
-        kv_rows = [0 1 6 7 2 3 4 5]        the keys as gathered: rank 0's share, then rank 1's
-
-    Rank 1 (q_rows = [2 3 4 5]): its chunks cut the documents into three segments
-
-        segment  (row, chunk, document)  queries (rows)  keys (rows)  keys' slots in kv_rows
-        0        (0, 1, 0)               2               0 1 2        0 1 4
-        1        (0, 1, 1)               3               3            5
-        2        (0, 2, 1)               4 5             3 4 5        5 6 7
-
-        cu_seqlens_q = [0 1 2 4], cu_seqlens_k = [0 3 4 7], max_seqlen_q = 2, max_seqlen_k = 3,
-        kv_index = [0 1 4 5 5 6 7]         the slots, segment after segment (+ row * T)
-
-    Segment 2's queries are the last 2 of its 3 keys (bottom-right): row 4 sees 3 4, row 5 sees
-    3 4 5. Segments 1 and 2 both read key 3: keys may repeat across segments, queries never do.
-    Rank 0 (q_rows = [0 1 6 7]) has two segments, (0, 0, 0) with keys 0 1 and (0, 3, 1) with keys
-    3..7: cu_seqlens_q = [0 2 4], cu_seqlens_k = [0 2 7], max_seqlen_q = 2, max_seqlen_k = 5,
-    kv_index = [0 1 5 6 7 2 3]. With cp=1 a segment is a whole document and kv_index is None."""
-    doc_starts = [sum(doc_lens[:d]) for d in range(len(doc_lens))]
-    chunk = row_len // (2 * cp_size)
-    if cp_size == 1:
-        chunks = [(0, row_len)]
-    else:  # zigzag: chunk r, then 2cp-1-r
-        chunks = [(c * chunk, (c + 1) * chunk) for c in (cp_rank, 2 * cp_size - 1 - cp_rank)]
-    q_lens = []  # the queries of each segment
-    # (row, first key, end) of each segment's keys, in row positions
-    k_spans = []
-    for row in range(num_rows):
-        for lo, hi in chunks:
-            for start, n in zip(doc_starts, doc_lens):
-                first, end = max(lo, start), min(hi, start + n)
-                if first < end:
-                    q_lens.append(end - first)
-                    k_spans.append((row, start, end))
-    k_lens = [end - start for _, start, end in k_spans]
-    kv_index = None  # cp = 1: the segments' keys are the keys, in order
-    # the gathered keys are in rank order: row position p sits at slot[p] (kv_rows is a permutation
-    # of the row positions; its argsort is the inverse permutation)
-    if cp_size > 1:
-        slot = kv_rows.argsort()  # (T,)
-        kv_index = torch.cat([row * row_len + slot[start:end]
-                              for row, start, end in k_spans])  # (total_k,)
-
-    def boundaries(lens):  # segment lengths -> (segments + 1,) int32 offsets
-        return to_device([0, *itertools.accumulate(lens)], kv_rows.device).to(torch.int32)
-
-    return dict(cu_seqlens_q=boundaries(q_lens), cu_seqlens_k=boundaries(k_lens),
-                max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), kv_index=kv_index)
+    layout = Layout(ids=ids, positions=positions, seq_lens=to_device(list(seq_lens), device),
+                    cu_seqlens=cu_seqlens, kernel=kernel, cp_group=_group(mesh, "cp"),
+                    q_rows=q_rows, kv_rows=kv_rows, q_docs=docs[:, q_rows],
+                    kv_docs=docs[:, kv_rows])
+    if kernel is None:  # masked SDPA: the rows and documents above are all it reads
+        return layout
+    varlen = _varlen_index(doc_lens, ids.shape[0], ids.shape[1], cp_size, cp_rank, kv_rows)
+    return replace(layout, **varlen)
 
 
 def _skipped_by_lm_head(unscored, mesh, cfg):
@@ -478,26 +412,6 @@ def _copy_into(model, weights):
             _local(param).copy_(weights[name], non_blocking=True)
 
 
-def forward_critic(critic, input_ids, seq_lens, mesh, cfg, shift=True):
-    """Collective (every rank): values (b, S), right-shifted: values[:, i] = V(x_<i) =
-    head(hidden[:, i-1]), 0 at position 0 (and at packed sequence starts, which see no earlier token
-    of their own). shift=False: forward_reward_model's unshifted read."""
-    layout = _layout(input_ids, seq_lens, mesh, cfg)
-    # the one-output head stands where lm_head was (_on_meta): HF returns its output as `.logits`
-    values = critic(**layout.model_inputs()).logits[..., 0].float()  # (B, T/cp)
-    # collective over cp, natural order; the shift crosses zigzag chunks: after the gather
-    values = gather_shifted(values, _group(mesh, "cp"), layout.cu_seqlens, shift)  # (B, T)
-    return _unlayout(values, layout, input_ids)  # (b, S)
-
-
-class ValueHead(torch.nn.Linear):
-    """The critic's Linear(hidden, 1), computed as x @ w.T + b in two ops: F.linear's fused addmm
-    on 3-D input returns a view, and FSDP2 warns about (and cannot hook in-place ops on) views."""
-
-    def forward(self, hidden):  # (B, T/cp, hidden) -> (B, T/cp, 1)
-        return F.linear(hidden, self.weight) + self.bias
-
-
 def sync_gradients(model, sync):
     """DDP: all-reduce in the next backward only if `sync` (a minibatch's last microbatch): each
     all-reduce sums all gradients accumulated so far. (FSDP2 reduces each backward's own.)"""
@@ -559,8 +473,11 @@ def _gathered(param, dtype=None):
 
 
 def _hf_params(model):
-    """(name, parameter) of what an HF checkpoint of the model holds: all but LoRA's adapters."""
-    return [(name, p) for name, p in model.named_parameters() if not name.endswith(ADAPTERS)]
+    """(name, parameter) of what an HF checkpoint of the model holds: every parameter but an
+    extension's adapters."""
+    params = list(model.named_parameters())
+    params = [(name, p) for name, p in params if not name.endswith(lora.ADAPTERS)]  # (lora.py)
+    return params
 
 
 def iter_full_params(model, dtype=None):
@@ -569,22 +486,42 @@ def iter_full_params(model, dtype=None):
     like in the file), in `dtype` (None: the parameter's). One full tensor alive at a time. Each
     shard is cast *before* the all-gather: a bf16 engine or export receives half the bytes of the
     fp32 master weights (7B: ~15 GB a rank a refit, not ~30), and no fp32 full tensor is ever
-    built. Under LoRA a target's weight arrives merged, W + s B A, summed in fp32 from the gathered
-    base and adapters and then cast: a new tensor, the base itself is never written (a merge and
-    unmerge in place, in bf16, would round the frozen weights: ms-swift #10154)."""
+    built. Under LoRA a target's weight arrives merged, W + s B A (lora.py)."""
     # every rank sees the same sharded parameters, hence the same collectives
     reshard(model)
     modules = dict(model.named_modules())
     for name, param in _hf_params(model):
         module = modules[name.rpartition(".")[0]]
+        gather = _gathered  # the parameter's full tensor
+        if isinstance(module, lora.LoRALinear) and name.endswith(".weight"):  # (lora.py)
+            gather = module.merged_weight
         with torch.no_grad():
-            if isinstance(module, LoRALinear) and name.endswith(".weight"):
-                delta = (_gathered(module.lora_B) @ _gathered(module.lora_A)
-                         * module.lora_scale)  # fp32
-                full = (_gathered(param).float() + delta).to(dtype or param.dtype)
-            else:
-                full = _gathered(param, dtype)
+            full = gather(param, dtype)
         yield name, full
+
+
+# -----------------------------------------------------------------------------
+# The critic's pass (gae only: last in this section, which GRPO and RLOO skip): the same forward
+# with the value head where the LM head was, right-shifted.
+
+def forward_critic(critic, input_ids, seq_lens, mesh, cfg, shift=True):
+    """Collective (every rank): values (b, S), right-shifted: values[:, i] = V(x_<i) =
+    head(hidden[:, i-1]), 0 at position 0 (and at packed sequence starts, which see no earlier token
+    of their own). shift=False: forward_reward_model's unshifted read."""
+    layout = _layout(input_ids, seq_lens, mesh, cfg)
+    # the one-output head stands where lm_head was (_on_meta): HF returns its output as `.logits`
+    values = critic(**layout.model_inputs()).logits[..., 0].float()  # (B, T/cp)
+    # collective over cp, natural order; the shift crosses zigzag chunks: after the gather
+    values = gather_shifted(values, _group(mesh, "cp"), layout.cu_seqlens, shift)  # (B, T)
+    return _unlayout(values, layout, input_ids)  # (b, S)
+
+
+class ValueHead(torch.nn.Linear):
+    """The critic's Linear(hidden, 1), computed as x @ w.T + b in two ops: F.linear's fused addmm
+    on 3-D input returns a view, and FSDP2 warns about (and cannot hook in-place ops on) views."""
+
+    def forward(self, hidden):  # (B, T/cp, hidden) -> (B, T/cp, 1)
+        return F.linear(hidden, self.weight) + self.bias
 
 
 # -----------------------------------------------------------------------------
@@ -638,8 +575,6 @@ def setup(cfg):
     _, world_size, device = init_distributed(cfg.collective_timeout_s)
     mesh = make_mesh(world_size, cfg.tp_size, cfg.cp_size, device.type)
     model_dir = checked_model_dir(cfg)
-    if cfg.teacher:  # distillation: its ids must mean the policy's tokens
-        check_teacher(cfg.teacher, model_dir, cfg.tp_size)
     gpu_kernel = gpu_kernel_name() if device.type == "cuda" else None
     return device, mesh, model_dir, resolve_auto(cfg, device.type, gpu_kernel)
 
@@ -676,6 +611,76 @@ class _GatherSeq(torch.autograd.Function):
         out = full.new_empty((full.shape[0] // dist.get_world_size(ctx.group), *full.shape[1:]))
         dist.reduce_scatter_tensor(out, full, group=ctx.group)  # (S/cp, B, H, D) summed over cp
         return out.movedim(0, 2), None  # (B, H, S/cp, D)
+
+
+def _varlen_kernel(cfg, device):
+    """The layout's varlen kernel (attention=varlen), once per forward: where config.flash_runs
+    (CUDA, bf16) a flash kernel (it never looks at the masked-out blocks), flash-attn's if
+    installed, else torch's; else the reference, one SDPA per document."""
+    flash = gpu_varlen_kernel() if flash_runs(device.type, cfg.dtype) else None
+    return flash or varlen_attention_reference
+
+
+def _varlen_index(doc_lens, num_rows, row_len, cp_size, cp_rank, kv_rows):
+    """flash-attn's varlen arguments for this rank's queries: one segment per (row, zigzag chunk,
+    document) overlap, in the queries' local order. Each segment's keys run from its document's
+    start to its last query (bottom-right causal: the all-gather CP of Llama 3 and
+    TransformerEngine). Built on the host from Python ints: no device sync in any layer. kv_rows:
+    the row position of each gathered key (Layout.kv_rows).
+
+    A worked example (tests/test_model_parallel.py checks every number): cp=2, one packed row of
+    T=8 tokens holding documents of 3 and 5 tokens, cut into 2*cp=4 zigzag chunks of 2 tokens:
+
+        row position   0 1 2 3 4 5 6 7
+        document       0 0 0 1 1 1 1 1
+        chunk          0 0 1 1 2 2 3 3     rank 0 keeps chunks 0 and 3, rank 1 chunks 1 and 2
+        kv_rows = [0 1 6 7 2 3 4 5]        the keys as gathered: rank 0's share, then rank 1's
+
+    Rank 1 (q_rows = [2 3 4 5]): its chunks cut the documents into three segments
+
+        segment  (row, chunk, document)  queries (rows)  keys (rows)  keys' slots in kv_rows
+        0        (0, 1, 0)               2               0 1 2        0 1 4
+        1        (0, 1, 1)               3               3            5
+        2        (0, 2, 1)               4 5             3 4 5        5 6 7
+
+        cu_seqlens_q = [0 1 2 4], cu_seqlens_k = [0 3 4 7], max_seqlen_q = 2, max_seqlen_k = 3,
+        kv_index = [0 1 4 5 5 6 7]         the slots, segment after segment (+ row * T)
+
+    Segment 2's queries are the last 2 of its 3 keys (bottom-right): row 4 sees 3 4, row 5 sees
+    3 4 5. Segments 1 and 2 both read key 3: keys may repeat across segments, queries never do.
+    Rank 0 (q_rows = [0 1 6 7]) has two segments, (0, 0, 0) with keys 0 1 and (0, 3, 1) with keys
+    3..7: cu_seqlens_q = [0 2 4], cu_seqlens_k = [0 2 7], max_seqlen_q = 2, max_seqlen_k = 5,
+    kv_index = [0 1 5 6 7 2 3]. With cp=1 a segment is a whole document and kv_index is None."""
+    doc_starts = [sum(doc_lens[:d]) for d in range(len(doc_lens))]
+    chunk = row_len // (2 * cp_size)
+    if cp_size == 1:
+        chunks = [(0, row_len)]
+    else:  # zigzag: chunk r, then 2cp-1-r
+        chunks = [(c * chunk, (c + 1) * chunk) for c in (cp_rank, 2 * cp_size - 1 - cp_rank)]
+    q_lens = []  # the queries of each segment
+    # (row, first key, end) of each segment's keys, in row positions
+    k_spans = []
+    for row in range(num_rows):
+        for lo, hi in chunks:
+            for start, n in zip(doc_starts, doc_lens):
+                first, end = max(lo, start), min(hi, start + n)
+                if first < end:
+                    q_lens.append(end - first)
+                    k_spans.append((row, start, end))
+    k_lens = [end - start for _, start, end in k_spans]
+    kv_index = None  # cp = 1: the segments' keys are the keys, in order
+    # the gathered keys are in rank order: row position p sits at slot[p] (kv_rows is a permutation
+    # of the row positions; its argsort is the inverse permutation)
+    if cp_size > 1:
+        slot = kv_rows.argsort()  # (T,)
+        kv_index = torch.cat([row * row_len + slot[start:end]
+                              for row, start, end in k_spans])  # (total_k,)
+
+    def boundaries(lens):  # segment lengths -> (segments + 1,) int32 offsets
+        return to_device([0, *itertools.accumulate(lens)], kv_rows.device).to(torch.int32)
+
+    return dict(cu_seqlens_q=boundaries(q_lens), cu_seqlens_k=boundaries(k_lens),
+                max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), kv_index=kv_index)
 
 
 def _varlen_attention(query, key, value, scaling, sliding_window, layout):
@@ -907,88 +912,6 @@ def _tp_plan(model, sequence_parallel):
 
 
 # -----------------------------------------------------------------------------
-# LoRA (Hu et al., 2021): each target projection keeps its weight W frozen and gains a trained
-# low-rank path, y = W x + s B(A x), A (r, in) and B (out, r) in fp32, s = lora_alpha / lora_rank.
-# B starts at zero, so training starts from the base exactly; A from PEFT's default init (kaiming
-# uniform with a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))), drawn whole from the seed, so that every
-# mesh starts from the same adapters. The base is stored in the compute dtype: no fp32 master, no
-# AdamW moments, no gradient (train_ppo.py's optimizer gets the adapters alone). The reference
-# policy is this module with its adapters switched off (adapters_off): no copy of any weight.
-# The critic is trained in full: its value head starts from nothing (or from a reward model's
-# score head) and must move the features under it, and with LoRA memory matters GRPO or RLOO need
-# no critic at all. A fork that wants DoRA adds a magnitude vector here and in the merge below;
-# another rank per module is a per-name lookup in _add_adapters.
-#
-# Under TP, A and B are split to agree with their base's plan, so that the adapter adds no
-# collective of its own: a colwise base (W split on its outputs, dim 0) gets a whole A and B
-# split on its outputs too, so B(A x) comes out split as W x does; a rowwise base (W split on its
-# inputs, dim 1) gets A split on its inputs, so A x is a partial sum like W x, and a whole B: the
-# two partial sums are added, then summed over tp by the base's one all-reduce.
-
-class LoRALinear(torch.nn.Linear):
-    """A Linear with a low-rank adapter beside its frozen weight (the section's comment). The
-    adapters compute in the base's dtype (FSDP2 casts them to bf16 under the bf16 recipe).
-    adapters_on=False: the base alone, the reference policy (adapters_off)."""
-    adapters_on = True  # a class attribute: every adapter of the process at once (one policy)
-
-    def forward(self, x):
-        out = F.linear(x, self.weight, self.bias)
-        if not self.adapters_on:
-            return out
-        return out + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
-
-
-ADAPTERS = (".lora_A", ".lora_B")  # the adapters' parameter names end so (not in an HF checkpoint)
-
-
-def _add_adapters(model, cfg):
-    """Turn each Linear named in cfg.lora_targets into a LoRALinear with adapters on the meta device
-    (after the TP plan: their splits follow their base's, the section's comment), and freeze every
-    other parameter."""
-    model.requires_grad_(False)
-    rank, targets = cfg.lora_rank, cfg.lora_targets.split(",")
-    for name, module in model.named_modules():
-        if type(module) is not torch.nn.Linear or name.rsplit(".", 1)[-1] not in targets:
-            continue
-        module.__class__ = LoRALinear
-        module.lora_scale = cfg.lora_alpha / rank
-        out_features, in_features = module.weight.shape  # the full shape, also of a DTensor
-        # A keeps the base's split of the inputs (rowwise), B the split of the outputs (colwise)
-        for leaf, shape, dim in (("lora_A", (rank, in_features), 1),
-                                 ("lora_B", (out_features, rank), 0)):
-            tensor = torch.empty(shape, device="meta")  # fp32, whatever the base's dtype
-            if isinstance(module.weight, DTensor):
-                split = [Shard(dim) if p == Shard(dim) else Replicate()
-                         for p in module.weight.placements]
-                tensor = distribute_tensor(tensor, module.weight.device_mesh, split)
-            module.register_parameter(leaf, torch.nn.Parameter(tensor))
-
-
-def _adapter_init(model, seed):
-    """{name: full tensor} of the initial adapters, the same on every rank and mesh (the section's
-    comment): A ~ U(-1/sqrt(in), 1/sqrt(in)), B = 0."""
-    generator = torch.Generator().manual_seed(seed)
-    init = {}
-    for name, param in model.named_parameters():
-        if name.endswith(".lora_A"):
-            init[name] = ((torch.rand(param.shape, generator=generator) * 2 - 1)
-                          / math.sqrt(param.shape[1]))
-        elif name.endswith(".lora_B"):
-            init[name] = torch.zeros(param.shape)
-    return init
-
-
-@contextlib.contextmanager
-def adapters_off(model):
-    """Within the block the model computes as its frozen base: the reference policy under LoRA."""
-    LoRALinear.adapters_on = False
-    try:
-        yield model
-    finally:
-        LoRALinear.adapters_on = True
-
-
-# -----------------------------------------------------------------------------
 # Loading: every rank builds the model on the meta device (no memory), shards it (TP, then FSDP2
 # or DDP), allocates only its shards, and reads only those from the checkpoint's files.
 
@@ -1052,18 +975,21 @@ def checked_model_dir(cfg):
     return model_dir
 
 
-def _build(path, mesh, cfg, critic, frozen=False):
+def _build(path, mesh, cfg, critic, frozen=False, adapt=None):
     """The architecture at `path` as this rank's sharded module, with its shards allocated but not
     yet read (_load_weights fills them). The steps, in order: build on the meta device, split over
-    tp, shard (FSDP2) or replicate (DDP) over dp x cp, allocate, tie the embeddings again.
+    tp, adapt, shard (FSDP2) or replicate (DDP) over dp x cp, allocate, tie the embeddings again.
     `frozen` (a reward model: no optimizer) keeps no fp32 master copy, being stored in its compute
     dtype (bf16 under the bf16 recipe; its value head stays fp32), and under FSDP2 its shards
     live in host memory between its passes (FSDP2's CPU offload gathers them onto the GPU for its
-    one pass a step): it would otherwise hold GPU memory through generation and the update."""
+    one pass a step): it would otherwise hold GPU memory through generation and the update.
+    `adapt(model, cfg)`: an extension's change on the meta device, after the TP plan, whose splits
+    it can follow (lora.add_adapters: trained adapters beside a frozen base, stored as a frozen
+    model is); it returns the full tensors of what it added. Returns (model, those tensors)."""
     tp_size = mesh["tp"].size()
     config = check_hf_dir(path, tp_size)  # (a library caller's dir is refused here too)
-    adapted = cfg.lora_rank > 0 and not critic  # LoRA: a frozen base, stored as a frozen model is
-    stored = torch.bfloat16 if (frozen or adapted) and cfg.dtype == "bf16" else torch.float32
+    frozen_base = frozen or adapt is not None
+    stored = torch.bfloat16 if frozen_base and cfg.dtype == "bf16" else torch.float32
     model = _on_meta(config, critic, stored)
     tied = not critic and config.tie_word_embeddings
     if tp_size > 1:
@@ -1071,8 +997,7 @@ def _build(path, mesh, cfg, critic, frozen=False):
         # TP gave each module its own DTensor copy (both Shard(0) on vocab): tie again
         if tied:
             _tie_embeddings(model)
-    if adapted:  # after the TP plan, whose splits the adapters follow
-        _add_adapters(model, cfg)
+    added = {} if adapt is None else adapt(model, cfg)  # after the TP plan
     if cfg.activation_checkpointing:  # recompute each decoder layer in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     offload = cfg.data_parallel == "fsdp" and (cfg.cpu_offload or frozen)
@@ -1086,7 +1011,7 @@ def _build(path, mesh, cfg, critic, frozen=False):
         _tie_embeddings(model)
     # no dropout in these families; train mode lets activation checkpointing act
     model.train()
-    return model
+    return model, added
 
 
 def _on_meta(config, critic, dtype):
@@ -1217,15 +1142,14 @@ def _load_weights(model, path, extra):
     return model
 
 
-def load_policy(path, mesh, cfg, frozen=False):
+def load_policy(path, mesh, cfg, frozen=False, adapt=None):
     """Collective (every rank): the HF checkpoint at `path` as a sharded module (TP plan if tp > 1,
-    FSDP2 or DDP over dp*cp), with fresh LoRA adapters if cfg.lora_rank. frozen (on-policy
-    distillation's teacher): no adapters, no gradient, stored in its compute dtype and under FSDP2
-    kept in host memory between its passes (_build's `frozen`, as the reward model)."""
-    if frozen:
-        cfg = replace(cfg, lora_rank=0)
-    model = _build(path, mesh, cfg, critic=False, frozen=frozen)
-    model = _load_weights(model, path, extra=_adapter_init(model, cfg.seed))  # (no adapters: {})
+    FSDP2 or DDP over dp*cp), changed by `adapt` if given (_build's: lora.add_adapters, the
+    policy's fresh adapters). frozen (on-policy distillation's teacher): no gradient, stored in
+    its compute dtype and under FSDP2 kept in host memory between its passes (_build's `frozen`,
+    as the reward model)."""
+    model, added = _build(path, mesh, cfg, critic=False, frozen=frozen, adapt=adapt)
+    model = _load_weights(model, path, extra=added)
     return model.requires_grad_(False) if frozen else model
 
 
@@ -1247,7 +1171,7 @@ def load_critic(path, mesh, cfg, frozen=False):
     predicts the reward from its first step. Else the head is initialized from the seed with std
     1/sqrt(hidden+1) and zero bias (Ziegler et al. 2019's value head, as in
     summarize_from_feedback_details)."""
-    model = _build(path, mesh, cfg, critic=True, frozen=frozen)
+    model, _ = _build(path, mesh, cfg, critic=True, frozen=frozen)
     weight = score_head(path)
     if weight is None:
         hidden = model.config.hidden_size
@@ -1266,36 +1190,6 @@ def load_reward_model(path, mesh, cfg):
     gradient; it scores in the no-grad phase (forward_reward_model). Stored in bf16 under
     the bf16 recipe and kept in host memory between its passes (_build's `frozen`)."""
     return load_critic(path, mesh, cfg, frozen=True).requires_grad_(False)  # (returns the module)
-
-
-def check_teacher(teacher, model_dir, tp_size):
-    """Refuse (CheckpointError, one line) a teacher whose token ids would not mean the policy's
-    tokens: another tokenizer (its whole vocabulary, token -> id, compared; a dir without one
-    uses the task's own, as the toy tasks do), or an id the tokenizer makes beyond its embedding.
-    The embedding's rows may differ from the policy's (models pad their vocabulary). Also what
-    check_hf_dir refuses (a missing dir, heads that tp would cut)."""
-    try:
-        hf_config = check_hf_dir(teacher, tp_size)
-    except CheckpointError as e:
-        raise CheckpointError(f"teacher: {e}") from None
-    vocab = _tokenizer_vocab(model_dir)
-    if _tokenizer_vocab(teacher) != vocab:
-        raise CheckpointError(f"teacher={teacher} has another tokenizer than the policy's "
-                              f"({model_dir}): its token ids would mean other tokens; distil "
-                              f"from a teacher of the same tokenizer")
-    # the ids the tokenizer makes; a dir without one: the policy's rows bound the task's ids
-    ids = max(vocab.values()) + 1 if vocab else AutoConfig.from_pretrained(model_dir).vocab_size
-    if hf_config.vocab_size < ids:
-        raise CheckpointError(f"teacher={teacher} has {hf_config.vocab_size} embedding rows, "
-                              f"fewer than the {ids} ids of the policy's tokenizer")
-
-
-def _tokenizer_vocab(path):
-    """{token: id} of the tokenizer saved in `path`, None if it holds none."""
-    names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    if not any(os.path.isfile(os.path.join(path, name)) for name in names):
-        return None
-    return AutoTokenizer.from_pretrained(path).get_vocab()
 
 
 def forward_reward_model(reward_model, input_ids, seq_lens, mesh, cfg):
@@ -1318,6 +1212,19 @@ def snapshot_weights(model, dtype=None):
     names, params = zip(*model.named_parameters())
     weights = dict(zip(names, _host_copies([_local(p).detach() for p in params], dtype)))
     return {"weights": weights, "parked": {}}  # parked: filled by swapped_weights
+
+
+@contextlib.contextmanager
+def optimizer_state_on(optimizers, device):
+    """Within the block AdamW's state of each optimizer is on `device` (the update's); before and
+    after, in host memory (offload_optimizer: the engine generates meanwhile)."""
+    for optimizer in optimizers:
+        move_optimizer_state(optimizer, device)
+    try:
+        yield
+    finally:
+        for optimizer in optimizers:
+            move_optimizer_state(optimizer, "host")
 
 
 def move_optimizer_state(optimizer, device):
@@ -1347,16 +1254,6 @@ def move_optimizer_state(optimizer, device):
             state[key] = new
 
 
-@torch.no_grad()  # (around each step of the generator)
-def iter_adapters(model, dtype=torch.float32):
-    """Collective (every rank, to the end): yield (name, full tensor) per LoRA adapter (lora_A,
-    lora_B of each target), in `dtype`, cast before the all-gather."""
-    reshard(model)
-    for name, param in model.named_parameters():
-        if name.endswith(ADAPTERS):
-            yield name, _gathered(param, dtype)
-
-
 # What a model dir holds besides config and weights, copied into an export as it is (AutoTokenizer,
 # vLLM's tokenizer and its default sampling settings read these).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -1381,32 +1278,6 @@ def _safetensors_header(tensors, dtype):
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
     return len(blob).to_bytes(8, "little") + blob
-
-
-def save_adapter(model, path, cfg, base_dir, dtype=torch.float32):
-    """Collective (every rank): the LoRA adapters as a PEFT adapter dir, which
-    peft.PeftModel.from_pretrained loads over the base at base_dir and vLLM serves (a LoRARequest):
-    adapter_config.json and adapter_model.safetensors, tensors named as PEFT names them
-    (base_model.model.<module>.lora_A.weight), in `dtype`. Written to a temp dir and renamed.
-    Returns the tensors' bytes."""
-    tensors = {f"base_model.model.{name}.weight": full.cpu().contiguous()
-               for name, full in iter_adapters(model, dtype)}
-    if dist.get_rank() == 0:
-        tmp = path.rstrip("/") + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"))
-        # (vLLM reads r, lora_alpha and target_modules; scale = lora_alpha / r, as here)
-        peft_config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=cfg.lora_rank,
-                           lora_alpha=cfg.lora_alpha, target_modules=cfg.lora_targets.split(","),
-                           lora_dropout=0.0, bias="none", fan_in_fan_out=False,
-                           base_model_name_or_path=os.path.abspath(base_dir))
-        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
-            json.dump(peft_config, f, indent=1)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-    dist.barrier()
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def save_hf(model, path, dtype=torch.float32, copy_from=None, shard_gb=5.0):

@@ -15,7 +15,6 @@ import math
 import os
 import random
 import re
-import typing
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Optional
@@ -63,22 +62,25 @@ def generate_share(engine, task, cfg, step, start, before=0):
     # what each sample is: its seeds' key, (step, the prompt's position among the step's draws,
     # the sample), unique over the rounds of a step
     keys = [(step, before + j // K, j % K) for j in wanted]
-    outs = run_episodes(engine, task, cfg, [prompt_ids[j // K] for j in wanted], keys,
-                        cfg.temperature)
+    run = episode_runner(task, cfg)
+    outs = run(engine, task, cfg, [prompt_ids[j // K] for j in wanted], keys, cfg.temperature)
     by_index = dict(zip(wanted, outs))
     samples = []
     for j in generated_by(n, rank, world_size):
         response, lps, action_mask, calls, ended = by_index[j]
         prompt, answer = prompts[j // K]
-        # action_mask: 1 on the model's tokens, 0 on observations (its runs of 1 are the turns).
-        # The dump shows the whole episode; the task's score reads the model's last turn, its
-        # answer (not a number a tool returned)
+        # the task's score reads the model's last turn, its answer (in an episode, not a number a
+        # tool returned; the dump shows the whole episode)
+        score = task.reward(task.decode(last_turn(response, action_mask)), answer, ended)
+        # Every sample carries what the trainer reads of it: rule_reward, the reward it is trained
+        # on unless a reward model scores it (the task's score, plus any shaping an extension adds:
+        # dapo.py's overlong penalty), and loss_mask, its tokens in the loss (the model's, unless an
+        # extension takes a response out: dapo.py's overlong mask). task_score stays the rule's.
         samples.append(dict(index=before * K + j, prompt=prompt, response=task.decode(response),
                             answer=answer, prompt_ids=prompt_ids[j // K], response_ids=response,
-                            engine_logprobs=lps, action_mask=action_mask,
+                            engine_logprobs=lps, action_mask=action_mask, loss_mask=action_mask,
                             calls=calls, ended=ended, finished=ended == "stop",
-                            task_score=task.reward(task.decode(last_turn(response, action_mask)),
-                                                   answer, ended)))
+                            task_score=score, rule_reward=score))
     return samples, len(wanted)
 
 
@@ -105,67 +107,41 @@ def epoch_order(seed: int, size: int, start: int, n: int) -> list:
 ENDINGS = ("stop", "length", "max_turns", "context")
 
 
-def run_episodes(engine, task, cfg, prompt_ids, keys, temperature):
-    """Collective over each vLLM group (its ranks pass identical requests, and `observe` must be
-    deterministic). The episode of each prompt (token ids), sampled with seeds from its key
-    ((step, prompt, sample): sample_seed, a seed a turn). One engine call a turn for the episodes
-    still running, each on its ids so far: token ids in and out, nothing re-tokenized (vLLM's
-    prefix cache keeps the earlier turns). After a model turn that ended by a stop token, a task
-    with `observe` (ToyTask) gives the ids to append (a tool call's output), or None: the episode
-    is over. It also ends at a turn cut off by its token budget (max_new_tokens, and prompt +
-    episode <= max_model_len), or at a call on the last of max_turns turns, or at a call whose
-    output would leave no room for another turn: appended whole, never cut. Returns one (response
-    ids, engine logprobs, action mask, tool calls, how it ended: ENDINGS) per prompt: the turns
-    and observations in order; an observation's tokens have logprob 0 and mask 0 (context, not
-    actions), and the last token is always the model's. A prompt that leaves no room for a token
-    is refused (TaskError): raise max_model_len."""
-    observe = getattr(task, "observe", None)
-    turns = cfg.max_turns if observe else 1  # a task without `observe` is single-turn
+def episode_runner(task, cfg):
+    """How a prompt's response is sampled: one model turn (generate), or, for a task that has
+    observe() with max_turns > 1, an episode of turns with a tool's output between them
+    (multiturn.py). Both take (engine, task, cfg, prompt ids, keys, temperature) and return
+    generate's tuple a prompt: training and validation sample alike."""
+    run = generate
+    if cfg.max_turns > 1 and hasattr(task, "observe"):  # (multiturn.py)
+        run = multiturn.run_episodes
+    return run
+
+
+def generate(engine, task, cfg, prompt_ids, keys, temperature):
+    """Collective over each vLLM group (its ranks pass identical requests). One response a prompt,
+    in one engine call, each sampled with the seed of its key ((step, prompt, sample):
+    sample_seed) within its token budget (max_new_tokens, and prompt + response <=
+    max_model_len). Returns one (response ids, engine logprobs, action mask: 1 on each of the
+    model's tokens, tool calls: 0, how it ended: "stop" or "length", ENDINGS) a prompt. A prompt
+    that leaves no room for a token is refused (TaskError): raise max_model_len. (`task`: unused
+    here; multiturn.run_episodes, the other episode_runner, asks it for observations.)"""
     too_long = [len(p) for p in prompt_ids if len(p) >= cfg.max_model_len]
     if too_long:
         raise TaskError(f"a prompt of {too_long[0]} tokens leaves no room for a response within "
                         f"max_model_len={cfg.max_model_len}: raise max_model_len")
-    episodes = [dict(ids=[], logprobs=[], mask=[], calls=0, ended=None) for _ in prompt_ids]
-    running = list(range(len(prompt_ids)))
-    for turn in range(turns):
-        contexts = [prompt_ids[k] + episodes[k]["ids"] for k in running]
-        budgets = [min(cfg.max_new_tokens, cfg.max_model_len - len(c)) for c in contexts]
-        seeds = [sample_seed(cfg.seed, *keys[k], turn) for k in running]
-        outs = engine.generate(contexts, seeds, budgets, temperature) if running else []
-        for k, context, (ids, lps) in zip(running, contexts, outs):
-            episode = episodes[k]
-            for part, new in zip(("ids", "logprobs", "mask"),
-                                 (ids, lps, [1] * len(ids))):  # the model's turn
-                episode[part] += new
-            if not finished(ids, engine.stop_ids):
-                episode["ended"] = "length"
-                continue
-            observation = observe(ids, context + ids) if observe else None
-            if observation is None:  # the model's answer: a natural end
-                episode["ended"] = "stop"
-                continue
-            # an empty list would merge two turns into one run of 1s: a turn the metrics lose
-            if not (isinstance(observation, list) and len(observation) > 0 and all(
-                    isinstance(i, int) and 0 <= i < engine.vocab_size for i in observation)):
-                raise TaskError(f"observe() must return a list of token ids in "
-                                f"[0, {engine.vocab_size}), not empty, or None, "
-                                f"not {str(observation)[:60]}")
-            episode["calls"] += 1  # a call, answered or not
-            room = len(context) + len(ids) + len(observation) < cfg.max_model_len
-            if turn + 1 == turns or not room:
-                episode["ended"] = "max_turns" if turn + 1 == turns else "context"
-                continue
-            n = len(observation)
-            for part, new in zip(("ids", "logprobs", "mask"),
-                                 (observation, [0.0] * n, [0] * n)):  # context
-                episode[part] += new
-        running = [k for k in running if episodes[k]["ended"] is None]  # the episodes that go on
-    return [(e["ids"], e["logprobs"], e["mask"], e["calls"], e["ended"]) for e in episodes]
+    if not prompt_ids:  # a rank may generate none of a step's samples (generated_by)
+        return []
+    budgets = [min(cfg.max_new_tokens, cfg.max_model_len - len(p)) for p in prompt_ids]
+    seeds = [sample_seed(cfg.seed, *key) for key in keys]
+    outs = engine.generate(prompt_ids, seeds, budgets, temperature)
+    return [(ids, lps, [1] * len(ids), 0, "stop" if finished(ids, engine.stop_ids) else "length")
+            for ids, lps in outs]
 
 
 def last_turn(ids, action_mask):
     """The model's last turn of an episode (its whole response if single-turn): the ids after the
-    last observation token (run_episodes ends an episode on a model token)."""
+    last observation token (multiturn.run_episodes ends an episode on a model token)."""
     return ids[len(action_mask) - action_mask[::-1].index(0):] if 0 in action_mask else ids
 
 
@@ -199,29 +175,23 @@ def gather_or_stop(share, what):
 
 
 def rollouts(engine, task, cfg, step, start):
-    """Collective (every rank). Every sample of the step, {global index: sample}, on every rank,
-    and the rollout's metrics: rollout_samples (this rank's engine generated), rollout_prompts
-    (the prompts drawn: the stream's position advances by it), and under dynamic sampling its
-    own (keep_groups). Each sample exists once, drawn by the rank it is generated_by (vLLM's
-    sampling is not bit-identical across GPUs, so the ranks of a dp slice must not mix copies);
-    one all-gather a round hands every rank the whole batch, whose lengths then decide the
-    update's split over dp ranks. replay_rollouts: a dumped step's samples instead, as they were
-    kept and shaped (whatever the config now says of dynamic sampling and overlong shaping)."""
-    if cfg.replay_rollouts:  # every rank reads the whole step (and refuses a bad dump alike)
-        try:
-            every = load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
-        except TaskError as e:
-            raise SystemExit(f"replay error: {e}" if dist.get_rank() == 0 else 1) from None
-        return every, dict(rollout_samples=0, rollout_prompts=cfg.prompts_per_step)
-    if cfg.dynamic_sampling:  # DAPO's: rounds until enough groups vary (after "Beyond one step")
-        every, metrics = dynamic_rounds(engine, task, cfg, step, start)
-    else:
-        every, generated = draw_round(engine, task, cfg, step, start, 0)
-        metrics = dict(rollout_samples=generated, rollout_prompts=cfg.prompts_per_step)
+    """Collective (every rank). Every sample of the step, {global index: sample}, on every rank;
+    the number of prompts drawn (the prompt stream's position advances by it); and the rollout's
+    metrics: rollout_samples (this rank's engine generated), rollout_prompts (drawn), and what
+    an extension that shapes the samples adds (dapo.py). Each sample exists once, drawn by the
+    rank it is generated_by (vLLM's sampling is not bit-identical across GPUs, so the ranks of a
+    dp slice must not mix copies); one all-gather a round hands every rank the whole batch, whose
+    lengths then decide the update's split over dp ranks. Without an engine (replay_rollouts:
+    train_ppo.main makes none), a dumped step's samples instead (replayed)."""
+    if engine is None:
+        return replayed(cfg, step)
+    every, generated = draw_round(engine, task, cfg, step, start, 0)
+    drawn, found = cfg.prompts_per_step, dict(rollout_samples=generated)
+    # DAPO's dynamic sampling (more rounds, groups kept) and overlong shaping (dapo.py)
+    if cfg.dynamic_sampling or cfg.overlong_buffer or cfg.overlong_mask:
+        every, drawn, found = dapo.shape(engine, task, cfg, step, start, every, generated)
     engine.sleep()  # GPU: vLLM frees its memory for training
-    if cfg.overlong_buffer or cfg.overlong_mask:  # DAPO's too
-        overlong_shaping(every.values(), cfg)
-    return every, metrics
+    return every, drawn, dict(found, rollout_prompts=drawn)
 
 
 def draw_round(engine, task, cfg, step, start, before):
@@ -311,17 +281,15 @@ _pending = []
 def dump_rollouts(every: dict, rewards, cfg, step: int) -> None:
     """Rank 0: every sample of the step ({global index: sample}) to out_dir/rollouts/step_N.jsonl,
     one JSON line each, with the task's rule as `task_score` and beside it `reward`, what it was
-    trained on (`rewards`, (N,) by global index: a reward model's score, else the task's, each
-    with its overlong penalty).
+    trained on (`rewards`, (N,) by global index: its rule_reward, or a reward model's score).
     Written in the background, atomically (temp file, then rename): the samples must not change
     afterwards. Waits for the previous dump first."""
     if dist.get_rank() != 0:
         return
     wait_for_dumps()
-    # (N,) one host read, where the reward is not the task's score alone
-    trained_on = rewards.tolist() if cfg.reward_model or cfg.overlong_buffer else None
+    trained_on = rewards.tolist()  # (N,) one host read
     for j, sample in every.items():
-        sample["reward"] = sample["task_score"] if trained_on is None else trained_on[j]
+        sample["reward"] = trained_on[j]
     path = os.path.join(cfg.out_dir, "rollouts", f"step_{step}.jsonl")
     _pending.append(_DUMPS.submit(_write_jsonl, path,
                                   sorted(every.values(), key=lambda s: s["index"])))
@@ -401,7 +369,7 @@ def sample(logits, seeds, position, temperature):
 # It is refit after every step by vLLM's code path (`refit`, above): it samples the current policy.
 
 class HFEngine:
-    serves_adapters = False  # under LoRA the trainer refits it with merged weights
+    serves_adapters = False  # refit sends it every weight (under LoRA merged: lora.py)
 
     def __init__(self, model_dir: str, device: torch.device, stop_ids: list, dtype=torch.float32):
         self.device = device
@@ -573,20 +541,12 @@ class VLLMEngine:
         else:
             kwargs.update(enforce_eager=True,  # no compile step on CPU
                           kv_cache_memory_bytes=cfg.vllm_kv_cache_gb * 2**30)  # else 90% of RAM
-        # LoRA: the engine serves the base with the adapters beside it (vLLM's punica kernels; on
-        # CPU punica_cpu.py), and refit sends the adapters alone (load_adapter). vLLM takes ranks
-        # from a fixed set: the smallest that holds ours
-        self.serves_adapters = cfg.lora_rank > 0
-        self.adapter = None  # the LoRARequest every generate passes; None: the base alone
-        if cfg.lora_rank:
-            from vllm.config.lora import MaxLoRARanks  # a Literal of the ranks vLLM accepts
-            ranks = typing.get_args(MaxLoRARanks)
-            kwargs.update(enable_lora=True, max_loras=1,
-                          max_lora_rank=min(r for r in ranks if r >= cfg.lora_rank))
-            # GPU only: every request carries the adapter, so one set of CUDA graphs, with LoRA
-            # (vLLM's default captures a second set without it: twice the start-up)
-            if self.on_gpu:
-                kwargs.update(compilation_config=dict(cudagraph_specialize_lora=False))
+        # whether refit sends adapters alone (train_ppo.refit), and the LoRARequest every generate
+        # passes (None: the base alone): LoRA's, lora.py
+        self.serves_adapters, self.lora_request = False, None
+        if cfg.lora_rank:  # LoRA: vLLM serves the adapters beside the base (lora.py)
+            kwargs.update(lora.vllm_options(cfg, self.on_gpu))
+            self.serves_adapters = True
         with _trainer_state_kept():
             self.llm = LLM(**kwargs)  # a collective: every rank constructs it together
         # in-process handles, possible only without multiprocessing: refit writes here
@@ -623,7 +583,7 @@ class VLLMEngine:
         with _trainer_state_kept():
             for ks in calls:  # in prompt order
                 outs += self.llm.generate([prompts[k] for k in ks], [params[k] for k in ks],
-                                          use_tqdm=False, lora_request=self.adapter)
+                                          use_tqdm=False, lora_request=self.lora_request)
         samples = [out.outputs[0] for out in outs]
         # sample.logprobs: one {token id: Logprob} per step, the sampled token among them
         return [(list(s.token_ids), [step[t].logprob for t, step in zip(s.token_ids, s.logprobs)])
@@ -658,25 +618,9 @@ class VLLMEngine:
         # cached KV blocks were computed by the old weights
         self.llm.reset_prefix_cache()
 
-    def load_adapter(self, path):
-        """LoRA's refit: serve the PEFT adapter dir at `path` (model_parallel.save_adapter) from the
-        next generate on. vLLM caches an adapter by its id: a request of a known id is served from
-        the cache, the dir unread, and would sample the old policy (a stale refit). add_lora with
-        load_inplace=True reads the dir into that slot now, once; each generate then passes the
-        plain request (load_inplace on every request would read the dir at every decode step).
-        Every request carries it: vLLM 0.32 serves a request without one, batched with adapted
-        ones, with the adapter of the last slot."""
-        from vllm.lora.request import LoRARequest
-        self.wake_up(["weights", "kv_cache"])  # GPU only: the base, kept in host memory by sleep()
-        with _trainer_state_kept():
-            self.llm.llm_engine.add_lora(LoRARequest("policy", 1, path, load_inplace=True))
-        self.adapter = LoRARequest("policy", 1, path)
-        # cached KV blocks were computed by the old adapters (the cache keys on the name and path)
-        self.llm.reset_prefix_cache()
-
     def sleep(self):
-        # GPU only: level 2 drops weights and KV cache; refit rewrites every weight. Under LoRA
-        # refit sends the adapters alone: level 1 keeps the base weights in host memory
+        # GPU only: level 2 drops weights and KV cache; refit rewrites every weight. Where refit
+        # sends adapters alone (lora.py), level 1 keeps the base weights in host memory
         if self.on_gpu:
             self.llm.sleep(level=1 if self.serves_adapters else 2)
             self.asleep = {"weights", "kv_cache"}
@@ -703,11 +647,13 @@ def make_engine(cfg, model_dir: str, device: torch.device, eos_id):
 
 
 def engine_dtype(cfg) -> torch.dtype:
-    """The engine's dtype: engine_dtype, or ("auto") the trainer's compute dtype. A bf16 engine
-    under an fp32 trainer samples from another policy than the one the trainer computes (the
-    mismatch the off-policy correction weighs; on a GPU the usual case)."""
-    name = cfg.dtype if cfg.engine_dtype == "auto" else cfg.engine_dtype
-    return torch.bfloat16 if name == "bf16" else torch.float32
+    """The engine's dtype: the trainer's compute dtype, unless offpolicy.py's engine_dtype sets
+    another (a bf16 engine under an fp32 trainer samples from another policy than the one the
+    trainer computes: the mismatch the off-policy correction weighs, on a GPU the usual case)."""
+    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    if cfg.engine_dtype != "auto":
+        dtype = offpolicy.engine_dtype(cfg)
+    return dtype
 
 
 # -----------------------------------------------------------------------------
@@ -794,85 +740,6 @@ class ToyTask:
         (default 1.0, a rule's full reward): a graded task sets its own bar, e.g. solved_at =
         10.0 for marks out of 10, or 0.9 for a partial credit that counts."""
         return float(ended == "stop" and text.strip() == answer)
-
-
-    # Multi-turn episodes (docs/multiturn.md): a task may also define
-    #     observe(self, turn: list, episode: list) -> Optional[list]
-    # called after each model turn that ended by a stop token (the last allowed one too: a call
-    # there is counted, and ends the episode as "max_turns"), with that turn's ids and the whole
-    # episode so far (prompt + response, ending with the turn). It returns the ids to append (a
-    # tool's output, formatted as its chat template formats a tool message: chat_tool_message), or
-    # None: the episode is over. A task without it is single-turn. It must be deterministic (the
-    # ranks of a vLLM group each run it on the same turn). ToyToolTask below has one.
-
-
-class ToyToolTask(ToyTask):
-    """A task where a tool is the difference (docs/multiturn.md): sums of two-digit numbers,
-    "23+45=", which the toy model cannot learn to add in minutes, and a calculator it can call.
-    A turn "?" (then EOS) calls it on the prompt's sum; the observation is its result in brackets,
-    "[68]", and the model's next turn should copy it: "?<eos>[68]68<eos>". The reward (ToyTask's)
-    reads the last turn: 1 for the exact sum, if the model stopped. Its SFT target is that whole
-    trace, the tool's output masked. With tool=False (max_turns=1: the tool taken away) the target
-    is the direct answer instead, "68<eos>", so that the comparison is against a model taught to
-    answer, not one taught to call a missing tool."""
-
-    facts = [(f"{a}+{b}=", str(a + b)) for a in range(10, 100) for b in range(10, 100)]
-
-    def __init__(self, seed: int, tool: bool = True):
-        super().__init__(seed)
-        self.tool = tool
-
-    def observe(self, turn, episode):
-        if self.decode(turn) != "?":  # an answer: the episode is over
-            return None
-        a, b = re.match(r"(\d+)\+(\d+)=", self.decode(episode)).groups()  # the prompt
-        return self.tok.encode(f"[{int(a) + int(b)}]")
-
-    def target(self, answer):
-        if not self.tool:
-            return super().target(answer)
-        call, observation = self.tok.encode("?") + [self.eos_id], self.tok.encode(f"[{answer}]")
-        ids = call + observation + self.tok.encode(answer) + [self.eos_id]
-        return ids, [1] * len(call) + [0] * len(observation) + [1] * (len(answer) + 1)
-
-
-def chat_tool_message(tok, content: str, role: str = "tool", stop_ids=None, name: str = "tool",
-                      max_tokens=None) -> list:
-    """The ids to append after a model turn (ended by a stop token: `stop_ids`, default the
-    tokenizer's EOS; Llama 3 ends a turn with <|eot_id|>, or <|eom_id|> after a call) for a tool
-    message `content`, up to the opening of the assistant's next turn, as the tokenizer's chat
-    template writes them: the difference of two renderings of one conversation, without and with
-    the message (TRL's way). The conversation's assistant turn carries a call of the tool `name`,
-    as a real one would: some templates write the tool message's header from the call (TRL notes
-    it), or refuse a tool message that answers none. What the template puts after the turn's stop
-    token (ChatML's "\n") comes with it, so the episode's ids are the template's rendering of the
-    whole conversation. The role is the template's: "tool"
-    (Qwen2.5 wraps it in <tool_response> tags inside a user turn), "ipython" (Llama 3.1). Refused
-    (TaskError) where the template writes the earlier turns differently once the message follows
-    (e.g. one that drops past reasoning): no appended ids could match it.
-
-    max_tokens: a bound on the content, in tokens, of the task's choosing: a longer content is cut
-    to it and marked "...(truncated)" (verl's max_tool_response_length does the same). Without a
-    bound, an output that leaves no room for another turn ends the episode instead ("context");
-    a message is never cut mid-template."""
-    words = tok.encode(content, add_special_tokens=False)  # the content's tokens
-    if max_tokens is not None and len(words) > max_tokens:
-        content = tok.decode(words[:max_tokens]) + "...(truncated)"
-    call = {"type": "function", "function": {"name": name, "arguments": {}}}
-    chat = [{"role": "user", "content": "1"},
-            {"role": "assistant", "content": "2", "tool_calls": [call]}]
-    before = list(tok.apply_chat_template(chat, tokenize=True, return_dict=False))
-    after = list(tok.apply_chat_template(chat + [{"role": role, "content": content, "name": name}],
-                                         tokenize=True, add_generation_prompt=True,
-                                         return_dict=False))
-    stops = [tok.eos_token_id] if stop_ids is None else stop_ids
-    ends = [i + 1 for i, t in enumerate(before) if t in stops]  # after a turn's stop token
-    if not ends or after[:ends[-1]] != before[:ends[-1]]:
-        raise TaskError(f"the chat template does not end an assistant turn with a stop token "
-                        f"({stops}: pass the turn's stop_ids), or writes it differently once a "
-                        f"{role} message follows: observations cannot be appended to the sampled "
-                        "ids (render the episode yourself in observe)")
-    return after[ends[-1]:]
 
 
 # -----------------------------------------------------------------------------
@@ -1086,145 +953,14 @@ def sft_examples(task, cfg, step: int, dp_rank: int, dp_size: int):
 
 def make_task(cfg, model_dir: str, model_vocab_size: Optional[int] = None):
     """The config's task; model_vocab_size: the checkpoint's (default: its config.json's)."""
-    # max_turns=1: toy_tool without its tool, and without it in the warm-up's targets
-    toys = {"toy_add": ToyTask, "toy_tool": lambda seed: ToyToolTask(seed, tool=cfg.max_turns > 1)}
-    if cfg.task in toys:
-        return toys[cfg.task](cfg.seed)
+    if cfg.task == "toy_add":
+        return ToyTask(cfg.seed)
+    if cfg.task == "toy_tool":  # multiturn.py's; max_turns=1: without its tool, in the warm-up too
+        return multiturn.ToyToolTask(cfg.seed, tool=cfg.max_turns > 1)
+    if cfg.task != "gsm8k":
+        raise TaskError(f"task={cfg.task} is an extension's task, and this tree has not got it")
     return GSM8KTask(cfg, model_dir,
                      model_vocab_size or AutoConfig.from_pretrained(model_dir).vocab_size)
-
-
-def validation(engine, task, cfg) -> dict:
-    """Collective (every rank): greedy accuracy on the held-out prompts (val_accuracy), and with
-    val_pass_k = k pass@k (val_pass@k) from val_samples = n samples a prompt at the training
-    temperature: per prompt with c of its n correct, the unbiased estimator of Chen et al.
-    (2021, "Evaluating large language models trained on code"), 1 - C(n - c, k) / C(n, k), the
-    chance that k samples drawn from the n without replacement hold a correct one.
-
-    The prompts are split over the vLLM groups (rollout_tp_size consecutive ranks pass identical
-    requests), the sums added. The samples' seeds are keyed (-1, the prompt, the sample): the same
-    at every evaluation, and never a training step's. A bad observation stops every rank with one
-    line (gather_or_stop)."""
-    groups = dist.get_world_size() // cfg.rollout_tp_size
-    first = dist.get_rank() // cfg.rollout_tp_size  # this group's prompts: first, first + groups..
-    mine = task.val[first::groups]
-    n = cfg.val_samples if cfg.val_pass_k else 0
-    try:
-        # greedy (no seeds), then n samples a prompt
-        greedy = solved(task, run_episodes(engine, task, cfg, [task.encode(q) for q, _ in mine],
-                                           [(0, 0, 0)] * len(mine), 0.0), mine)
-        keys = [(-1, first + groups * i, k) for i in range(len(mine)) for k in range(n)]
-        outs = run_episodes(engine, task, cfg, [task.encode(q) for q, _ in mine for _ in range(n)],
-                            keys, cfg.temperature)
-        correct = solved(task, outs, [item for item in mine for _ in range(n)])
-        passed = sum(pass_at_k(n, sum(correct[i * n:(i + 1) * n]), cfg.val_pass_k)
-                     for i in range(len(mine))) if n else 0.0
-        sums = (sum(greedy), passed)
-    except TaskError as e:
-        sums = str(e)
-    # every member of a vLLM group counted the same prompts: divide by the group size
-    totals = [sum(column) / cfg.rollout_tp_size / len(task.val)
-              for column in zip(*gather_or_stop(sums, "task error"))]
-    out = {"val_accuracy": totals[0]}
-    if n:
-        out[f"val_pass@{cfg.val_pass_k}"] = totals[1]
-    return out
-
-
-def solved(task, outs, items) -> list:
-    """Whether each episode of run_episodes solved its (prompt, answer) item: its reward reaches
-    the task's solved_at (default 1.0). The reward reads the model's last turn, as in training
-    (generate_share)."""
-    at = getattr(task, "solved_at", 1.0)
-    return [task.reward(task.decode(last_turn(ids, mask)), answer, ended) >= at
-            for (ids, _, mask, _, ended), (_, answer) in zip(outs, items)]
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased pass@k of one prompt with c of its n samples correct (Chen et al., 2021)."""
-    if n - c < k:  # every k-subset holds a correct sample
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-# -----------------------------------------------------------------------------
-# DAPO's dynamic sampling (Yu et al., 2025, sec. 3.2; verl's filter_groups, OpenRLHF's
-# --dynamic_filtering): a prompt group whose samples all scored the same has zero advantage under
-# GRPO or RLOO and trains nothing, so rollouts draws more rounds of prompts until the step holds
-# prompts_per_step groups that vary. It reads the task's own score (task_score, the rule's), never
-# a shaped reward (an overlong penalty would make a group of equal answers look varied; NeMo-RL
-# #2431) nor a reward model's (which varies in every group: it would keep them all). Every rank
-# holds every sample (rollouts' all-gather), so every rank keeps the same groups.
-
-def dynamic_rounds(engine, task, cfg, step, start):
-    """Collective (every rank). Rounds of prompts_per_step prompts (draw_round) until the samples
-    hold prompts_per_step groups that vary, or dynamic_max_rounds were drawn; then the step's
-    batch (keep_groups). Returns (samples, metrics): rollout's, dynamic_rounds, and keep_groups'."""
-    every, generated, rounds = {}, 0, 0
-    while rounds < cfg.dynamic_max_rounds:
-        drawn, n = draw_round(engine, task, cfg, step, start, rounds * cfg.prompts_per_step)
-        every.update(drawn)
-        generated += n
-        rounds += 1
-        if len(varied_groups(every, cfg)) >= cfg.prompts_per_step:
-            break
-    every, metrics = keep_groups(every, cfg)
-    return every, dict(metrics, rollout_samples=generated, dynamic_rounds=rounds,
-                       rollout_prompts=rounds * cfg.prompts_per_step)
-
-
-def varied_groups(every, cfg) -> list:
-    """The prompt positions (index // samples_per_prompt) among `every` whose group's task scores
-    are not all equal, in the order drawn."""
-    K = cfg.samples_per_prompt
-    scores = {}
-    for j in sorted(every):
-        scores.setdefault(j // K, set()).add(every[j]["task_score"])
-    return [g for g, seen in scores.items() if len(seen) > 1]
-
-
-def keep_groups(every, cfg):
-    """The step's batch from its rounds: the first prompts_per_step varied groups, in the order
-    drawn, re-indexed 0.. so that group g holds indices g*K .. g*K + K - 1, as the group
-    estimators read them (a sample keeps its drawn index as `drawn`). After the last round with
-    too few, the newest groups that did not vary fill the batch: a full batch keeps every size
-    the config divided (dp, minibatches) and a run goes on, where verl raises; under GRPO or RLOO
-    their task scores give them no advantage (only unequal overlong penalties would). Returns
-    (samples, metrics): dynamic_kept_fraction, the varied groups over the groups drawn, and
-    dynamic_filled_groups."""
-    K, P = cfg.samples_per_prompt, cfg.prompts_per_step
-    drawn = sorted({j // K for j in every})
-    varied = varied_groups(every, cfg)
-    kept = varied[:P]
-    filled = [g for g in drawn if g not in varied][::-1][:P - len(kept)]  # the newest first
-    samples = {}
-    for i, g in enumerate(sorted(kept + filled)):
-        for k in range(K):
-            samples[i * K + k] = dict(every[g * K + k], index=i * K + k, drawn=g * K + k)
-    metrics = dict(dynamic_kept_fraction=len(varied) / len(drawn),
-                   dynamic_filled_groups=len(filled))
-    return samples, metrics
-
-
-def overlong_shaping(samples, cfg) -> None:
-    """DAPO's length shaping (Yu et al., 2025, sec. 3.4), in place on each sample. Overlong
-    penalty, with overlong_buffer B > 0: a response of L model tokens (an episode's observations
-    are not counted) past max_new_tokens - B gets
-        length_penalty = -overlong_penalty * min((L - (max_new_tokens - B)) / B, 1),
-    which the trainer adds to its reward (train_ppo.training_batch), never to task_score (what the
-    metrics and dynamic sampling read). As in DAPO's eq. 13 and verl, the penalty depends on the
-    length alone: a response that stops inside the buffer pays its share too, one cut off at
-    max_new_tokens pays it all (so does an episode of turns longer than one turn's budget).
-    Overlong mask (DAPO's overlong filtering), with overlong_mask: a response cut off by its token
-    budget (ended "length") gets a loss_mask of 0s: its tokens leave the loss and token-mean's
-    count, while the seq-mean modes still count it among the minibatch's sequences (as verl's
-    global batch size does); its reward still counts in its group's baseline."""
-    for s in samples:
-        if cfg.overlong_buffer:
-            past = sum(s["action_mask"]) - (cfg.max_new_tokens - cfg.overlong_buffer)
-            s["length_penalty"] = -cfg.overlong_penalty * min(max(past, 0) / cfg.overlong_buffer, 1)
-        if cfg.overlong_mask and s["ended"] == "length":
-            s["loss_mask"] = [0] * len(s["action_mask"])
 
 
 # -----------------------------------------------------------------------------
@@ -1235,6 +971,18 @@ def _write_jsonl(path: str, samples: list) -> None:
     with open(path + ".tmp", "w") as f:
         f.writelines(json.dumps(s) + "\n" for s in samples)
     os.replace(path + ".tmp", path)
+
+
+def replayed(cfg, step):
+    """rollouts' return for a step of replay_rollouts: every rank reads the whole dumped step (and
+    refuses a bad dump alike, one line), its samples as they were kept and shaped (whatever the
+    config now says), the prompts drawn as a step of prompts_per_step draws them."""
+    try:
+        every = load_rollouts(os.path.join(cfg.replay_rollouts, f"step_{step}.jsonl"))
+    except TaskError as e:
+        raise SystemExit(f"replay error: {e}" if dist.get_rank() == 0 else 1) from None
+    drawn = cfg.prompts_per_step
+    return every, drawn, dict(rollout_samples=0, rollout_prompts=drawn)
 
 
 def load_rollouts(path: str) -> dict:
@@ -1252,8 +1000,14 @@ def load_rollouts(path: str) -> dict:
                 raise TaskError(f"{path}:{number}: the sample has no {', '.join(missing)}: "
                                 "a dump of an older version of this trainer; "
                                 "generate the rollouts again")
-            # a dump written before task_score was its own key: its reward is the task's score
+            # a dump written before task_score was its own key: its reward is the task's score;
+            # one written before rule_reward and loss_mask were: what it was trained on, the task's
+            # score plus DAPO's overlong penalty (the one shaping then), and the model's tokens
+            # (or DAPO's overlong mask, which such a dump holds as loss_mask already)
             sample.setdefault("task_score", sample["reward"])
+            sample.setdefault("rule_reward",
+                              sample["task_score"] + sample.get("length_penalty", 0.0))
+            sample.setdefault("loss_mask", sample["action_mask"])
             # the score sits on the last token, which must be an action (run_episodes ends so)
             if sample["action_mask"][-1:] != [1]:
                 raise TaskError(f"{path}:{number}: the response's last token is not the model's "
@@ -1271,3 +1025,11 @@ def close(engine) -> None:
         engine.shutdown()
     elif dist.is_initialized():
         dist.destroy_process_group()
+
+
+# The extensions this module calls (extensions/, README's "Extensions"), imported last: each one
+# imports this module, and multiturn.py's task subclasses ToyTask, which must exist by then.
+from extensions import dapo  # noqa: E402
+from extensions import lora  # noqa: E402
+from extensions import multiturn  # noqa: E402
+from extensions import offpolicy  # noqa: E402

@@ -72,9 +72,9 @@ import signal
 import sys
 import time
 from collections import Counter
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import NamedTuple, Optional
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Callable, NamedTuple, Optional
 
 import config
 
@@ -82,6 +82,8 @@ import config
 # transformers are imported (10 s and more). torchrun sets WORLD_SIZE.
 if __name__ == "__main__":
     CFG = config.load(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    # the extensions import this module as `train_ppo`: the running script, not a second copy
+    sys.modules["train_ppo"] = sys.modules["__main__"]
 
 import torch  # noqa: E402  (after the config check, on purpose)
 import torch.distributed as dist  # noqa: E402
@@ -92,6 +94,14 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 
 import model_parallel  # noqa: E402
 import rollout  # noqa: E402
+# the extensions this module calls, by name where each acts (extensions/, README's "Extensions")
+from extensions import dapo  # noqa: E402
+from extensions import distill  # noqa: E402
+from extensions import evaluation  # noqa: E402
+from extensions import gspo  # noqa: E402
+from extensions import lora  # noqa: E402
+from extensions import multiturn  # noqa: E402
+from extensions import offpolicy  # noqa: E402
 
 
 # -----------------------------------------------------------------------------
@@ -108,55 +118,64 @@ import rollout  # noqa: E402
 @dataclass
 class Batch:
     """This rank's sequences as right-padded (b, S) tensors, in the alignment of the module
-    docstring. training_batch makes it with the rows and the task's scores; each later phase
-    returns the values it computes and ppo_step names every field it sets (dataclasses.replace):
-    the reward of step 3, score()'s of step 4, compute_advantages()'s of steps 5-6. A field the
+    docstring. training_batch makes it with the rows, their rewards and the task's scores; each
+    later phase returns the values it computes and ppo_step names every field it sets
+    (dataclasses.replace): score()'s of step 4, compute_advantages()'s of steps 5-6. A field the
     step has set is None only where the run has no such thing (values and returns without a
     critic; entropy with old_logprobs=engine or log_entropy=false)."""
     ids: torch.Tensor  # (b, S) prompt + response token ids, pad_id after the end
-    mask: torch.Tensor  # (b, S) 1 on response tokens (the loss's: overlong_mask may zero a row)
+    mask: torch.Tensor  # (b, S) 1 on the response tokens in the loss (each sample's loss_mask)
     engine_lp: torch.Tensor  # (b, S) the engine's logprob of each response token
     lens: list  # b ints: prompt + response tokens of each row
     unscored: int  # the shortest prompt: leading positions that no row scores
+    # (b, S) each token's weight in the policy loss: 1, or an extension's (offpolicy.py)
+    weight: torch.Tensor
     index: Optional[list] = None  # b ints: each row's global sample index
     task_score: Optional[torch.Tensor] = None  # (b,) the task's rule-based score of each row
-    length_penalty: Optional[torch.Tensor] = None  # (b,) DAPO's overlong shaping, 0 when off
-    reward: Optional[torch.Tensor] = None  # (b,) what it is trained on: that, or a reward model's
+    # (b,) what each row is trained on: its sample's rule_reward (the task's score, plus any
+    # shaping an extension adds), or with a reward model that model's score in the task's place
+    reward: Optional[torch.Tensor] = None
     old_lp: Optional[torch.Tensor] = None  # (b, S) policy that sampled, as the trainer computes it
     ref_lp: Optional[torch.Tensor] = None  # (b, S) reference (initial) policy; None at kl_coef 0
-    teacher_lp: Optional[torch.Tensor] = None  # (b, S) distillation's teacher, if any
     entropy: Optional[torch.Tensor] = None  # (b, S) of the policy's next-token distribution
     values: Optional[torch.Tensor] = None  # (b, S) critic before the update (gae only)
     advantages: Optional[torch.Tensor] = None  # (b, S)
     returns: Optional[torch.Tensor] = None  # (b, S) value targets (gae only)
+    # (b, S) tensors an extension computes without grad and reads in the loss, by name
+    # (distill.py's teacher_lp)
+    extra: dict = field(default_factory=dict)
 
 
 def ppo_step(progress, models, engine, task, cfg, mesh):
     """Collective (every rank). One PPO step, phases 1-10 of the module docstring in order, each
     handing what it computed to the next; `progress` holds the steps done and the prompt stream's
-    position (main advances both after the step). Returns the step's metrics and the names of the
-    loss terms the update reported, in its order."""
+    position (main advances both after the step). Returns the step's metrics, the names of the
+    loss terms the update reported (in its order) and the number of prompts the step drew."""
     step = progress["step"]
-    evaluate = engine is not None and bool(task.val) and cfg.eval_every > 0
     metrics = {"step": step}  # and each phase's wall time (timed)
     with timed(metrics, "time_step_s"):
-        if evaluate and step % cfg.eval_every == 0:  # before the step's update
-            metrics.update(rollout.validation(engine, task, cfg))  # greedy, and pass@k
         with timed(metrics, "time_rollout_s"):  # 1-2. prompts, rollout (and the task's scores)
             start = progress["prompts_drawn"]  # the prompt stream's position
-            every, drawn = rollout.rollouts(engine, task, cfg, step, start)
-            metrics.update(drawn)  # samples generated, prompts drawn (main advances the stream)
-            metrics.update(rollout.episode_metrics(every.values()))  # turns, tool calls, endings
+            every, drawn, found = rollout.rollouts(engine, task, cfg, step, start)
+            metrics.update(found)  # samples generated, prompts drawn
+            metrics.update(rollout.episode_metrics(every.values()))  # length, turns, endings
             batch = training_batch(every, cfg, mesh, task.pad_id, mesh.device_type)
         # 3-6. the reward, forward passes, advantages
         with timed(metrics, "time_logprobs_s"), torch.no_grad():
-            # 3. the reward: the task's rule, or a learned reward model's score
-            reward = (batch.task_score if models.reward_model is None
-                      else reward_model_scores(models.reward_model, batch, cfg, mesh))
-            reward = reward + batch.length_penalty  # DAPO's overlong shaping (training_batch)
-            old_lp, entropy, ref_lp, values, teacher_lp = score(models, batch, cfg, mesh)  # 4.
+            reward = batch.reward  # 3. the samples' own: the task's rule (and any shaping)
+            if models.reward_model is not None:  # or a learned reward model's score for the rule
+                reward = reward_model_scores(models.reward_model, batch, cfg, mesh)  # (b,)
+            old_lp, entropy, ref_lp, values = score(models, batch, cfg, mesh)  # 4.
             batch = replace(batch, reward=reward, old_lp=old_lp, entropy=entropy, ref_lp=ref_lp,
-                            values=values, teacher_lp=teacher_lp)
+                            values=values)
+            # the extensions' work without grad: each returns the batch with what its loss reads,
+            # and its metrics
+            if cfg.teacher:  # on-policy distillation: the teacher's logprobs (distill.py)
+                batch, found = distill.teacher_pass(models.extra["teacher"], batch, cfg, mesh)
+                metrics.update(found)
+            if cfg.offpolicy_is != "off" or cfg.offpolicy_reject != "off":  # (offpolicy.py)
+                batch, found = offpolicy.weigh(batch, cfg, mesh)  # each token's weight
+                metrics.update(found)
             all_rewards = global_rewards(batch, len(every), mesh)  # (N,)
             advantages, returns = compute_advantages(batch, all_rewards, cfg, mesh)  # 5-6.
             batch = replace(batch, advantages=advantages, returns=returns)
@@ -171,12 +190,9 @@ def ppo_step(progress, models, engine, task, cfg, mesh):
             if engine is not None:
                 metrics.update(refit(engine, models.parts["policy"].model, cfg))
         rollout.dump_rollouts(every, all_rewards, cfg, step)  # rank 0, in the background
-        if evaluate and step + 1 == cfg.steps:  # the policy that is exported: after the last update
-            final = rollout.validation(engine, task, cfg)
-            metrics.update({f"final_{name}": value for name, value in final.items()})
         named = step_metrics(batch, sums, cfg, mesh)  # 10. one all-reduce, then named means
     metrics.update(named, tokens_per_s=named["tokens"] / metrics["time_step_s"])
-    return metrics, list(sums.losses)
+    return metrics, list(sums.losses), drawn
 
 
 @contextmanager
@@ -191,8 +207,9 @@ def timed(times, name):
 
 def training_batch(every, cfg, mesh, pad_id, device):
     """This rank's rows of the step's samples (`every`: {global index: sample}) for steps 3-8, as a
-    Batch on `device`: its part of each global minibatch (balanced_split; the cp x tp
-    ranks of a dp slice get the same rows), with the task's scores."""
+    Batch on `device`: its part of each global minibatch (balanced_split; the cp x tp ranks of a
+    dp slice get the same rows), with what every sample carries: its tokens in the loss
+    (loss_mask), the reward it is trained on (rule_reward) and the task's score."""
     lengths = [len(every[j]["prompt_ids"]) + len(every[j]["response_ids"])
                for j in range(len(every))]
     per_rank = len(every) // cfg.num_minibatches // mesh["dp"].size()  # rows of a minibatch
@@ -205,14 +222,12 @@ def training_batch(every, cfg, mesh, pad_id, device):
     split = balanced_split(lengths, cfg.num_minibatches, mesh["dp"].size(), chunk)
     index = split[mesh["dp"].get_local_rank()]
     samples = [every[j] for j in index]
-    # DAPO's overlong shaping (rollout.overlong_shaping) may give a sample a length penalty, and
-    # take a cut-off response out of the loss (a loss_mask of 0s)
     batch = make_batch([s["prompt_ids"] for s in samples], [s["response_ids"] for s in samples],
                        pad_id, [s["engine_logprobs"] for s in samples], device,
-                       [s.get("loss_mask", s["action_mask"]) for s in samples])
+                       [s["loss_mask"] for s in samples])
     task_score = torch.tensor([s["task_score"] for s in samples], device=device)  # (b,)
-    penalty = torch.tensor([s.get("length_penalty", 0.0) for s in samples], device=device)
-    return replace(batch, index=index, task_score=task_score, length_penalty=penalty)
+    reward = torch.tensor([s["rule_reward"] for s in samples], device=device)  # (b,)
+    return replace(batch, index=index, task_score=task_score, reward=reward)
 
 
 def balanced_split(lengths, num_minibatches, dp_size, chunk=1):
@@ -279,29 +294,24 @@ def make_batch(prompts, responses, pad_id, engine_logprobs=None, device="cpu", a
         if engine_logprobs is not None:
             engine_lp[i, len(p):lens[i]] = torch.tensor(engine_logprobs[i], dtype=torch.float32)
     return Batch(ids.to(device), mask.to(device), engine_lp.to(device), lens,
-                 min(map(len, prompts)))
+                 min(map(len, prompts)), weight=torch.ones(ids.shape, device=device))
 
 
 def score(models, batch, cfg, mesh):
     """Collective over the mesh. Step 4, the passes without grad (ppo_step runs steps 3-6 under
-    no_grad), as (old_lp, entropy, ref_lp, values, teacher_lp), each (b, S) or None: the old
-    policy's logprobs and entropy (or the engine's logprobs), the reference's logprobs (the
-    initial weights swapped into the same module, or under LoRA the adapters switched off; no
-    pass at kl_coef 0, where nothing reads them), the critic's values, and a distillation
-    teacher's logprobs."""
+    no_grad), as (old_lp, entropy, ref_lp, values), each (b, S) or None: the old policy's
+    logprobs and entropy (or the engine's logprobs), the reference's logprobs (the policy
+    computing as the reference: models.reference; no pass at kl_coef 0, where nothing reads
+    them), and the critic's values."""
     policy = models.parts["policy"].model
     # old_logprobs=engine: the engine's logprobs stand for pi_old, one policy forward fewer
     old_lp, entropy = batch.engine_lp, None
     if cfg.old_logprobs == "trainer":  # pi_old as the trainer computes it
         old_lp, entropy = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
                                         with_entropy=cfg.log_entropy, unscored=batch.unscored)
-    # the reference is the same module: under LoRA with its adapters off, else with the initial
-    # weights swapped in (build_models keeps no snapshot at kl_coef 0)
     ref_lp = None
-    if cfg.kl_coef > 0:  # (at 0 nothing reads the reference: no pass)
-        reference = (model_parallel.adapters_off(policy) if cfg.lora_rank
-                     else model_parallel.swapped_weights(policy, models.reference))
-        with reference:
+    if models.reference is not None:  # the same module, as the initial policy (build_models)
+        with models.reference():
             ref_lp, _ = forward_batch(model_parallel.forward_policy, policy, batch, cfg, mesh,
                                       unscored=batch.unscored)
     values = None
@@ -309,9 +319,7 @@ def score(models, batch, cfg, mesh):
         critic = models.parts["critic"].model
         (values,) = forward_batch(model_parallel.forward_critic, critic, batch, cfg, mesh)
         values = values * batch.mask  # (b, S)
-    # on-policy distillation: teacher_logprobs, after the banner "Beyond one step"
-    teacher_lp = None if models.teacher is None else teacher_logprobs(models, batch, cfg, mesh)
-    return old_lp, entropy, ref_lp, values, teacher_lp
+    return old_lp, entropy, ref_lp, values
 
 
 def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
@@ -382,9 +390,28 @@ def compute_advantages(batch, all_rewards, cfg, mesh):
     return advantages, returns
 
 
-def ratio_from_log(log_ratio):
-    """exp of a log-ratio clamped to +-20 (as verl does): one wild token must not make inf/NaN."""
-    return torch.exp(log_ratio.clamp(-20.0, 20.0))
+def group_advantages(all_rewards, cfg):
+    """The critic-free estimators: every sample's advantage (N,) from the whole batch's rewards
+    (N,), prompt-major (a prompt's group may be split across dp ranks; compute_advantages puts
+    each on its response tokens). A new estimator is one more branch here, and its name in
+    config.Config.advantage_estimator's Literal."""
+    if cfg.advantage_estimator == "grpo":
+        return grpo_advantages(all_rewards, cfg.samples_per_prompt, cfg.grpo_norm_by_std)
+    return rloo_advantages(all_rewards, cfg.samples_per_prompt)
+
+
+def grpo_advantages(scores, group_size, norm_by_std=True, eps=1e-4):
+    """GRPO's outcome-supervised advantage (Shao et al., 2024, DeepSeekMath, sec. 4.1.2): each
+    response's score minus the mean of its prompt's group of `group_size` responses, divided
+    by the group's (unbiased) std; groups with equal scores get 0. scores: (N,) for the
+    *global* batch, prompt-major (response j belongs to prompt j // group_size).
+    norm_by_std=False is Dr. GRPO's (Liu et al., 2025): the mean is subtracted, nothing divided,
+    so a group that is nearly always right (small std) is not weighted up."""
+    groups = scores.view(-1, group_size)  # (N/K, K)
+    centred = groups - groups.mean(1, keepdim=True)  # (N/K, K)
+    if norm_by_std:
+        centred = centred / (groups.std(1, keepdim=True) + eps)  # (N/K, K)
+    return centred.view(-1)  # (N,)
 
 
 def kl_penalty(logprobs, ref_logprobs, kind="k1"):
@@ -403,6 +430,12 @@ def kl_penalty(logprobs, ref_logprobs, kind="k1"):
         log_ratio = log_ratio.clamp(-20.0, 20.0)  # (B, S)
         return (torch.expm1(-log_ratio) + log_ratio).clamp(max=10.0)  # (B, S) = (r - 1) - log r
     raise ValueError(f"unknown KL estimator {kind!r}")
+
+
+def masked_sum(x, mask, dim=None):
+    """The sum of x where mask is 1 (dim=None: over everything). Selected, not multiplied: an
+    inf outside the mask (exp of an observation token's log-ratio) must not make 0 * inf = NaN."""
+    return torch.where(mask.bool(), x, 0.0).sum(dim)
 
 
 def compute_gae(rewards, values, mask, gamma, lam):
@@ -443,10 +476,15 @@ def masked_whiten(x, mask, group=None, eps=1e-8):
     return ((x - mean) * torch.rsqrt(var + eps)).to(x.dtype) * mask
 
 
-def masked_sum(x, mask, dim=None):
-    """The sum of x where mask is 1 (dim=None: over everything). Selected, not multiplied: an
-    inf outside the mask (exp of an observation token's log-ratio) must not make 0 * inf = NaN."""
-    return torch.where(mask.bool(), x, 0.0).sum(dim)
+def value_loss(values, old_values, returns, value_clip):
+    """Clipped value loss (PPO2 baselines; "N+ details" #9), per token (B, S):
+        v_clip = V_old + clip(V - V_old, -c, c),  loss_t = 0.5 * max((V - R)^2, (v_clip - R)^2)
+    value_clip = 0 turns the clipping off (plain 0.5 * (V - R)^2)."""
+    loss = (values - returns) ** 2  # (B, S)
+    if value_clip > 0:
+        v_clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
+        loss = torch.maximum(loss, (v_clipped - returns) ** 2)  # (B, S)
+    return 0.5 * loss
 
 
 def update(parts, batch, cfg, mesh, train_policy=True):
@@ -455,29 +493,29 @@ def update(parts, batch, cfg, mesh, train_policy=True):
     train_policy=False (the critic's warm-up steps) updates the critic alone. Returns UpdateSums
     (a named tuple, in the set-up's section beside Models and Part); `skipped_updates` counts the
     optimizer steps skipped for a NaN/inf loss or norm."""
-    if cfg.offload_optimizer:  # AdamW's state back from host memory, to the batch's device
-        for part in parts.values():
-            model_parallel.move_optimizer_state(part.optimizer, batch.ids.device)
     per_minibatch = len(batch.lens) // cfg.num_minibatches  # rows of each minibatch on this rank
     # the models this update trains: the critic alone in its warm-up
     trained = [name for name in parts if name != "policy" or train_policy]
     sums = UpdateSums(Counter(), Counter(), Counter())
-    for epoch in range(cfg.ppo_epochs):
-        for first in range(0, len(batch.lens), per_minibatch):
-            rows = range(first, first + per_minibatch)
-            for name in trained:
-                losses, clipped, norm, stepped = train_minibatch(name, parts[name], rows, batch,
-                                                                 cfg, mesh)
-                sums.losses.update(losses)
-                sums.counts.update(clipped_tokens=clipped)
-                # the norm and the skip are global already: the same on every rank
-                sums.norms["grad_norm" if name == "policy" else f"{name}_grad_norm"] += norm
-                sums.norms["skipped_updates"] += int(not stepped)
+    # offload_optimizer: AdamW's state on the batch's device for the update, in host memory (where
+    # the engine generates) before and after
+    optimizers = [part.optimizer for part in parts.values()]
+    on_device = (model_parallel.optimizer_state_on(optimizers, batch.ids.device)
+                 if cfg.offload_optimizer else nullcontext())
+    with on_device:
+        for epoch in range(cfg.ppo_epochs):
+            for first in range(0, len(batch.lens), per_minibatch):
+                rows = range(first, first + per_minibatch)
+                for name in trained:
+                    losses, clipped, norm, stepped = train_minibatch(name, parts[name], rows,
+                                                                     batch, cfg, mesh)
+                    sums.losses.update(losses)
+                    sums.counts.update(clipped_tokens=clipped)
+                    # the norm and the skip are global already: the same on every rank
+                    sums.norms["grad_norm" if name == "policy" else f"{name}_grad_norm"] += norm
+                    sums.norms["skipped_updates"] += int(not stepped)
     for name in trained:  # (a policy not trained keeps its LR warm-up)
         parts[name].schedule.step()
-    if cfg.offload_optimizer:  # and out again: the engine gets the room
-        for part in parts.values():
-            model_parallel.move_optimizer_state(part.optimizer, "host")
     return sums
 
 
@@ -523,15 +561,14 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
     """The policy's loss on the batch rows `idx`, as named terms: train_minibatch minimizes
     their sum, and step_metrics logs each under its name (a mean over the step's optimizer steps).
 
-      policy_loss     the clipped surrogate (policy_loss), each token weighted by the off-policy
-                      correction's weight if one is on (offpolicy_weights)
-      entropy_loss    -entropy_coef * entropy, if entropy_coef > 0 (an entropy bonus: negative,
-                      so minimizing the loss raises the entropy)
+      policy_loss     the clipped surrogate (policy_loss), each token weighted by batch.weight (1,
+                      or an extension's: offpolicy.py's correction)
+      entropy_loss    -entropy_coef * entropy, if entropy_coef > 0 (train_minibatch then computes
+                      the entropy: an entropy bonus, negative, so minimizing the loss raises it)
       kl_loss         kl_coef * KL(pi || pi_ref), k3, for the critic-free estimators (grpo,
                       rloo) if kl_coef > 0 (gae puts the KL in the reward instead)
-      distill_loss    with a teacher: on-policy distillation's term (distill_loss), weighted by
-                      distill_coef; with distill_task=false it stands alone (no policy_loss)
 
+    and what an extension adds or replaces (distill.py's distill_loss; gspo.py's ratio).
     `lp`, `entropy`: (rows, S) of the current policy on batch.ids[idx] (entropy: None unless
     entropy_coef > 0). `aggregate(per_token, mask)` makes each (rows, S) loss one number, as
     loss_agg_mode says, with the global minibatch's counts (aggregate_loss): the shares of dp
@@ -552,36 +589,33 @@ def policy_loss_terms(lp, entropy, batch, idx, aggregate, cfg):
 
     Every rank must return the same names in the same order (their sums are all-reduced as one
     tensor: step_metrics)."""
-    mask = batch.mask[idx]  # (rows, S)
-    clip, sequence_mask = (cfg.clip_ratio, cfg.clip_ratio_high or None), None
-    if cfg.policy_loss_mode == "gspo":  # the sequence's ratio, in its own clip range (policy_loss)
-        clip, sequence_mask = (cfg.gspo_clip_ratio, cfg.gspo_clip_ratio_high), mask
-    surrogate, clipped = policy_loss(lp, batch.old_lp[idx], batch.advantages[idx], clip,
-                                     cfg.clip_ratio_c, sequence_mask)  # (rows, S) each
-    # the off-policy correction's weights (offpolicy_weights, after "Beyond one step"; distill_loss
-    # weighs its surrogate alike)
-    correcting = cfg.offpolicy_is != "off" or cfg.offpolicy_reject != "off"
-    weight = offpolicy_weights(batch, idx, cfg) if correcting else 1.0  # (rows, S)
-    surrogate = surrogate * weight
-    # (distill_task=false: pure distillation, the task's reward trains nothing)
-    terms = {"policy_loss": aggregate(surrogate, mask)} if cfg.distill_task else {}
-    if cfg.entropy_coef > 0:
+    mask, old_lp = batch.mask[idx], batch.old_lp[idx]  # (rows, S) each
+    log_ratio = lp - old_lp  # (rows, S) log pi / pi_old
+    clip = (cfg.clip_ratio, cfg.clip_ratio_high or None)
+    if cfg.policy_loss_mode == "gspo":  # the sequence's ratio, in a clip range of its own (gspo.py)
+        log_ratio = gspo.sequence_log_ratio(lp, old_lp, mask)  # (rows, S)
+        clip = (cfg.gspo_clip_ratio, cfg.gspo_clip_ratio_high)
+    surrogate, clipped = policy_loss(log_ratio, batch.advantages[idx], clip,
+                                     cfg.clip_ratio_c)  # (rows, S) each
+    terms = {"policy_loss": aggregate(surrogate * batch.weight[idx], mask)}
+    if entropy is not None:
         # minus: maximizing the entropy is minimizing this term
         terms["entropy_loss"] = -cfg.entropy_coef * aggregate(entropy, mask)
-    if cfg.advantage_estimator != "gae" and cfg.kl_coef > 0:
+    if cfg.advantage_estimator != "gae" and batch.ref_lp is not None:
         # DeepSeekMath eq. 3-4: beta * KL(pi || pi_ref) in the loss, k3 on the current policy.
         # Like the surrogate, it is a token mean over the global minibatch (DAPO, Yu et al. 2025;
         # Dr. GRPO, Liu et al. 2025), not eq. 3's mean over responses of per-response means,
         # which weights a short response's tokens more than a long one's.
         kl = kl_penalty(lp, batch.ref_lp[idx], "k3")  # (rows, S)
         terms["kl_loss"] = cfg.kl_coef * aggregate(kl, mask)
-    if batch.teacher_lp is not None:  # on-policy distillation: after the banner "Beyond one step"
-        terms["distill_loss"] = distill_loss(lp, batch, idx, aggregate, cfg, weight)
+    if cfg.teacher:  # on-policy distillation's term, beside the task's or alone (distill.py)
+        terms = distill.loss_terms(terms, lp, batch, idx, aggregate, cfg)
     return terms, masked_sum(clipped.float(), mask).detach()
 
 
-def policy_loss(logprobs, old_logprobs, advantages, clip, clip_ratio_c=0.0, sequence_mask=None):
-    """Clipped surrogate (Schulman et al., 2017, eq. 7), per token, as a loss to minimize:
+def policy_loss(log_ratio, advantages, clip, clip_ratio_c=0.0):
+    """Clipped surrogate (Schulman et al., 2017, eq. 7), per token, as a loss to minimize, from
+    each token's log ratio log(pi / pi_old):
         ratio = pi / pi_old,  loss_t = max(-A_t * ratio, -A_t * clip(ratio, 1-eps_lo, 1+eps_hi))
     clip = (eps_lo, eps_hi) (eps_hi None: eps_lo), or one number for both. An upper bound above
     the lower is DAPO's clip-higher (Yu et al., 2025): a rare token with A > 0 may grow further
@@ -589,23 +623,10 @@ def policy_loss(logprobs, old_logprobs, advantages, clip, clip_ratio_c=0.0, sequ
     Dual clip (Ye et al., 2020, "Mastering complex control in MOBA games"; verl's clip_ratio_c),
     if clip_ratio_c = c > 1: where A_t < 0 the loss is also capped at -A_t * c, so a token whose
     ratio has exploded cannot dominate the update. Returns (the per-token loss, which tokens were
-    clipped either way), both (B, S): aggregate_loss makes the loss one number.
-
-    GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"), with `sequence_mask` (B, S),
-    the response mask: every token of a sequence gets the sequence's ratio, clipped as one,
-        s_b = exp((1/L_b) sum_t m log(pi/pi_old)),
-    written as the paper's GSPO-token (eq. 13): on token t, the value log s_b, with the gradient
-    of log pi_t alone (log s_b - log pi_t detached + log pi_t). With seq-mean-token-mean the
-    gradient is GSPO's: A_b s_b (1/L_b) sum_t grad log pi_t per unclipped sequence. A row is one
-    whole sequence wherever this runs (cp gathers rows; packed rows are unpacked before any loss),
-    so the mean holds under every mesh."""
+    clipped either way), both (B, S): aggregate_loss makes the loss one number. (gspo.py passes a
+    sequence's log ratio on each of its tokens instead.)"""
     clip_ratio, clip_ratio_high = clip if isinstance(clip, tuple) else (clip, None)
     clip_ratio_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
-    log_ratio = logprobs - old_logprobs  # (B, S)
-    if sequence_mask is not None:
-        per_seq = (masked_sum(log_ratio, sequence_mask, -1)
-                   / sequence_mask.sum(-1).clamp(min=1))  # (B,)
-        log_ratio = per_seq.detach()[:, None] + logprobs - logprobs.detach()  # (B, S)
     ratio = ratio_from_log(log_ratio)  # (B, S)
     unclipped = -advantages * ratio  # (B, S)
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio_high)  # (B, S)
@@ -616,6 +637,11 @@ def policy_loss(logprobs, old_logprobs, advantages, clip, clip_ratio_c=0.0, sequ
         per_token = torch.where(dual, -advantages * clip_ratio_c, per_token)  # (B, S)
         is_clipped |= dual
     return per_token, is_clipped
+
+
+def ratio_from_log(log_ratio):
+    """exp of a log-ratio clamped to +-20 (as verl does): one wild token must not make inf/NaN."""
+    return torch.exp(log_ratio.clamp(-20.0, 20.0))
 
 
 def aggregate_loss(per_token, mask, mode="token-mean", num_tokens=None, num_seqs=None, norm=1.0):
@@ -675,17 +701,6 @@ def lr_factor(step, warmup_steps):
     return min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
 
 
-def value_loss(values, old_values, returns, value_clip):
-    """Clipped value loss (PPO2 baselines; "N+ details" #9), per token (B, S):
-        v_clip = V_old + clip(V - V_old, -c, c),  loss_t = 0.5 * max((V - R)^2, (v_clip - R)^2)
-    value_clip = 0 turns the clipping off (plain 0.5 * (V - R)^2)."""
-    loss = (values - returns) ** 2  # (B, S)
-    if value_clip > 0:
-        v_clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
-        loss = torch.maximum(loss, (v_clipped - returns) ** 2)  # (B, S)
-    return 0.5 * loss
-
-
 def memory_used_gb():
     """GPU: memory in use by any allocator (mem_get_info: vLLM's sleeping pool, back with the
     driver, would still count in max_memory_allocated). CPU: the peak resident set (ru_maxrss,
@@ -698,15 +713,11 @@ def memory_used_gb():
 
 
 def refit(engine, policy, cfg):
-    """Collective (every rank). Step 9: the policy into the engine; returns the refit's metrics.
-    Under LoRA, an engine that serves adapters (vLLM) gets the adapters alone: a PEFT dir in
-    out_dir, which it reloads in place, 1-5% of the bytes, and no bf16 rounding of W + s B A (a
-    merged bf16 refit drifted, NeMo-RL #3696). Else every weight (under LoRA merged), in buckets."""
-    if cfg.lora_rank and engine.serves_adapters:
-        path = os.path.join(cfg.out_dir, "refit_adapter")
-        nbytes = model_parallel.save_adapter(policy, path, cfg, cfg.model, engine.dtype)
-        engine.load_adapter(path)
-        return {"refit_bytes": nbytes}
+    """Collective (every rank). Step 9: the policy into the engine, every weight in buckets
+    (rollout.refit), each gathered in the engine's dtype (iter_full_params); returns the refit's
+    metrics. An engine that serves adapters beside the base (vLLM under LoRA) gets them alone."""
+    if engine.serves_adapters:  # (lora.py)
+        return lora.refit(engine, policy, cfg)
     return rollout.refit(engine, model_parallel.iter_full_params(policy, engine.dtype),
                          cfg.refit_bucket_mb)
 
@@ -728,18 +739,13 @@ def step_metrics(batch, sums, cfg, mesh):
                   token_mult_prob_error=masked_sum(torch.exp(log_ratio.abs()), mask),
                   # KL(pi_engine || pi_old) estimated from the engine's samples, k1 and k3 (verl's)
                   mismatch_k1=masked_sum(-log_ratio, mask),
-                  mismatch_k3=masked_sum(torch.expm1(log_ratio) - log_ratio, mask))
-    # the correction's weights: offpolicy_shares, after "Beyond one step"
-    if cfg.offpolicy_is != "off" or cfg.offpolicy_reject != "off":
-        shares.update(offpolicy_shares(batch, cfg))
+                  mismatch_k3=masked_sum(torch.expm1(log_ratio) - log_ratio, mask),
+                  # the task's rule, beside what was trained on (a reward model's, a shaping's)
+                  task_score=batch.task_score.sum())
     if batch.ref_lp is not None:  # none at kl_coef 0
         shares["kl"] = masked_sum(kl_penalty(batch.old_lp, batch.ref_lp, cfg.kl_estimator), mask)
-    if batch.teacher_lp is not None:  # distillation: distill_shares, after "Beyond one step"
-        shares.update(distill_shares(batch))
     if batch.entropy is not None:  # none with old_logprobs=engine or log_entropy=false
         shares["entropy"] = masked_sum(batch.entropy, mask)
-    if cfg.reward_model:  # the rule, beside a reward model's score
-        shares["task_score"] = batch.task_score.sum()
     if batch.returns is not None:  # for the explained variance 1 - Var(R - V) / Var(R)
         err = (batch.returns - batch.values) * mask  # (b, S)
         shares.update(ret=batch.returns.sum(), ret_sq=(batch.returns ** 2).sum(), err=err.sum(),
@@ -765,13 +771,10 @@ def step_metrics(batch, sums, cfg, mesh):
              # each epoch's update sees all n_tok tokens again
              clip_frac=s.get("clipped_tokens", 0.0) / (n_tok * cfg.ppo_epochs),
              skipped_updates=int(s.get("skipped_updates", 0)))
-    # means over response tokens (PER_TOKEN, after "Beyond one step": the engine's mismatch, and
-    # what a run may lack: the KL to the reference, the entropy, distillation's); per sequence
-    # the task's rule beside a reward model's score (reward_mean), the correction's rejections
-    per = {**dict.fromkeys(PER_TOKEN, n_tok), "task_score": n_seq, "offpolicy_seq_masked": n_seq}
+    # means over response tokens (PER_TOKEN, below: the engine's mismatch, and what a run may
+    # lack: the KL to the reference, the entropy); per sequence the task's rule
+    per = {**dict.fromkeys(PER_TOKEN, n_tok), "task_score": n_seq}
     m.update({name: s[name] / n for name, n in per.items() if name in s})
-    if "offpolicy_w" in s:  # the effective sample size of the weights, (sum w)^2 / (n sum w^2)
-        m["offpolicy_ess"] = s["offpolicy_w"] ** 2 / max(n_tok * s["offpolicy_w_sq"], 1e-12)
     if "ret" in s:
         m["value_explained_var"] = 1 - variance("err", n_tok) / max(variance("ret", n_tok), 1e-12)
     updates = cfg.ppo_epochs * cfg.num_minibatches  # optimizer steps of each trained model
@@ -781,34 +784,16 @@ def step_metrics(batch, sums, cfg, mesh):
     return m
 
 
+# The metrics that are means over the step's response tokens (step_metrics): the engine's
+# mismatch with the trainer's pi_old (mean |log ratio|, mean exp |log ratio|, KL(pi_engine ||
+# pi_old) as k1 and k3), and the ones a run may lack.
+PER_TOKEN = ("logprob_mismatch", "token_mult_prob_error", "mismatch_k1", "mismatch_k3", "kl",
+             "entropy")
+
+
 # -----------------------------------------------------------------------------
-# Beyond one step: what a first reading skips. First the variants that the step calls when the
-# config asks for them: the critic-free advantage estimators (GRPO, RLOO; compute_advantages
-# calls them) and a learned reward model's pass (ppo_step calls it).
-
-def group_advantages(all_rewards, cfg):
-    """The critic-free estimators: every sample's advantage (N,) from the whole batch's rewards
-    (N,), prompt-major (a prompt's group may be split across dp ranks; compute_advantages puts
-    each on its response tokens). A new estimator is one more branch here, and its name in
-    config.Config.advantage_estimator's Literal."""
-    if cfg.advantage_estimator == "grpo":
-        return grpo_advantages(all_rewards, cfg.samples_per_prompt, cfg.grpo_norm_by_std)
-    return rloo_advantages(all_rewards, cfg.samples_per_prompt)
-
-
-def grpo_advantages(scores, group_size, norm_by_std=True, eps=1e-4):
-    """GRPO's outcome-supervised advantage (Shao et al., 2024, DeepSeekMath, sec. 4.1.2): each
-    response's score minus the mean of its prompt's group of `group_size` responses, divided
-    by the group's (unbiased) std; groups with equal scores get 0. scores: (N,) for the
-    *global* batch, prompt-major (response j belongs to prompt j // group_size).
-    norm_by_std=False is Dr. GRPO's (Liu et al., 2025): the mean is subtracted, nothing divided,
-    so a group that is nearly always right (small std) is not weighted up."""
-    groups = scores.view(-1, group_size)  # (N/K, K)
-    centred = groups - groups.mean(1, keepdim=True)  # (N/K, K)
-    if norm_by_std:
-        centred = centred / (groups.std(1, keepdim=True) + eps)  # (N/K, K)
-    return centred.view(-1)  # (N,)
-
+# Beyond one step: what a first reading skips. First what the step calls when the config asks for
+# it: RLOO's advantages (compute_advantages) and a learned reward model's pass (ppo_step).
 
 def rloo_advantages(scores, group_size):
     """REINFORCE leave-one-out (Ahmadian et al., 2024, "Back to Basics"; Kool et al., 2019): each
@@ -824,175 +809,16 @@ def rloo_advantages(scores, group_size):
 def reward_model_scores(reward_model, batch, cfg, mesh):
     """Collective over the mesh. Step 3 with a learned reward model, under no_grad: its score of
     each sequence (b,), its output at the sequence's last token (forward_reward_model: an
-    unshifted read, unlike the critic's), which replaces the task's as the reward. The task's
-    stay in batch.task_score, logged beside it: the reward model's opinion and the truth side by
-    side, where reward hacking shows."""
+    unshifted read, unlike the critic's), which replaces the task's as the reward (what shaping
+    the samples' rule_reward carries stays: batch.reward - batch.task_score). The task's stay in
+    batch.task_score, logged beside it: the reward model's opinion and the truth side by side,
+    where reward hacking shows."""
     (outputs,) = forward_batch(model_parallel.forward_reward_model, reward_model, batch, cfg, mesh)
     # not gathered through the update and generation (reshard_after_forward=false keeps every
     # unit gathered after a pass)
     model_parallel.reshard(reward_model)
     last = torch.tensor(batch.lens, device=outputs.device) - 1  # (b,) each row's last token
-    return outputs[torch.arange(len(batch.lens)), last]  # (b,)
-
-
-# The metrics that are means over the step's response tokens (step_metrics): the engine's
-# mismatch with the trainer's pi_old (mean |log ratio|, mean exp |log ratio|, KL(pi_engine ||
-# pi_old) as k1 and k3), and the ones a run may lack.
-PER_TOKEN = ("logprob_mismatch", "token_mult_prob_error", "mismatch_k1", "mismatch_k3", "kl",
-             "entropy", "distill_kl_k1", "distill_kl_k3", "teacher_logprob",
-             "offpolicy_token_masked")
-
-
-# The off-policy correction (docs/losses.md): the engine sampled from pi_engine, not from the
-# trainer's pi_old (another dtype, other kernels), so every token's policy loss is weighed by
-# offpolicy_weights (policy_loss_terms), from log pi_old - log pi_engine, as verl 0.9.1's
-# rollout_corr_helper weighs it (compute_rollout_correction_weights and
-# compute_rollout_rejection_mask); its metrics come from offpolicy_shares (step_metrics).
-
-def offpolicy_weights(batch, idx, cfg):
-    """The off-policy correction's weight of each token of the rows idx, (rows, S): the
-    importance weight (importance_weights) times the rejection's keep (rejection_mask), 0 outside
-    the mask. A token of weight 0 stays in the loss's normalizers (num_tokens counts it): a
-    correction that rejects much trains a smaller step, not a renormalized one. verl drops a
-    rejected token from its response_mask instead (the normalizer, and the critic's loss too),
-    while its IcePop mask keeps it, as here."""
-    log_ratio = batch.old_lp[idx] - batch.engine_lp[idx]  # (rows, S) log pi_old / pi_engine
-    mask = batch.mask[idx]  # (rows, S)
-    weight = mask.clone()  # (rows, S)
-    if cfg.offpolicy_is != "off":
-        weight = importance_weights(log_ratio, mask, cfg)
-    if cfg.offpolicy_reject != "off":
-        weight = weight * rejection_mask(log_ratio, mask, cfg)
-    return weight
-
-
-def importance_weights(log_ratio, mask, cfg):
-    """pi_old / pi_engine per token (B, S), at the level offpolicy_is says: each token's own
-    (token), its sequence's product (sequence: unbiased for the sequence, and its variance grows
-    with the length), or their geometric mean (geometric: exp of the mean log ratio, as GSPO's
-    ratio; SkyRL's geometric mask). Then truncated at offpolicy_is_bound (TIS: Yao et al., "Your
-    efficient RL framework secretly brings you off-policy RL training", 2025), or masked to 0
-    outside [offpolicy_is_lower, offpolicy_is_bound] (IcePop, MiniMax-M1's report). The log
-    ratio is clamped to +-20 before exp, as verl's (ratio_from_log)."""
-    if cfg.offpolicy_is == "token":
-        weight = ratio_from_log(log_ratio)  # (B, S)
-    else:
-        per_seq = masked_sum(log_ratio, mask, -1)  # (B,) the log of the product
-        if cfg.offpolicy_is == "geometric":
-            per_seq = per_seq / mask.sum(-1).clamp(min=1)  # (B,) the mean log ratio
-        weight = ratio_from_log(per_seq)[:, None].expand_as(log_ratio)  # (B, S)
-    weight = torch.where(mask.bool(), weight, 0.0)  # (B, S)
-    if cfg.offpolicy_is_mode == "truncate":
-        return weight.clamp(max=cfg.offpolicy_is_bound)
-    inside = (weight >= cfg.offpolicy_is_lower) & (weight <= cfg.offpolicy_is_bound)
-    return torch.where(inside, weight, 0.0)
-
-
-def rejection_mask(log_ratio, mask, cfg):
-    """1 on the tokens the rejection keeps, 0 on the rest and outside the mask (B, S), as verl's
-    rollout_rs. Per token the divergence of pi_old from pi_engine, with lr = log pi_old / pi_engine
-    clamped to +-20: k1 = -lr, k2 = lr^2 / 2, k3 = e^lr - 1 - lr (estimates of KL(pi_engine ||
-    pi_old) from the engine's samples); token_kN judges each token by its own, seq_sum_kN,
-    seq_mean_kN and seq_max_kN a whole sequence by the sum, mean or max of its tokens'. Kept: k2
-    and k3 at most offpolicy_reject_bound; k1 (a log ratio, either sign) within [-log B, log B]
-    for B = offpolicy_reject_bound (verl's k1 bounds are [1/B, B] on the ratio by default)."""
-    level, estimator = cfg.offpolicy_reject.rsplit("_", 1)  # e.g. ("seq_mean", "k3")
-    log_ratio = log_ratio.clamp(-20.0, 20.0)  # (B, S)
-    if estimator == "k1":
-        div = -log_ratio
-    elif estimator == "k2":
-        div = 0.5 * log_ratio ** 2
-    else:
-        div = torch.expm1(log_ratio) - log_ratio  # (B, S)
-    if level == "seq_sum":
-        div = masked_sum(div, mask, -1)[:, None]  # (B, 1)
-    elif level == "seq_mean":
-        div = (masked_sum(div, mask, -1) / mask.sum(-1).clamp(min=1))[:, None]  # (B, 1)
-    elif level == "seq_max":
-        div = torch.where(mask.bool(), div, -math.inf).amax(-1, keepdim=True)  # (B, 1)
-    bound = cfg.offpolicy_reject_bound
-    if estimator == "k1":
-        keep = div.abs() <= math.log(bound)
-    else:
-        keep = div <= bound
-    return (keep & mask.bool()).to(mask.dtype)  # (B, S)
-
-
-def offpolicy_shares(batch, cfg):
-    """This rank's sums for the correction's metrics (step_metrics): the response tokens of weight
-    0 (masked or rejected), the sequences with any such token, and the sums of the weights and of
-    their squares over response tokens (offpolicy_ess, Kish's effective sample size)."""
-    mask = batch.mask  # (b, S)
-    weight = offpolicy_weights(batch, slice(None), cfg)  # (b, S)
-    zero = (weight == 0) & mask.bool()  # (b, S)
-    return {"offpolicy_token_masked": zero.sum(), "offpolicy_seq_masked": zero.any(-1).sum(),
-            "offpolicy_w": masked_sum(weight, mask),
-            "offpolicy_w_sq": masked_sum(weight ** 2, mask)}
-
-
-# On-policy distillation (docs/distillation.md): the teacher's pass beside the reference's (score
-# calls it), its term in the policy loss (policy_loss_terms), its metrics (step_metrics).
-
-
-def teacher_logprobs(models, batch, cfg, mesh):
-    """Collective over the mesh. The teacher's logprob of each of the student's tokens (b, S),
-    without grad, as the reference's pass is made: forward_policy at the temperature the student
-    sampled at (cfg.temperature), so that the reverse KL compares the distribution each token was
-    drawn from with the teacher's at that temperature (slime #2085: a teacher scored at T = 1 or
-    0 against a student sampled at T biases every token's KL). Resharded after its pass, as the
-    reward model is."""
-    teacher_lp, _ = forward_batch(model_parallel.forward_policy, models.teacher, batch, cfg, mesh,
-                                  unscored=batch.unscored)
-    model_parallel.reshard(models.teacher)
-    return teacher_lp
-
-
-def distill_loss(lp, batch, idx, aggregate, cfg, weight=1.0):
-    """On-policy distillation's term of the policy loss on the batch rows idx, one of verl
-    0.9.1's two forms (verl/trainer/distillation/losses.py), times distill_coef. Per token
-    d_t = distill_estimator's estimate of KL(student || teacher) from log pi_t - log pi_teacher_t
-    (kl_penalty), clamped to +-distill_clamp (verl's loss_max_clamp):
-
-      reward  A_t = -d_t of the sampling policy pi_old: each token's own negative KL is its
-              advantage (a per-token reward with discount 0, no return summed over later
-              tokens), through the clipped token surrogate (policy_loss, times `weight`, the
-              off-policy correction's, as verl's rollout_is_weights): Thinking
-              Machines' form. pi_old, where verl takes the current pi detached: the reward is
-              fixed when the sample is scored, as the task's is, so the clip measures the
-              policy's move from the one that earned it (the two agree in an update's first
-              minibatch, where pi = pi_old).
-      loss    d_t of the current pi, with its gradient, made one number by `aggregate`
-              (loss_agg_mode). config refuses k1 here, as verl does: d/dtheta of log pi -
-              log pi_teacher is grad log pi, which does not involve the teacher.
-
-    The task's signal mixes in as verl mixes it, a sum of losses: policy_loss + distill_coef *
-    this (prime-rl mixes the advantages instead; under clipping the two differ)."""
-    mask, teacher = batch.mask[idx], batch.teacher_lp[idx]  # (rows, S) each
-    if cfg.distill_form == "reward":
-        old = batch.old_lp[idx]  # (rows, S)
-        advantages = -_clamped(kl_penalty(old, teacher, cfg.distill_estimator), cfg)
-        clip = (cfg.clip_ratio, cfg.clip_ratio_high or None)
-        per_token, _ = policy_loss(lp, old, advantages, clip, cfg.clip_ratio_c)  # (rows, S)
-        per_token = per_token * weight
-    else:
-        per_token = _clamped(kl_penalty(lp, teacher, cfg.distill_estimator), cfg)  # (rows, S)
-    return cfg.distill_coef * aggregate(per_token, mask)
-
-
-def _clamped(per_token, cfg):
-    """Each token's estimate clamped to +-distill_clamp (0: as it is)."""
-    if not cfg.distill_clamp:
-        return per_token
-    return per_token.clamp(-cfg.distill_clamp, cfg.distill_clamp)
-
-
-def distill_shares(batch):
-    """This rank's sums for distillation's metrics (in PER_TOKEN): the reverse KL to the teacher
-    (k1 and k3) of the sampling policy, and the teacher's logprob of the student's tokens."""
-    mask, teacher = batch.mask, batch.teacher_lp  # (b, S) each
-    return {"distill_kl_k1": masked_sum(kl_penalty(batch.old_lp, teacher, "k1"), mask),
-            "distill_kl_k3": masked_sum(kl_penalty(batch.old_lp, teacher, "k3"), mask),
-            "teacher_logprob": masked_sum(teacher, mask)}
+    return outputs[torch.arange(len(batch.lens)), last] + (batch.reward - batch.task_score)
 
 
 # -----------------------------------------------------------------------------
@@ -1016,13 +842,13 @@ def rank0_decides(value):
 
 class Models(NamedTuple):
     """Every model of the run: the trained ones as {name: Part} (the policy, and the critic with
-    gae), the reference (the policy's initial shards, snapshot_weights; None under LoRA, where the
-    reference is the policy with its adapters off, and at kl_coef 0), the reward model and the
-    distillation teacher (each or None)."""
+    gae); the reference, a function whose context makes the policy compute as the initial policy
+    (None at kl_coef 0, where nothing reads it); the reward model (or None); and the frozen models
+    an extension loads, by name (distill.py's teacher)."""
     parts: dict
-    reference: Optional[dict]
+    reference: Optional[Callable]
     reward_model: Optional[torch.nn.Module]
-    teacher: Optional[torch.nn.Module] = None
+    extra: Optional[dict] = None
 
 
 class UpdateSums(NamedTuple):
@@ -1052,33 +878,30 @@ def main(cfg, task=None):
     if resume_dir:
         progress = load_checkpoint(resume_dir, models.parts, cfg.offload_optimizer)
     start_step = progress["step"]
-    generates = cfg.steps > start_step and not cfg.replay_rollouts
+    generates = cfg.steps > start_step and not cfg.replay_rollouts  # (a replay needs no engine)
     engine = rollout.make_engine(cfg, model_dir, device, task.eos_id) if generates else None
-    started = (f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir
-               else "fresh start")
-    runner = getattr(engine, "runner", None)  # vLLM's model runner: in the log and config.json
-    print0(f"{started}, vLLM's {runner} model runner" if runner else started)
-    if runner and dist.get_rank() == 0:
-        config.save(cfg, os.path.join(cfg.out_dir, "config.json"), vllm_model_runner=runner)
-    policy = models.parts["policy"].model
-    if engine is not None and start_step:  # the engine loaded model_dir: give it the resumed policy
-        refit(engine, policy, cfg)
+    announce(engine, models, cfg, resume_dir, start_step)
     tensorboard = start_metrics_log(cfg, start_step)  # None unless tensorboard=true (rank 0)
     stop_requested = install_stop_handler(device)
     t_start = time.time()
     bad_steps = 0  # steps in a row with a skipped update
     stopped = False
     for step in range(start_step, cfg.steps):
-        metrics, loss_names = ppo_step(progress, models, engine, task, cfg, mesh)
+        evaluated = {}
+        if cfg.eval_every:  # held-out accuracy, before the step's update (evaluation.py)
+            evaluated = evaluation.before_step(engine, task, cfg, step)
+        metrics, loss_names, drawn = ppo_step(progress, models, engine, task, cfg, mesh)
+        if cfg.eval_every:  # and after the last update: the exported policy's
+            evaluated.update(evaluation.after_step(engine, task, cfg, step))
+        metrics.update(evaluated)
         log_step(metrics, loss_names, cfg, t_start, start_step, tensorboard)
         bad_steps = bad_steps + 1 if metrics["skipped_updates"] else 0
         if cfg.max_skipped_steps and bad_steps >= cfg.max_skipped_steps:
             print0(f"stopping: {bad_steps} steps in a row skipped updates "
                    "(NaN/inf loss or grad norm): lower lr or check the rewards")
             sys.exit(1)
-        # the stream advances by what the step drew (dynamic sampling draws rounds)
-        progress.update(step=step + 1,
-                        prompts_drawn=progress["prompts_drawn"] + metrics["rollout_prompts"])
+        # the stream advances by the prompts the step drew
+        progress.update(step=step + 1, prompts_drawn=progress["prompts_drawn"] + drawn)
         stopped = stop_requested()  # collective: the same answer on every rank
         # with save_every: every save_every steps and after the last; a stopped run saves too, so
         # that resume=auto goes on from there
@@ -1091,7 +914,7 @@ def main(cfg, task=None):
                    "--resume=auto goes on")
             break
     if cfg.export_hf and not stopped:  # (not after a stop signal: the run is not done)
-        export(policy, cfg, model_dir)
+        export(models.parts["policy"].model, cfg, model_dir)
     finish_run(cfg, engine, mesh, t_start)
 
 
@@ -1102,45 +925,91 @@ def start_run(cfg, task):
     there; the checkpoint to resume from and the task (None: the config's). Bad input is refused
     here, before any heavy work: one line, exit 2. Returns (device, mesh, model_dir, resume_dir,
     task)."""
+    check_extensions(cfg)
     try:
         device, mesh, model_dir, kernel = model_parallel.setup(cfg)
+        if cfg.lora_rank:  # (lora.py)
+            lora.check_device(cfg, device.type)
+        if cfg.teacher:  # a teacher's ids must mean the policy's tokens (distill.py)
+            distill.check_teacher(cfg, model_dir)
         task = rollout.make_task(cfg, model_dir) if task is None else task
-        # Dr. GRPO's constant is the longest response (verl: its response length): in an episode of
-        # turns, up to max_model_len tokens, not one turn's max_new_tokens (docs/losses.md)
-        if getattr(task, "observe", None) and cfg.max_turns > 1 and not cfg.loss_agg_norm:
-            cfg.loss_agg_norm = cfg.max_model_len
+        # episodes of turns (rollout.episode_runner's rule): Dr. GRPO's constant (multiturn.py)
+        if cfg.max_turns > 1 and hasattr(task, "observe"):
+            multiturn.setup(cfg)
         if dist.get_rank() == 0:
             os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
             config.save(cfg, os.path.join(cfg.out_dir, "config.json"))
         resume_dir = rank0_decides(find_checkpoint(cfg.resume, cfg.out_dir))
-        saved_rank = saved_lora_rank(resume_dir) if resume_dir else cfg.lora_rank
-        if saved_rank != cfg.lora_rank:  # the checkpoint holds adapters alone, or no adapter
-            raise model_parallel.CheckpointError(
-                f"{resume_dir} was saved with lora_rank={saved_rank}, this run has "
-                f"lora_rank={cfg.lora_rank}: resume it with --lora_rank={saved_rank}, or give "
-                f"a fresh out_dir")
+        if resume_dir:  # a LoRA checkpoint resumes as LoRA, a full one in full (lora.py)
+            lora.check_resume(resume_dir, cfg)
     except (rollout.TaskError, model_parallel.CheckpointError) as e:
         print0(f"input error: {e}")
+        sys.exit(2)
+    except config.ConfigError as e:
+        print0(f"config error: {e}")
         sys.exit(2)
     print0(f"mesh dp={mesh['dp'].size()} cp={cfg.cp_size} tp={cfg.tp_size} "
            f"on {dist.get_world_size()} x {device.type}, {cfg.dtype}, "
            f"{'packed' if cfg.packing else 'padded'} rows, attention: {kernel}, "
-           f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine in {cfg.engine_dtype}, "
+           f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine, "
            f"{cfg.prompts_per_step}x{cfg.samples_per_prompt} samples a step")
     return device, mesh, model_dir, resume_dir, task
+
+
+def check_extensions(cfg):
+    """The own refusals of each extension whose options the config sets (config.load checked
+    every option's type, choices and range before torch loaded; an extension whose options all
+    keep their defaults has nothing to refuse): one line on rank 0, exit 2."""
+    def sets(extension):  # an option of its (config.OPTIONS) other than the default
+        return any(getattr(cfg, name) != field.default
+                   for name, _, field in config.OPTIONS[extension][1])
+
+    try:
+        if sets("lora"):
+            lora.check(cfg)
+        if sets("distill"):
+            distill.check(cfg)
+        if sets("offpolicy"):
+            offpolicy.check(cfg)
+        if sets("dapo"):
+            dapo.check(cfg)
+        if sets("evaluation"):
+            evaluation.check(cfg)
+        if sets("multiturn"):
+            multiturn.check(cfg)
+    except config.ConfigError as e:
+        config.refuse(e)
+
+
+def announce(engine, models, cfg, resume_dir, start_step):
+    """Collective (every rank). The engine (None: a replay, or no step left to run), refit from the
+    resumed policy if the run goes on from a checkpoint (it loaded model_dir); the run's second
+    line says how it starts, the engine's dtype and which model runner vLLM picked (in
+    config.json too)."""
+    started = (f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir
+               else "fresh start")
+    if engine is not None:  # its dtype: the compute dtype, or offpolicy.py's engine_dtype
+        started += f", the engine in {str(engine.dtype).removeprefix('torch.')}"
+    runner = getattr(engine, "runner", None)  # vLLM's model runner: in the log and config.json
+    print0(f"{started}, vLLM's {runner} model runner" if runner else started)
+    if runner and dist.get_rank() == 0:
+        config.save(cfg, os.path.join(cfg.out_dir, "config.json"), vllm_model_runner=runner)
+    if engine is not None and start_step:  # the engine loaded model_dir: give it the resumed policy
+        refit(engine, models.parts["policy"].model, cfg)
 
 
 def sft_warmup(model_dir, task, cfg, mesh):
     """Collective (every rank). Supervised warm-up on the task's reference answers, the usual
     first stage of RLHF, kept short on purpose: PPO should start from a policy that knows the
     format and is right sometimes. Saved as out_dir/sft (reused when present); returns that dir.
-    It trains every weight, also under LoRA: it stands in for the pretraining and instruction
-    tuning that a toy model lacks, and LoRA then adapts its result in PPO (adapters on a random
-    model learn nothing: make demo with lora_rank=8 and a LoRA warm-up stayed at reward 0.04)."""
+    It trains every weight, also under LoRA (lora.py): it stands in for the pretraining and
+    instruction tuning that a toy model lacks, and LoRA then adapts its result in PPO (adapters
+    on a random model learn nothing: make demo with lora_rank=8 and a LoRA warm-up stayed at
+    reward 0.04)."""
     sft_dir = os.path.join(cfg.out_dir, "sft")
     if rank0_decides(os.path.isfile(os.path.join(sft_dir, "config.json"))):
         return sft_dir
-    policy = model_parallel.load_policy(model_dir, mesh, replace(cfg, lora_rank=0))
+    policy = model_parallel.load_policy(model_dir, mesh, cfg)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft_lr, weight_decay=0.0, fused=True)
     plain = replace(cfg, temperature=1.0)  # the answers' likelihood under the model itself
     for it in range(cfg.sft_steps):
@@ -1171,14 +1040,20 @@ def sft_warmup(model_dir, task, cfg, mesh):
 
 def build_models(model_dir, cfg, mesh):
     """Collective (every rank). {name: (model, AdamW, LR schedule)} for the policy and (gae only)
-    the critic, which is what a checkpoint holds; the reference policy, a copy of the policy's
-    initial shards (none under LoRA: the frozen base is the reference); and the reward model if any
-    (frozen: no optimizer, not checkpointed)."""
-    policy = model_parallel.load_policy(model_dir, mesh, cfg)
-    reference = None
-    if not cfg.lora_rank and cfg.kl_coef > 0:  # (at kl_coef 0 nothing reads a reference)
-        reference = model_parallel.snapshot_weights(
+    the critic, which is what a checkpoint holds; the reference policy (a context in which the
+    policy computes as it began: its initial shards swapped in); the reward model if any (frozen:
+    no optimizer, not checkpointed); and the frozen models an extension loads."""
+    adapt = None
+    if cfg.lora_rank:  # LoRA: adapters beside the frozen base, added before sharding (lora.py)
+        adapt = lora.add_adapters
+    policy = model_parallel.load_policy(model_dir, mesh, cfg, adapt=adapt)
+    reference = None  # (at kl_coef 0 nothing reads a reference: none is kept)
+    if cfg.lora_rank and cfg.kl_coef > 0:  # under LoRA the base: the adapters off (lora.py)
+        reference = functools.partial(lora.adapters_off, policy)
+    if reference is None and cfg.kl_coef > 0:
+        snapshot = model_parallel.snapshot_weights(
             policy, torch.bfloat16 if cfg.dtype == "bf16" else None)
+        reference = functools.partial(model_parallel.swapped_weights, policy, snapshot)
 
     def part(model, lr):
         # fused: one kernel over every parameter (torch's default on CPU is a per-tensor loop,
@@ -1195,9 +1070,10 @@ def build_models(model_dir, cfg, mesh):
         parts["critic"] = part(critic, cfg.critic_lr)
     reward_model = (model_parallel.load_reward_model(cfg.reward_model, mesh, cfg)
                     if cfg.reward_model else None)
-    teacher = (model_parallel.load_policy(cfg.teacher, mesh, cfg, frozen=True)
-               if cfg.teacher else None)
-    return Models(parts, reference, reward_model, teacher)
+    extra = {}
+    if cfg.teacher:  # on-policy distillation's teacher, sharded like the policy (distill.py)
+        extra["teacher"] = distill.load_teacher(cfg, mesh)
+    return Models(parts, reference, reward_model, extra)
 
 
 # -----------------------------------------------------------------------------
@@ -1410,20 +1286,11 @@ def export(policy, cfg, model_dir):
     """Collective (every rank): the trained policy as an HF checkpoint dir, out_dir/hf, in
     export_dtype, with the tokenizer files and generation_config of model_dir (under LoRA the
     adapters merged), and under LoRA the adapters alone too, out_dir/adapter, for peft over the
-    base."""
+    base (lora.py)."""
     dtype = torch.bfloat16 if cfg.export_dtype == "bf16" else torch.float32
     model_parallel.save_hf(policy, os.path.join(cfg.out_dir, "hf"), dtype, copy_from=model_dir)
     if cfg.lora_rank:
-        model_parallel.save_adapter(policy, os.path.join(cfg.out_dir, "adapter"), cfg, model_dir)
-
-
-def saved_lora_rank(path):
-    """The policy's LoRA rank in a save_checkpoint dir (0: every weight was saved), read from DCP's
-    metadata, before any model is loaded: lora_A is (rank, in_features)."""
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    ranks = [meta.size[0] for key, meta in saved.items()
-             if key.startswith("policy.") and key.endswith(".lora_A")]
-    return ranks[0] if ranks else 0
+        lora.save_adapter(policy, os.path.join(cfg.out_dir, "adapter"), cfg, model_dir)
 
 
 def load_checkpoint(path, parts, offload_optimizer=False):
