@@ -221,12 +221,12 @@ class CoreConfig:
 
 
 # -----------------------------------------------------------------------------
-# The extensions' options. Each extension (extensions/NAME.py; README, "Extensions") declares its
-# options at its top, in `class Options`, written as CoreConfig's fields are: a name, a type (int,
-# float, str, bool, or a Literal of strings), a default, its doc in the comments above it. They
-# are read here from the file's text, not by importing it: an extension imports torch and the
-# core, and a bad option is refused before either loads. Config is the core's fields, then each
-# extension's in this order; removing an extension removes its line here.
+# The extensions' options. Each extension (extensions/NAME.py; README, "Extensions") declares, at
+# its top, its options in a dataclass `Options`, written as CoreConfig's fields are, and in
+# `check(cfg)` its own refusals. This file runs those two definitions alone, from the file's text,
+# in a namespace of the few names they may use: the rest of the file imports torch and the core,
+# and a bad option is refused before either loads. Config is CoreConfig's fields, then each
+# extension's in this order; validate runs each check. Removing an extension removes its line here.
 EXTENSIONS = (
     "lora",
     "distill",
@@ -240,33 +240,30 @@ EXTENSIONS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "exten
 
 
 def extension_options(name: str):
-    """(the source text of the class Options in extensions/NAME.py, its fields as
-    dataclasses.make_dataclass takes them: (name, type, dataclasses.field(default=...)))."""
+    """(Options, check, the text of Options) of extensions/NAME.py: its definitions of those two
+    names run alone, where they may use dataclasses, Literal, ConfigError, os and json."""
     path = os.path.join(EXTENSIONS_DIR, f"{name}.py")
     with open(path, encoding="utf-8") as f:
         source = f.read()
-    options = next(node for node in ast.parse(source, path).body
-                   if isinstance(node, ast.ClassDef) and node.name == "Options")
-    fields = []
-    for line in options.body:  # each `name: type = default`, read, not run
-        if isinstance(line, ast.AnnAssign):
-            kind = line.annotation
-            if isinstance(kind, ast.Subscript):  # Literal["a", "b"]: the choices
-                typ = Literal[ast.literal_eval(kind.slice)]
-            else:
-                typ = {"int": int, "float": float, "str": str, "bool": bool}[kind.id]
-            default = dataclasses.field(default=ast.literal_eval(line.value))
-            fields.append((line.target.id, typ, default))
-    # its whole lines: a segment would end before the last line's trailing comment
-    return "\n".join(source.splitlines()[options.lineno - 1:options.end_lineno]), fields
+    nodes = [node for node in ast.parse(source, path).body
+             if isinstance(node, (ast.ClassDef, ast.FunctionDef))
+             and node.name in ("Options", "check")]
+    scope = dict(dataclasses=dataclasses, Literal=Literal, ConfigError=ConfigError, os=os,
+                 json=json)
+    exec(compile(ast.Module(nodes, type_ignores=[]), path, "exec"), scope)
+    options = next(node for node in nodes if node.name == "Options")
+    # its whole lines (a segment would end before the last line's trailing comment): its docs
+    text = "\n".join(source.splitlines()[options.lineno - 1:options.end_lineno])
+    return scope["Options"], scope["check"], text
 
 
-# {extension: (the text of its Options, its fields)}
+# {extension: (its Options, its check, the text of its Options)}
 OPTIONS = {name: extension_options(name) for name in EXTENSIONS}
 Config = dataclasses.make_dataclass(
-    "Config", [field for _, fields in OPTIONS.values() for field in fields], bases=(CoreConfig,),
-    namespace={"__module__": __name__, "__doc__": "Every setting of a run: CoreConfig's fields, "
-               "then each extension's (EXTENSIONS)."})
+    "Config", [(f.name, f.type, dataclasses.field(default=f.default))
+               for options, _, _ in OPTIONS.values() for f in dataclasses.fields(options)],
+    bases=(CoreConfig,), namespace={"__module__": __name__, "__doc__": "Every setting of a run: "
+                                    "CoreConfig's fields, then each extension's (EXTENSIONS)."})
 
 
 # Fields that must be >= 1 (integers) and > 0 (floats).
@@ -282,11 +279,9 @@ POSITIVE = ("tp_size", "cp_size", "max_tokens_per_microbatch", "micro_batch_size
 SIGNED = ("seed", "gamma", "lam")
 
 
-# Keys a config of an earlier version may name: what replaced them (one line says so), the
-# options that replace it, and what a run that had it resumes with (its value in the {}).
-MOVED = {"tis_cap": ("offpolicy_is=token with offpolicy_is_bound=CAP (truncated importance "
-                     "sampling is one mode of the off-policy correction, docs/losses.md)",
-                     ("offpolicy_is",), "offpolicy_is=token offpolicy_is_bound={:g}")}
+# Keys a config of an earlier version may name, and what replaced them: one line says so.
+MOVED = {"tis_cap": "offpolicy_is=token with offpolicy_is_bound=CAP (truncated importance "
+                    "sampling is one mode of the off-policy correction, docs/losses.md)"}
 
 
 # attention=masked builds a (B, T/cp, T) mask for a microbatch of B rows, and SDPA a score tensor
@@ -353,8 +348,8 @@ def field_docs(cls=None) -> dict:
     if cls is not None:
         return _comment_docs(inspect.getsource(cls), cls.__dataclass_fields__)
     docs = _comment_docs(inspect.getsource(CoreConfig), CoreConfig.__dataclass_fields__)
-    for source, fields in OPTIONS.values():
-        docs.update(_comment_docs(source, [name for name, _, _ in fields]))
+    for options, _, text in OPTIONS.values():
+        docs.update(_comment_docs(text, options.__dataclass_fields__))
     return docs
 
 
@@ -382,14 +377,7 @@ def print_help() -> None:
     """The module docstring, then every field: `--name=default` and its whole doc under it."""
     docs = field_docs()
     print(__doc__)
-    # the extension that declares each field (None: the core), named above its first one
-    declared = {name: ext for ext, (_, fields) in OPTIONS.items() for name, _, _ in fields}
-    previous = None
     for f in dataclasses.fields(Config):
-        extension = declared.get(f.name)
-        if extension and extension != previous:
-            print(f"\n  ---- extensions/{extension}.py ----")
-        previous = extension
         print(f"  --{f.name}={f.default!r}")
         # never break inside a word: "tiny-llama" or "data_parallel=ddp" must read whole
         print(textwrap.fill(docs[f.name], width=100,
@@ -450,7 +438,7 @@ def parse_args(argv: list) -> Config:
     kwargs = {}
     for key, (where, value) in values.items():
         if key in MOVED:
-            raise ConfigError(f"{key} (in the {where}) was replaced: use {MOVED[key][0]}")
+            raise ConfigError(f"{key} (in the {where}) was replaced: use {MOVED[key]}")
         if key not in types:
             close = [k for k in types if k.startswith(key[:3])]
             hint = f" (did you mean {close[0]}?)" if close else " (see --help for the keys)"
@@ -536,15 +524,6 @@ def _validate_paths(cfg: Config) -> None:
         raise ConfigError(f"reward_model={cfg.reward_model!r} is not a directory: give a "
                           f"*ForSequenceClassification checkpoint dir "
                           f"(scripts/train_reward_model.py)")
-    # A resumed run that had a key since replaced would silently go on without what it did,
-    # unless the config sets what replaced it: its config.json, beside ckpt/
-    run_dir = os.path.dirname(os.path.dirname(os.path.normpath(cfg.resume)))
-    saved = os.path.join(cfg.out_dir if cfg.resume == "auto" else run_dir, "config.json")
-    ran = json.load(open(saved)) if cfg.resume and os.path.isfile(saved) else {}
-    for key, (_, replacements, resume_with) in MOVED.items():
-        if ran.get(key) and not differs(cfg, replacements):
-            raise ConfigError(f"{saved} ran with {key}={ran[key]:g}, which was replaced: resume "
-                              f"with {resume_with.format(ran[key])}")
     if cfg.val_prompts and not os.path.isfile(cfg.val_prompts):
         raise ConfigError(f"val_prompts={cfg.val_prompts!r} is not a file")
     if cfg.replay_rollouts and not os.path.isdir(cfg.replay_rollouts):
@@ -559,12 +538,6 @@ def _validate_paths(cfg: Config) -> None:
     except OSError as e:
         raise ConfigError(f"out_dir={cfg.out_dir!r} is not writable ({e.strerror}): "
                           f"choose another out_dir")
-
-
-def differs(cfg: Config, names) -> bool:
-    """Whether any field of `names` that Config has is set to other than its default."""
-    fields = Config.__dataclass_fields__
-    return any(getattr(cfg, name) != fields[name].default for name in names if name in fields)
 
 
 def is_checkpoint(path: str) -> bool:
@@ -608,6 +581,8 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.sequence_parallel and cfg.tp_size == 1:
         raise ConfigError("sequence_parallel=true needs tp_size > 1 "
                           "(it shards activations over tp)")
+    for _, check, _ in OPTIONS.values():  # each extension's own refusals (its file's check)
+        check(cfg)
     _validate_paths(cfg)
 
 
@@ -621,17 +596,12 @@ def load(argv: list, world_size: int) -> Config:
         cfg = parse_args(argv)
         validate(cfg, world_size)
     except ConfigError as e:
-        refuse(e)
+        # every rank refuses; one of them says why
+        if os.environ.get("RANK", "0") == "0":
+            print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
     quiet_third_party_output()  # the config is good: the run loads models next
     return cfg
-
-
-def refuse(error: ConfigError) -> None:
-    """Exit 2 on every rank, one of them saying why in one line (config.load's refusals, and the
-    extensions' own checks: train_ppo.check_extensions)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"config error: {error}", file=sys.stderr)
-    sys.exit(2)
 
 
 def save(cfg: Config, path: str, **facts) -> None:

@@ -9,6 +9,7 @@ with these seeds" and gets back token ids, the engine's own logprob of each samp
 score per sequence. A response may be an episode of several model turns with observations (a
 tool's output) between them (run_episodes); its action mask says which tokens were the model's.
 """
+import functools
 import hashlib
 import json
 import math
@@ -547,6 +548,7 @@ class VLLMEngine:
         if cfg.lora_rank:  # LoRA: vLLM serves the adapters beside the base (lora.py)
             kwargs.update(lora.vllm_options(cfg, self.on_gpu))
             self.serves_adapters = True
+            self.load_adapter = functools.partial(lora.load_adapter, self)  # its refit
         with _trainer_state_kept():
             self.llm = LLM(**kwargs)  # a collective: every rank constructs it together
         # in-process handles, possible only without multiprocessing: refit writes here

@@ -95,7 +95,6 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 import model_parallel  # noqa: E402
 import rollout  # noqa: E402
 # the extensions this module calls, by name where each acts (extensions/, README's "Extensions")
-from extensions import dapo  # noqa: E402
 from extensions import distill  # noqa: E402
 from extensions import evaluation  # noqa: E402
 from extensions import gspo  # noqa: E402
@@ -925,7 +924,6 @@ def start_run(cfg, task):
     there; the checkpoint to resume from and the task (None: the config's). Bad input is refused
     here, before any heavy work: one line, exit 2. Returns (device, mesh, model_dir, resume_dir,
     task)."""
-    check_extensions(cfg)
     try:
         device, mesh, model_dir, kernel = model_parallel.setup(cfg)
         if cfg.lora_rank:  # (lora.py)
@@ -954,31 +952,6 @@ def start_run(cfg, task):
            f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine, "
            f"{cfg.prompts_per_step}x{cfg.samples_per_prompt} samples a step")
     return device, mesh, model_dir, resume_dir, task
-
-
-def check_extensions(cfg):
-    """The own refusals of each extension whose options the config sets (config.load checked
-    every option's type, choices and range before torch loaded; an extension whose options all
-    keep their defaults has nothing to refuse): one line on rank 0, exit 2."""
-    def sets(extension):  # an option of its (config.OPTIONS) other than the default
-        return any(getattr(cfg, name) != field.default
-                   for name, _, field in config.OPTIONS[extension][1])
-
-    try:
-        if sets("lora"):
-            lora.check(cfg)
-        if sets("distill"):
-            distill.check(cfg)
-        if sets("offpolicy"):
-            offpolicy.check(cfg)
-        if sets("dapo"):
-            dapo.check(cfg)
-        if sets("evaluation"):
-            evaluation.check(cfg)
-        if sets("multiturn"):
-            multiturn.check(cfg)
-    except config.ConfigError as e:
-        config.refuse(e)
 
 
 def announce(engine, models, cfg, resume_dir, start_step):

@@ -190,7 +190,10 @@ def run_case(case, path, out):
             peaks("peak_step1")
             figures["adam"] = nbytes(t for state in optimizer.state.values() for t in state.values()
                                      if torch.is_tensor(t))
-            snapshot = models.reference or {"weights": {}, "parked": {}}
+            # the reference's snapshot (functools.partial(swapped_weights, policy, snapshot)); none
+            # under LoRA, whose reference is the policy with its adapters off
+            held = models.reference.args[1:] if models.reference else ()
+            snapshot = held[0] if held else {"weights": {}, "parked": {}}
             figures["reference"] = nbytes([*snapshot["weights"].values(), *snapshot["parked"].values()])
     peaks("peak")
     sampler.stop()

@@ -30,14 +30,14 @@ gathered, then cast), counted at each all-gather (DTensor.full_tensor).
 
 LoRA's refit, in bytes (also with --smoke: no engine, seconds). Under LoRA, train_ppo.refit sends
 an engine that serves adapters (vLLM) the adapters alone, the PEFT dir of
-model_parallel.save_adapter (model_parallel.iter_adapters: A (r, in) and B (out, r) of each
+lora.save_adapter (lora.iter_adapters: A (r, in) and B (out, r) of each
 target projection, in the engine's dtype), where any other engine gets merged weights,
 iter_full_params: every HF weight, W + s B A
 for the targets, in the engine's dtype. Both are counted for rank 8 and 16 (alpha = 2 rank), all
 7 projections, in bf16 and fp32, at two shapes: the demo's (the "tiny-llama" preset of
 configs/demo_cpu.toml) and SmolLM2-135M's (checkpoints/SmolLM2-135M-Instruct/config.json if
 present, else its shape written out below):
-  counted   from a meta-device model (no memory) given its adapters by model_parallel._add_adapters,
+  counted   from a meta-device model (no memory) given its adapters by lora.add_adapters,
             the code that builds them, and checked against the shapes' arithmetic, r (in + out)
             elements per target and layer (the two must agree exactly, or the bench fails);
   measured  tiny-llama only, on one rank (a fresh process): train_ppo.refit itself, with stand-in
@@ -93,7 +93,7 @@ def lora_shapes():
 
 def lora_counted(hf_config, rank):
     """(adapter elements, merged elements) of a refit at LoRA rank `rank` on all 7 projections:
-    counted on a meta-device model given its adapters by model_parallel._add_adapters (what
+    counted on a meta-device model given its adapters by lora.add_adapters (what
     save_adapter sends, iter_adapters: every lora_A and lora_B; what iter_full_params sends:
     _hf_params, every HF weight, a tied head once), and checked against the arithmetic of the
     shapes (memory_model.adapter_params: r (in + out) a target of each layer)."""
@@ -103,15 +103,16 @@ def lora_counted(hf_config, rank):
 
     import model_parallel
     from config import Config
+    from extensions import lora
     cfg = Config(lora_rank=rank, lora_alpha=2.0 * rank)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    model_parallel._add_adapters(model, cfg)
-    adapters = sum(p.numel() for n, p in model.named_parameters() if n.endswith(model_parallel.ADAPTERS))
+    lora.add_adapters(model, cfg)
+    adapters = sum(p.numel() for n, p in model.named_parameters() if n.endswith(lora.ADAPTERS))
     merged = sum(p.numel() for _, p in model_parallel._hf_params(model))
     by_shapes = memory_model.adapter_params(hf_config.to_dict(), rank, cfg.lora_targets.split(","))
     if adapters != by_shapes:
-        sys.exit(f"LoRA at rank {rank}: _add_adapters made {adapters} adapter elements, the shapes say "
+        sys.exit(f"LoRA at rank {rank}: add_adapters made {adapters} adapter elements, the shapes say "
                  f"{by_shapes}")
     return adapters, merged
 
@@ -126,6 +127,7 @@ def measure_lora(out_dir):
     import model_parallel
     import train_ppo
     from config import Config
+    from extensions import lora
 
     class CountingEngine:  # what train_ppo.refit and rollout.refit call on an engine
         def __init__(self, dtype, serves_adapters):
@@ -153,7 +155,7 @@ def measure_lora(out_dir):
         for rank in LORA_RANKS:
             cfg = Config(out_dir=os.path.join(out_dir, f"lora_{dtype}_{rank}"), model=path, dtype=dtype,
                          lora_rank=rank, lora_alpha=2.0 * rank)
-            policy = model_parallel.load_policy(path, mesh, cfg)
+            policy = model_parallel.load_policy(path, mesh, cfg, adapt=lora.add_adapters)
             adapter_engine = CountingEngine(engine_dtype, serves_adapters=True)
             merged_engine = CountingEngine(engine_dtype, serves_adapters=False)
             sent = (train_ppo.refit(adapter_engine, policy, cfg)["refit_bytes"],

@@ -11,12 +11,16 @@ loss_mask of 0s. The trainer reads those two keys of every sample whatever made 
 trains on the dumped samples as they were kept and shaped.
 Peers: none.
 """
-import config
+import dataclasses
+
 import rollout
+from config import ConfigError
 
 
+@dataclasses.dataclass
 class Options:
-    """This file's options: config.py reads them from this class's text (README, "Extensions")."""
+    """This file's options, a part of config.Config: config.py runs this class and `check` alone,
+    from this file's text, before torch loads (README, "Extensions")."""
 
     # ---- DAPO (dapo.py; Yu et al., 2025): with clip_ratio_high and token-mean, its recipe ----
     # dynamic sampling: a prompt group whose samples all got the same task score (the rule's,
@@ -39,15 +43,16 @@ class Options:
 
 
 def check(cfg):
-    """This file's refusals (config.load checked each option's type and range)."""
+    """This file's refusals, one line each (config.validate runs it, before torch loads: it may
+    use ConfigError, os and json alone)."""
     if cfg.dynamic_max_rounds < 1:
-        raise config.ConfigError(f"dynamic_max_rounds={cfg.dynamic_max_rounds} must be > 0")
+        raise ConfigError(f"dynamic_max_rounds={cfg.dynamic_max_rounds} must be > 0")
     if cfg.dynamic_sampling and cfg.samples_per_prompt < 2:
-        raise config.ConfigError("dynamic_sampling drops prompt groups whose samples all scored "
+        raise ConfigError("dynamic_sampling drops prompt groups whose samples all scored "
                                  "the same: a group of samples_per_prompt=1 always does; use "
                                  "samples_per_prompt >= 2")
     if cfg.overlong_buffer > cfg.max_new_tokens:
-        raise config.ConfigError(f"overlong_buffer={cfg.overlong_buffer} is longer than "
+        raise ConfigError(f"overlong_buffer={cfg.overlong_buffer} is longer than "
                                  f"max_new_tokens={cfg.max_new_tokens}: use a buffer inside the "
                                  f"budget")
 

@@ -19,13 +19,15 @@ from typing import Literal
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-import config
 import model_parallel
 import train_ppo
+from config import ConfigError
 
 
+@dataclasses.dataclass
 class Options:
-    """This file's options: config.py reads them from this class's text (README, "Extensions")."""
+    """This file's options, a part of config.Config: config.py runs this class and `check` alone,
+    from this file's text, before torch loads (README, "Extensions")."""
 
     # ---- on-policy distillation (distill.py; docs/distillation.md) ----
     # a teacher, an HF causal LM with the policy's tokenizer, frozen and sharded like the policy;
@@ -50,22 +52,23 @@ class Options:
 
 
 def check(cfg):
-    """This file's refusals (config.load checked each option's type, choices and range)."""
+    """This file's refusals, one line each (config.validate runs it, before torch loads: it may
+    use ConfigError, os and json alone)."""
     # verl refuses it too: d/dtheta of log pi - log pi_teacher does not involve the teacher
     if cfg.teacher and cfg.distill_form == "loss" and cfg.distill_estimator == "k1":
-        raise config.ConfigError("distill_form=loss with distill_estimator=k1 trains nothing "
+        raise ConfigError("distill_form=loss with distill_estimator=k1 trains nothing "
                                  "toward the teacher (the gradient of log pi - log pi_teacher is "
                                  "the teacher-free grad log pi): use distill_estimator=k3 or k2, "
                                  "or distill_form=reward")
     if not cfg.teacher and not cfg.distill_task:
-        raise config.ConfigError("distill_task=false needs a teacher: without one nothing would "
+        raise ConfigError("distill_task=false needs a teacher: without one nothing would "
                                  "train (give teacher=DIR, or distill_task=true)")
     if cfg.teacher and not cfg.distill_task and cfg.advantage_estimator == "gae":
-        raise config.ConfigError("distill_task=false (pure distillation) with "
+        raise ConfigError("distill_task=false (pure distillation) with "
                                  "advantage_estimator=gae would train a critic on a reward no "
                                  "loss reads: use grpo or rloo")
     if cfg.teacher and not os.path.isdir(cfg.teacher):
-        raise config.ConfigError(f"teacher={cfg.teacher!r} is not a directory: give an HF causal "
+        raise ConfigError(f"teacher={cfg.teacher!r} is not a directory: give an HF causal "
                                  f"LM checkpoint dir with the policy's tokenizer")
 
 

@@ -7,16 +7,19 @@ with the run's engine and the core's episode_runner (one turn, or episodes of tu
 task is evaluated as it is trained. Metrics: val_accuracy, val_pass@k (docs/metrics.md).
 Peers: none.
 """
+import dataclasses
 import math
 
 import torch.distributed as dist
 
-import config
 import rollout
+from config import ConfigError
 
 
+@dataclasses.dataclass
 class Options:
-    """This file's options: config.py reads them from this class's text (README, "Extensions")."""
+    """This file's options, a part of config.Config: config.py runs this class and `check` alone,
+    from this file's text, before torch loads (README, "Extensions")."""
 
     # ---- evaluation (evaluation.py) ----
     # greedy accuracy on val_prompts every N steps and after the last (0 = never)
@@ -28,15 +31,16 @@ class Options:
 
 
 def check(cfg):
-    """This file's refusals (config.load checked each option's type and range)."""
+    """This file's refusals, one line each (config.validate runs it, before torch loads: it may
+    use ConfigError, os and json alone)."""
     if cfg.val_samples < 1:
-        raise config.ConfigError(f"val_samples={cfg.val_samples} must be > 0")
+        raise ConfigError(f"val_samples={cfg.val_samples} must be > 0")
     if cfg.val_pass_k > cfg.val_samples:
-        raise config.ConfigError(f"val_pass_k={cfg.val_pass_k} needs at least as many "
+        raise ConfigError(f"val_pass_k={cfg.val_pass_k} needs at least as many "
                                  f"val_samples (got {cfg.val_samples}): pass@k draws k of n "
                                  f"samples")
     if cfg.val_pass_k and not cfg.eval_every:
-        raise config.ConfigError(f"val_pass_k={cfg.val_pass_k} is measured at each evaluation, "
+        raise ConfigError(f"val_pass_k={cfg.val_pass_k} is measured at each evaluation, "
                                  f"and eval_every=0 makes none: set eval_every=N (steps between "
                                  f"them)")
 

@@ -7,13 +7,16 @@ that train_ppo.policy_loss clips becomes each token's sequence ratio (sequence_l
 loss_agg_mode=seq-mean-token-mean.
 Peers: none.
 """
+import dataclasses
 from typing import Literal
 
 import train_ppo
 
 
+@dataclasses.dataclass
 class Options:
-    """This file's options: config.py reads them from this class's text (README, "Extensions")."""
+    """This file's options, a part of config.Config: config.py runs this class and `check` alone,
+    from this file's text, before torch loads (README, "Extensions")."""
 
     # ---- GSPO (gspo.py) ----
     # the policy's objective (docs/losses.md): ppo clips each token's ratio pi/pi_old; gspo clips
@@ -23,6 +26,10 @@ class Options:
     policy_loss_mode: Literal["ppo", "gspo"] = "ppo"
     gspo_clip_ratio: float = 3e-4  # GSPO's sequence ratio is kept in [1 - this, 1 + the next one]
     gspo_clip_ratio_high: float = 4e-4  # the paper's 3e-4 below and 4e-4 above
+
+
+def check(cfg):
+    """This file's refusals: none (config.validate runs it, as every extension's)."""
 
 
 def sequence_log_ratio(logprobs, old_logprobs, mask):

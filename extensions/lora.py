@@ -12,6 +12,7 @@ Peers: none. The SFT warm-up trains every weight (it stands in for pretraining);
 trained in full.
 """
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -25,13 +26,15 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-import config
 import model_parallel
 import rollout
+from config import ConfigError
 
 
+@dataclasses.dataclass
 class Options:
-    """This file's options: config.py reads them from this class's text (README, "Extensions")."""
+    """This file's options, a part of config.Config: config.py runs this class and `check` alone,
+    from this file's text, before torch loads (README, "Extensions")."""
 
     # ---- LoRA (lora.py; docs/lora.md) ----
     # LoRA (Hu et al., 2021): train a low-rank adapter beside each target projection, W x +
@@ -45,28 +48,28 @@ class Options:
     # the projections that get adapters, by module name (default: every attention and MLP one)
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
-
-# The projections LoRA may adapt: every Linear of a decoder layer in the supported families.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# the largest adapter rank vLLM serves (vllm/config/lora.py, MaxLoRARanks; tests/test_lora.py
-# reads it there, so an upgrade that moves it fails a test, not a run)
-VLLM_MAX_LORA_RANK = 512
+    # (not options: no type) the projections LoRA may adapt: every Linear of a decoder layer in
+    # the supported families; the largest adapter rank vLLM serves (vllm/config/lora.py,
+    # MaxLoRARanks; tests/test_lora.py reads it there, so an upgrade that moves it fails a test)
+    TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    VLLM_MAX_RANK = 512
 
 
 def check(cfg):
-    """This file's refusals (config.load checked each option's type and range)."""
+    """This file's refusals, one line each (config.validate runs it, before torch loads: it may
+    use ConfigError, os and json alone)."""
     # the adapters' scale is lora_alpha / lora_rank: at 0 they would add nothing and learn nothing
     if cfg.lora_rank and not cfg.lora_alpha > 0:
-        raise config.ConfigError(f"lora_alpha={cfg.lora_alpha:g} scales the adapters by "
+        raise ConfigError(f"lora_alpha={cfg.lora_alpha:g} scales the adapters by "
                                  f"lora_alpha / lora_rank = 0: they would train nothing; use "
                                  f"lora_alpha > 0 (often 2 * lora_rank = {2 * cfg.lora_rank})")
-    if cfg.lora_rank and not set(cfg.lora_targets.split(",")) <= set(LORA_TARGETS):
-        raise config.ConfigError(f"lora_targets={cfg.lora_targets!r} names a module with no "
+    if cfg.lora_rank and not set(cfg.lora_targets.split(",")) <= set(Options.TARGETS):
+        raise ConfigError(f"lora_targets={cfg.lora_targets!r} names a module with no "
                                  f"adapter here: a comma-separated subset of "
-                                 f"{','.join(LORA_TARGETS)}")
-    if cfg.rollout_engine == "vllm" and cfg.lora_rank > VLLM_MAX_LORA_RANK:
-        raise config.ConfigError(f"lora_rank={cfg.lora_rank} is above the largest rank vLLM "
-                                 f"serves ({VLLM_MAX_LORA_RANK}): use a smaller lora_rank, or "
+                                 f"{','.join(Options.TARGETS)}")
+    if cfg.rollout_engine == "vllm" and cfg.lora_rank > Options.VLLM_MAX_RANK:
+        raise ConfigError(f"lora_rank={cfg.lora_rank} is above the largest rank vLLM "
+                                 f"serves ({Options.VLLM_MAX_RANK}): use a smaller lora_rank, or "
                                  f"rollout_engine=hf")
 
 
@@ -76,7 +79,7 @@ def check_device(cfg, device_type):
     asserts both; its CPU kernels take fp32). ConfigError, one line."""
     gpu_vllm = cfg.rollout_engine == "vllm" and device_type == "cuda"
     if gpu_vllm and rollout.engine_dtype(cfg) == torch.float32:
-        raise config.ConfigError(f"lora_rank={cfg.lora_rank} with rollout_engine=vllm on CUDA "
+        raise ConfigError(f"lora_rank={cfg.lora_rank} with rollout_engine=vllm on CUDA "
                                  f"needs dtype=bf16 (vLLM's GPU LoRA kernels take no fp32; "
                                  f"data_parallel=ddp is fp32): use data_parallel=fsdp and "
                                  f"dtype=bf16 (or engine_dtype=bf16), or rollout_engine=hf")
@@ -246,7 +249,7 @@ def refit(engine, policy, cfg):
     returns the refit's metrics."""
     path = os.path.join(cfg.out_dir, "refit_adapter")
     nbytes = save_adapter(policy, path, cfg, cfg.model, engine.dtype)
-    load_adapter(engine, path)
+    engine.load_adapter(path)
     return {"refit_bytes": nbytes}
 
 
@@ -265,8 +268,9 @@ def vllm_options(cfg, on_gpu):
 
 
 def load_adapter(engine, path):
-    """LoRA's refit of a VLLMEngine: serve the PEFT adapter dir at `path` (save_adapter) from the
-    next generate on. vLLM caches an adapter by its id: a request of a known id is served from
+    """LoRA's refit of a VLLMEngine, its method load_adapter(path) (rollout.VLLMEngine binds it when
+    it serves adapters): serve the PEFT adapter dir at `path` (save_adapter) from the next generate
+    on. vLLM caches an adapter by its id: a request of a known id is served from
     the cache, the dir unread, and would sample the old policy (a stale refit). add_lora with
     load_inplace=True reads the dir into that slot now, once; each generate then passes the
     plain request (load_inplace on every request would read the dir at every decode step).

@@ -15,15 +15,18 @@ Where the core calls it: rollout.episode_runner (generation, training and valida
 rollout.make_task (task=toy_tool: ToyToolTask), train_ppo.start_run (setup: Dr. GRPO's constant).
 Peers: none; scripts/smollm2_tool.py's real tool uses chat_tool_message.
 """
+import dataclasses
 import re
 
-import config
 import rollout
+from config import ConfigError
 from rollout import TaskError, ToyTask
 
 
+@dataclasses.dataclass
 class Options:
-    """This file's options: config.py reads them from this class's text (README, "Extensions")."""
+    """This file's options, a part of config.Config: config.py runs this class and `check` alone,
+    from this file's text, before torch loads (README, "Extensions")."""
 
     # ---- multi-turn episodes (multiturn.py) ----
     # model turns per episode at most, for a task with observations (a tool's output) between
@@ -35,9 +38,10 @@ class Options:
 
 
 def check(cfg):
-    """This file's refusals (config.load checked the option's type and range)."""
+    """This file's refusals, one line each (config.validate runs it, before torch loads: it may
+    use ConfigError, os and json alone)."""
     if cfg.max_turns < 1:
-        raise config.ConfigError(f"max_turns={cfg.max_turns} must be > 0")
+        raise ConfigError(f"max_turns={cfg.max_turns} must be > 0")
 
 
 def setup(cfg):

@@ -12,17 +12,21 @@ mismatch_k1, mismatch_k3, ...) is the core's metric, logged in every run.
 Peers: distill.py's reward form weighs its surrogate by the same batch.weight.
 """
 import dataclasses
+import json
 import math
+import os
 from typing import Literal
 
 import torch
 
-import config
 import train_ppo
+from config import ConfigError
 
 
+@dataclasses.dataclass
 class Options:
-    """This file's options: config.py reads them from this class's text (README, "Extensions")."""
+    """This file's options, a part of config.Config: config.py runs this class and `check` alone,
+    from this file's text, before torch loads (README, "Extensions")."""
 
     # ---- off-policy correction (offpolicy.py; docs/losses.md) ----
     # The engine samples from pi_engine, not from the trainer's pi_old (another dtype, other
@@ -53,25 +57,36 @@ class Options:
 
 
 def check(cfg):
-    """This file's refusals (config.load checked each option's type, choices and range)."""
+    """This file's refusals, one line each (config.validate runs it, before torch loads: it may
+    use ConfigError, os and json alone)."""
     correcting = cfg.offpolicy_is != "off" or cfg.offpolicy_reject != "off"
     if not cfg.offpolicy_is_bound > 0:
-        raise config.ConfigError(f"offpolicy_is_bound={cfg.offpolicy_is_bound} must be > 0")
+        raise ConfigError(f"offpolicy_is_bound={cfg.offpolicy_is_bound} must be > 0")
     if cfg.old_logprobs == "engine" and correcting:
-        raise config.ConfigError("the off-policy correction weighs pi_old / pi_engine, which "
+        raise ConfigError("the off-policy correction weighs pi_old / pi_engine, which "
                                  "old_logprobs=engine makes 1: use old_logprobs=trainer, or "
                                  "offpolicy_is=off and offpolicy_reject=off")
     if cfg.offpolicy_is_mode == "mask" and not cfg.offpolicy_is_lower < cfg.offpolicy_is_bound:
-        raise config.ConfigError(f"offpolicy_is_lower={cfg.offpolicy_is_lower:g} must be below "
+        raise ConfigError(f"offpolicy_is_lower={cfg.offpolicy_is_lower:g} must be below "
                                  f"offpolicy_is_bound={cfg.offpolicy_is_bound:g}: the weights "
                                  f"kept lie between them")
     # k1's bound is a ratio B, kept within [1/B, B]; k2's and k3's a divergence, >= 0
     least = 1.0 if cfg.offpolicy_reject.endswith("k1") else 0.0
     if cfg.offpolicy_reject != "off" and not cfg.offpolicy_reject_bound > least:
-        raise config.ConfigError(f"offpolicy_reject={cfg.offpolicy_reject} needs "
+        raise ConfigError(f"offpolicy_reject={cfg.offpolicy_reject} needs "
                                  f"offpolicy_reject_bound > {least:g} (k1: a ratio B, kept within "
                                  f"[1/B, B], e.g. 2; k2, k3: the largest divergence kept, e.g. "
                                  f"0.01)")
+    # a run resumed that had tis_cap (which this file's options replaced) would silently go on
+    # without its correction: its config.json beside ckpt/ (resume=OUT/ckpt/step_N)
+    run_dir = os.path.dirname(os.path.dirname(os.path.normpath(cfg.resume)))
+    saved = os.path.join(cfg.out_dir if cfg.resume == "auto" else run_dir, "config.json")
+    if cfg.resume and os.path.isfile(saved) and cfg.offpolicy_is == "off":
+        with open(saved) as f:
+            cap = json.load(f).get("tis_cap")
+        if cap:
+            raise ConfigError(f"{saved} ran with tis_cap={cap:g}, which was replaced: resume "
+                              f"with offpolicy_is=token offpolicy_is_bound={cap:g}")
 
 
 def engine_dtype(cfg) -> torch.dtype:

@@ -8,7 +8,7 @@ episodes of two turns.
     torchrun --nproc_per_node=2 scripts/smollm2_tool.py train \\
         --config configs/smollm2_tool_cpu.toml --max_turns=1 --out_dir=out/smollm2-tool-notool/seed1
     # greedy held-out accuracy of checkpoint dirs under transformers' generate, in a turn loop of
-    # its own (not rollout.run_episodes); --max_turns=1: without the tool
+    # its own (not multiturn.run_episodes); --max_turns=1: without the tool
     python scripts/smollm2_tool.py eval --config configs/smollm2_tool_cpu.toml [--key=value] DIR...
 
 An episode with the tool, token for token (ChatML; <|im_end|> is SmolLM2's EOS and only stop id):
@@ -22,7 +22,7 @@ An episode with the tool, token for token (ChatML; <|im_end|> is SmolLM2's EOS a
 
 The calculator evaluates what the model wrote in the call (a + b, a - b or a * b), not the
 prompt's sum: a call with a miscopied operand gets a wrong result. The tool's message is
-rollout.chat_tool_message: the template's own rendering of a `tool` message (SmolLM2's template
+multiturn.chat_tool_message: the template's own rendering of a `tool` message (SmolLM2's template
 writes any role as `<|im_start|>role`). The reward reads the model's last turn, its answer (the
 trainer cuts the observations and earlier turns off): 1 if the episode ended naturally ("stop": a
 turn ended by <|im_end|> that was not a call) and the turn's last number is the sum, else 0. A
@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import config  # noqa: E402  (after the path: the trainer's modules live in the repo root)
 import rollout  # noqa: E402
+from extensions import multiturn
 from smollm2 import TEMPLATES  # noqa: E402  (the five phrasings of `make real-demo`)
 
 # The held-out set is the same for every run seed: seeds differ in what they sample, not in what
@@ -124,7 +125,7 @@ class ToolSums:
         if not self.tool:
             return final
         call = self.tok.encode(f"<calc>{a} + {b}</calc>") + [self.eos_id]
-        observation = rollout.chat_tool_message(self.tok, total)
+        observation = multiturn.chat_tool_message(self.tok, total)
         return call + observation + final, [1] * len(call) + [0] * len(observation) + [1] * len(final)
 
     def decode(self, ids):
@@ -138,9 +139,9 @@ class ToolSums:
             return None
         call = CALL.fullmatch(text)
         if call is None:
-            return rollout.chat_tool_message(self.tok, "error: write <calc>a + b</calc>")
+            return multiturn.chat_tool_message(self.tok, "error: write <calc>a + b</calc>")
         a, op, b = call.groups()
-        return rollout.chat_tool_message(self.tok, str(OPERATIONS[op](int(a), int(b))))
+        return multiturn.chat_tool_message(self.tok, str(OPERATIONS[op](int(a), int(b))))
 
     def reward(self, text, answer, ended):
         """text: the model's last turn (the trainer cuts the rest off). 1 for the sum as its last
@@ -161,7 +162,7 @@ def load_task(cfg):
 
 # -----------------------------------------------------------------------------
 # The evaluation: transformers' generate in a turn loop of its own, with the trainer's stop ids,
-# budgets, observations and reward, but none of its episode code (rollout.run_episodes).
+# budgets, observations and reward, but none of its episode code (multiturn.run_episodes).
 
 def greedy_episodes(model, task, cfg, stop_ids, questions) -> list:
     """(the model's last turn, as text: what the trainer's reward reads; how the episode ended;

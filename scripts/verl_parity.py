@@ -1,4 +1,4 @@
-"""The off-policy correction against verl 0.9.1 itself: train_ppo.importance_weights and
+"""The off-policy correction against verl 0.9.1 itself: offpolicy.importance_weights and
 rejection_mask beside verl's compute_rollout_correction_weights and
 compute_rollout_rejection_mask, run from verl's wheel, on random episodes with gapped masks.
 
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import config  # noqa: E402
-import train_ppo  # noqa: E402
+from extensions import offpolicy  # noqa: E402
 
 
 def verl_functions(wheel):
@@ -83,7 +83,7 @@ def main(wheel):
                 cfg = config.Config(offpolicy_is=level, offpolicy_is_mode="mask" if upper else
                                     "truncate", offpolicy_is_bound=float(upper or lower),
                                     offpolicy_is_lower=float(lower) if upper else 0.5)
-                got = train_ppo.importance_weights(log_ratio, mask, cfg)
+                got = offpolicy.importance_weights(log_ratio, mask, cfg)
                 diff = max(diff, (got - want).abs().max().item())
             print(f"weights {level:9s} {threshold!s:9s} max |diff| {diff:.2e}"
                   + (f" ({raised} of 20 cases: verl raised ZeroDivisionError)" if raised else ""))
@@ -95,7 +95,7 @@ def main(wheel):
             for log_ratio, mask in cases():
                 want, _ = verl.compute_rollout_rejection_mask(log_ratio, mask, option, bound)
                 cfg = config.Config(offpolicy_reject=option, offpolicy_reject_bound=bound)
-                wrong += int((train_ppo.rejection_mask(log_ratio, mask, cfg) != want).sum())
+                wrong += int((offpolicy.rejection_mask(log_ratio, mask, cfg) != want).sum())
             print(f"rejection {option:11s} bound {bound:<6g} tokens that differ: {wrong}")
             mismatches += wrong
     print(f"RESULT max_weight_diff={worst:.2e} rejection_mismatches={mismatches}")

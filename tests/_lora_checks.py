@@ -35,6 +35,7 @@ import model_parallel
 import rollout
 import train_ppo
 from config import Config
+from extensions import lora
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
@@ -121,7 +122,7 @@ measured["adapter_files"] = sorted(os.listdir(os.path.join(args.dir, "refit_adap
 
 # ---- 2. the merged export and the PEFT adapter dir, each loaded by its own library -------------
 model_parallel.save_hf(policy, os.path.join(args.dir, "hf"), torch.float32, copy_from=path)
-model_parallel.save_adapter(policy, os.path.join(args.dir, "adapter"), cfg, path)
+lora.save_adapter(policy, os.path.join(args.dir, "adapter"), cfg, path)
 if rank == 0:
     from peft import PeftModel
     x = torch.tensor([prompts[0] + [5, 9, 11, 2]])
@@ -159,9 +160,9 @@ for label, model in (("trained", policy), ("resumed", resumed)):
         base_diffs += [name] if not (full.dtype == stored and torch.equal(full, loaded[name])) else []
     measured[f"{label}_base_not_bit_equal"] = base_diffs
     measured[f"{label}_base_tensors"] = len(model_parallel._hf_params(model))
-trained_adapters = dict(model_parallel.iter_adapters(policy))
+trained_adapters = dict(lora.iter_adapters(policy))
 measured["resumed_adapters_equal"] = all(  # gathered: the two meshes split them differently
-    torch.equal(trained_adapters[n], full) for n, full in model_parallel.iter_adapters(resumed))
+    torch.equal(trained_adapters[n], full) for n, full in lora.iter_adapters(resumed))
 
 gathered = [None] * world_size
 dist.all_gather_object(gathered, measured)

@@ -35,6 +35,7 @@ import rollout
 import train_ppo
 from config import Config
 from conftest import plain_logprobs  # the tests' shared reference (tests/, this script's dir, is on sys.path)
+from extensions import multiturn
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--rollout_tp_size", type=int, default=1)
@@ -146,7 +147,7 @@ turn_ends = list(range(engine.vocab_size))
 hf_engine = rollout.HFEngine(path, device, turn_ends)
 engine.stop_ids = turn_ends
 keys = [(0, i, 0) for i in range(len(prompts))]
-episodes = {name: [e[:3] for e in rollout.run_episodes(e, Calculator(), turns_cfg, prompts, keys, 0.0)]
+episodes = {name: [e[:3] for e in multiturn.run_episodes(e, Calculator(), turns_cfg, prompts, keys, 0.0)]
             for name, e in (("vllm", engine), ("hf", hf_engine))}
 engine.stop_ids = stop_ids
 measured["episodes"] = {name: [(ids, mask) for ids, _, mask in eps] for name, eps in episodes.items()}
@@ -213,7 +214,7 @@ engine.generate, engine.stop_ids = recording_generate, [i for i in range(engine.
 t0 = time.perf_counter()
 try:
     # (ids, engine logprobs, action mask) of each episode
-    sampled = [e[:3] for e in rollout.run_episodes(engine, Calculator(), episode_cfg, prompts, episode_keys,
+    sampled = [e[:3] for e in multiturn.run_episodes(engine, Calculator(), episode_cfg, prompts, episode_keys,
                                                    TEMPERATURE)]
 finally:
     engine.generate, engine.stop_ids = engine_generate, engine_stop_ids

@@ -17,8 +17,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import config
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
@@ -126,12 +124,14 @@ def lora_adapters(path, seed):
     """Non-zero adapters {our parameter name: full tensor} for every LoRA target of the checkpoint
     at `path` (a trained state: B = 0, the initial one, would leave A without a gradient)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from extensions import lora  # (here: the core's tests import conftest without extensions)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     g = torch.Generator().manual_seed(seed)
     adapters = {}
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in config.LORA_TARGETS:
+        if name.rsplit(".", 1)[-1] in lora.Options.TARGETS:
             rank = LORA["lora_rank"]
             adapters[name + ".lora_A"] = torch.randn(rank, module.in_features, generator=g) * 0.05
             adapters[name + ".lora_B"] = torch.randn(module.out_features, rank, generator=g) * 0.05
@@ -155,8 +155,10 @@ def hf_reference(path, lens, prompt_len, temperature, seed, adapters=None):
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     if adapters:
         from peft import LoraConfig, get_peft_model
+
+        from extensions import lora  # (here: the core's tests import conftest without extensions)
         peft_config = LoraConfig(r=LORA["lora_rank"], lora_alpha=LORA["lora_alpha"], lora_dropout=0.0,
-                                 target_modules=list(config.LORA_TARGETS))
+                                 target_modules=list(lora.Options.TARGETS))
         policy = get_peft_model(policy, peft_config)
         with torch.no_grad():
             for name, param in policy.named_parameters():

@@ -10,6 +10,7 @@ import pytest
 
 import config
 from conftest import ROOT
+from extensions import lora
 
 
 def test_precedence_default_then_file_then_command_line(tmp_path):
@@ -220,7 +221,7 @@ def test_vllm_max_lora_rank_is_vllms():
     """config refuses a rank vLLM cannot serve with its own largest, without importing vLLM."""
     import typing
     from vllm.config.lora import MaxLoRARanks
-    assert config.VLLM_MAX_LORA_RANK == max(typing.get_args(MaxLoRARanks))
+    assert lora.Options.VLLM_MAX_RANK == max(typing.get_args(MaxLoRARanks))
 
 
 @pytest.mark.parametrize("argv, refused", [
@@ -233,12 +234,15 @@ def test_lora_with_vllm_in_fp32_on_cuda_is_refused(argv, refused):
     """vLLM's GPU LoRA kernels take fp16/bf16 adapters only (its CPU kernels take fp32): a LoRA run
     with the vLLM engine on CUDA in fp32 is refused when the device resolves "auto"."""
     cfg = config.parse_args(["--lora_rank=8", "--rollout_engine=vllm", *argv])
-    if refused:
+    config.resolve_auto(cfg, "cuda", None)
+    if refused:  # (lora.py's check once the device is known: train_ppo.start_run)
         with pytest.raises(config.ConfigError, match="needs dtype=bf16"):
-            config.resolve_auto(cfg, "cuda", None)
+            lora.check_device(cfg, "cuda")
     else:
-        config.resolve_auto(cfg, "cuda", None)
-    config.resolve_auto(config.parse_args(["--lora_rank=8", *argv]), "cpu", None)  # CPU: any dtype
+        lora.check_device(cfg, "cuda")
+    cpu = config.parse_args(["--lora_rank=8", *argv])
+    config.resolve_auto(cpu, "cpu", None)
+    lora.check_device(cpu, "cpu")  # CPU: any dtype
 
 
 def test_a_resumed_run_that_had_tis_cap_is_refused_naming_the_new_keys(tmp_path):

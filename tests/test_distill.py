@@ -15,6 +15,7 @@ import torch
 import config
 import model_parallel
 import train_ppo
+from extensions import distill, offpolicy
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 EOS, NORM = 256, 8
@@ -39,7 +40,7 @@ def _batch(seed=0):
     teacher[0, 4] = -15.0  # a response token (row 0's first after its prompt of 3): |d| > 10
     assert on[0, 4]
     engine = spread(old + 0.2 * torch.randn(shape, generator=g), 2.0)
-    return dataclasses.replace(batch, old_lp=old, teacher_lp=teacher, engine_lp=engine,
+    return dataclasses.replace(batch, old_lp=old, extra={"teacher_lp": teacher}, engine_lp=engine,
                                advantages=torch.zeros(shape), index=[0, 1, 2])
 
 
@@ -80,7 +81,7 @@ def verl_distillation(lp, batch, form, estimator, mode, coef, current_pi=False, 
     """verl's distillation_loss times distillation_loss_coef. The reward form with the sampling
     policy's estimate as advantages (Thinking Machines'; ours), or with verl's own choice, the
     current policy's detached (current_pi=True)."""
-    mask, teacher = batch.mask, batch.teacher_lp
+    mask, teacher = batch.mask, batch.extra["teacher_lp"]
     if form == "loss":
         losses = verl_kl_penalty(lp, teacher, estimator).clamp(min=-10.0, max=10.0)
         return coef * verl_agg_loss(losses, mask, mode)
@@ -93,6 +94,8 @@ def verl_distillation(lp, batch, form, estimator, mode, coef, current_pi=False, 
 
 
 def ours(lp, batch, cfg):
+    if cfg.offpolicy_is != "off":  # the correction's weights, as ppo_step gives them (offpolicy.weigh)
+        batch = dataclasses.replace(batch, weight=offpolicy.offpolicy_weights(batch, slice(None), cfg))
     aggregate = functools.partial(train_ppo.aggregate_loss, mode=cfg.loss_agg_mode,
                                   num_tokens=batch.mask.sum(), num_seqs=3, norm=NORM)
     terms, _ = train_ppo.policy_loss_terms(lp, None, batch, torch.arange(3), aggregate, cfg)
@@ -145,7 +148,7 @@ def test_the_clamp_acts_and_can_be_turned_off():
     lp = batch.old_lp.clone()
     clamped = ours(lp, batch, cfg)["distill_loss"]
     whole = ours(lp, batch, dataclasses.replace(cfg, distill_clamp=0.0))["distill_loss"]
-    d = 0.5 * (lp[0, 4] - batch.teacher_lp[0, 4]) ** 2
+    d = 0.5 * (lp[0, 4] - batch.extra["teacher_lp"][0, 4]) ** 2
     assert d > 90
     torch.testing.assert_close(whole - clamped, (d - 10.0) / 3)  # a sum per row, over 3 rows
 
@@ -171,29 +174,31 @@ def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):
     from transformers import PreTrainedTokenizerFast
     policy = model_parallel.materialize_tiny_model("tiny-llama", str(tmp_path / "p"), seed=0)
     teacher = model_parallel.materialize_tiny_model("tiny-llama", str(tmp_path / "t"), seed=1)
-    model_parallel.check_teacher(teacher, policy, 1)  # both the toy task's tokenizer
+    cfg = config.Config(teacher=teacher)
+    distill.check_teacher(cfg, policy)  # both the toy task's tokenizer
 
     def save(path, vocab):
         fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, "a")))
         fast.save_pretrained(path)
     save(policy, {"a": 0, "b": 1, "c": 2})
     save(teacher, {"a": 0, "b": 1, "c": 2})
-    model_parallel.check_teacher(teacher, policy, 1)
+    distill.check_teacher(cfg, policy)
     save(teacher, {"a": 0, "c": 1, "b": 2})  # the same tokens, other ids
     with pytest.raises(model_parallel.CheckpointError, match="has another tokenizer") as info:
-        model_parallel.check_teacher(teacher, policy, 1)
+        distill.check_teacher(cfg, policy)
     assert "\n" not in str(info.value)
     with open(os.path.join(teacher, "config.json")) as f:
         assert json.load(f)["vocab_size"] == 262  # rows may differ from the ids; here they hold
 
 
 def test_no_reference_pass_at_kl_coef_0(monkeypatch):
-    """score() runs no reference pass when nothing reads it (kl_coef 0): no weight swap, no
-    forward, ref_lp None; at kl_coef > 0 it does (the check can fail)."""
+    """Nothing reads the reference at kl_coef 0: build_models keeps no copy of the initial weights
+    (no snapshot), and score() runs no reference pass (no weight swap, no forward, ref_lp None);
+    at kl_coef > 0 it does both (the check can fail)."""
     calls = []
 
     def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
-        calls.append(model)
+        calls.append("forward")
         return [torch.zeros(batch.ids.shape), None]
 
     class Swap:
@@ -203,14 +208,16 @@ def test_no_reference_pass_at_kl_coef_0(monkeypatch):
         def __exit__(self, *args):
             return False
     monkeypatch.setattr(train_ppo, "forward_batch", forward_batch)
+    monkeypatch.setattr(model_parallel, "load_policy", lambda *args, **kwargs: torch.nn.Linear(1, 1))
+    monkeypatch.setattr(model_parallel, "snapshot_weights", lambda *args: calls.append("snapshot"))
     monkeypatch.setattr(model_parallel, "swapped_weights", lambda policy, snapshot: Swap())
     batch = _batch()
-    models = train_ppo.Models({"policy": train_ppo.Part("policy", None, None)}, {}, None)
-    for kl_coef, expected in ((0.0, ["policy"]), (0.1, ["policy", "swap", "policy"])):
+    for kl_coef, expected in ((0.0, ["forward"]), (0.1, ["snapshot", "forward", "swap", "forward"])):
         calls.clear()
         cfg = config.Config(kl_coef=kl_coef, advantage_estimator="grpo", samples_per_prompt=3)
-        old_lp, _, ref_lp, values, teacher_lp = train_ppo.score(models, batch, cfg, None)
-        assert calls == expected and values is None and teacher_lp is None
+        models = train_ppo.build_models("dir", cfg, None)
+        old_lp, _, ref_lp, values = train_ppo.score(models, batch, cfg, None)
+        assert calls == expected and values is None
         assert (ref_lp is None) == (kl_coef == 0)
 
 

@@ -24,6 +24,7 @@ import rollout
 import train_ppo
 from _dist import _free_port
 from conftest import ROOT, cpu_env, kill_torchrun, read_metrics, torchrun_cmd, torchrun_workers
+from extensions import lora
 
 
 @pytest.fixture(scope="module")
@@ -190,16 +191,16 @@ def test_resume_across_lora_and_full_training_names_both_settings(model_dir, tmp
     """A LoRA checkpoint holds the adapters alone, a full one every weight: resumed with the other
     setting, dcp.load died on a missing key (three tracebacks). Refused before any model loads,
     naming both ranks; the rank is read from the checkpoint's metadata."""
-    lora = fake_checkpoint(tmp_path / "lora" / "step_4", 16)
+    adapted = fake_checkpoint(tmp_path / "lora" / "step_4", 16)
     full = fake_checkpoint(tmp_path / "full" / "step_4", 0)
-    assert (train_ppo.saved_lora_rank(str(lora)), train_ppo.saved_lora_rank(str(full))) == (16, 0)
+    assert (lora.saved_rank(str(adapted)), lora.saved_rank(str(full))) == (16, 0)
     env = cpu_env(WORLD_SIZE="1", MASTER_PORT=str(_free_port()))
     proc = subprocess.run([sys.executable, "train_ppo.py", f"--model={model_dir}", "--rollout_engine=hf",
-                           f"--resume={lora}", f"--out_dir={tmp_path / 'out'}"], cwd=ROOT, env=env,
+                           f"--resume={adapted}", f"--out_dir={tmp_path / 'out'}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
-    assert last == (f"input error: {lora} was saved with lora_rank=16, this run has lora_rank=0: "
+    assert last == (f"input error: {adapted} was saved with lora_rank=16, this run has lora_rank=0: "
                     f"resume it with --lora_rank=16, or give a fresh out_dir"), proc.stdout
     assert "Traceback" not in proc.stderr
 

@@ -8,6 +8,7 @@ every matmul input to 8 bits of mantissa, so the bf16 trainer is compared within
 tolerance (stated below, a few times what was measured), not exactly; the fp32 trainer is
 compared exactly in test_model_parallel.py.
 """
+import functools
 import gc
 import json
 import os
@@ -24,6 +25,7 @@ import rollout
 import train_ppo
 from _dist import gloo_threads, run_ranks
 from conftest import hf_reference, toy_batch
+from extensions import lora
 
 TEMPERATURE = 0.8
 LENS = [14, 12, 6, 5]  # global batch (dp=2: two rows per rank)
@@ -269,12 +271,13 @@ def test_vllm_engine_sleep_mode_calls_under_lora(on_gpu):
     engine = rollout.VLLMEngine.__new__(rollout.VLLMEngine)  # no vLLM model behind it
     engine.llm, engine.on_gpu, engine.asleep = FakeLLM(calls), on_gpu, set()
     engine.serves_adapters = True
+    engine.load_adapter = functools.partial(lora.load_adapter, engine)  # as __init__ binds it
     engine.sleep()
     engine.load_adapter("/out/refit_adapter")
     load = ["add_lora /out/refit_adapter inplace=True", "reset_prefix_cache"]
     on_gpu_calls = ["sleep level=1", "wake_up ['weights', 'kv_cache']", *load]
     assert calls == (on_gpu_calls if on_gpu else load)
-    assert engine.adapter.lora_path == "/out/refit_adapter" and not engine.adapter.load_inplace
+    assert engine.lora_request.lora_path == "/out/refit_adapter" and not engine.lora_request.load_inplace
 
 
 class BuiltLLM:

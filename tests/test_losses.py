@@ -18,6 +18,7 @@ import config
 import model_parallel
 import train_ppo
 from _dist import run_ranks
+from extensions import gspo
 from train_ppo import aggregate_loss, grpo_advantages, policy_loss, rloo_advantages
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -82,13 +83,13 @@ def test_clip_higher_by_hand():
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
     ratio = torch.tensor([[1.25, 1.30, 0.85, 0.75]])
     logp = ratio.log().requires_grad_()
-    per_token, clipped = policy_loss(logp, torch.zeros(1, 4), adv, (0.2, 0.28))
+    per_token, clipped = policy_loss(logp - torch.zeros(1, 4), adv, (0.2, 0.28))
     torch.testing.assert_close(per_token, torch.tensor([[-1.25, -1.28, 0.85, 0.80]]))
     assert clipped.tolist() == [[False, True, False, True]]
     per_token.sum().backward()
     # d(-A r)/d logp = -A r where unclipped, 0 where clipped
     torch.testing.assert_close(logp.grad, torch.tensor([[-1.25, 0.0, 0.85, 0.0]]))
-    symmetric, clipped = policy_loss(logp.detach(), torch.zeros(1, 4), adv, 0.2)
+    symmetric, clipped = policy_loss(logp.detach() - torch.zeros(1, 4), adv, 0.2)
     torch.testing.assert_close(symmetric, torch.tensor([[-1.20, -1.20, 0.85, 0.80]]))
     assert clipped.tolist() == [[True, True, False, True]]
 
@@ -106,7 +107,7 @@ def test_gspo_by_hand():
     log_ratio = torch.tensor([[0.1, -0.1, 0.3, 5.0], [0.4, 0.6, 9.0, 9.0], [-0.02, 0.0, 0.04, -0.02]])
     adv = torch.tensor([[1.0], [1.0], [-1.0]]) * torch.ones(3, 4)
     logp = (old + log_ratio).requires_grad_()
-    per_token, clipped = policy_loss(logp, old, adv, (0.2, 0.2), sequence_mask=mask)
+    per_token, clipped = policy_loss(gspo.sequence_log_ratio(logp, old, mask), adv, (0.2, 0.2))
     e = torch.exp(torch.tensor(0.1)).item()
     torch.testing.assert_close(per_token * mask, torch.tensor([[-e, -e, -e, 0.0], [-1.2, -1.2, 0.0, 0.0],
                                                                [1.0, 1.0, 1.0, 1.0]]))
@@ -124,7 +125,7 @@ def test_gspo_by_hand():
     torch.testing.assert_close(loss, objective)
     torch.testing.assert_close(logp.grad, theirs.grad)
     # the token-level ratio on the same numbers differs (so the switch is seen)
-    ppo, _ = policy_loss(logp.detach(), old, adv, (0.2, 0.2))
+    ppo, _ = policy_loss(logp.detach() - old, adv, (0.2, 0.2))
     assert not torch.allclose(aggregate_loss(ppo, mask, "seq-mean-token-mean"), objective)
 
 
@@ -193,7 +194,7 @@ def _mesh_body(rank, world_size, model_dir, dp, cp, tp, out):
     rows = train_ppo.balanced_split(whole.lens, cfg.num_minibatches, dp)[mesh["dp"].get_local_rank()]
     batch = train_ppo.make_batch([[0]] * len(rows), [[0]] * len(rows), 257)  # the fields are replaced
     batch.ids, batch.mask, batch.lens = whole.ids[rows], whole.mask[rows], [whole.lens[i] for i in rows]
-    for field in ("old_lp", "ref_lp", "advantages", "values", "returns", "engine_lp"):
+    for field in ("old_lp", "ref_lp", "advantages", "values", "returns", "engine_lp", "weight"):
         setattr(batch, field, getattr(whole, field)[rows])
     batch.unscored = min(whole.unscored, batch.unscored)
     results = {}
@@ -329,7 +330,8 @@ def test_the_trainer_deals_its_rows_with_balanced_split():
     contiguous slices would give 34 and 10."""
     lengths = [10, 9, 8, 7, 1, 2, 3, 4]
     every = {j: dict(prompt_ids=[1], response_ids=[2] * (n - 1), engine_logprobs=[0.0] * (n - 1),
-                     action_mask=[1] * (n - 1), task_score=0.0)
+                     action_mask=[1] * (n - 1), loss_mask=[1] * (n - 1), task_score=0.0,
+                     rule_reward=0.0)
              for j, n in enumerate(lengths)}
     cfg = config.Config(prompts_per_step=4, samples_per_prompt=2, num_minibatches=1, packing=True)
     for rank, rows in enumerate([[0, 3, 4, 7], [1, 2, 5, 6]]):

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 import model_parallel as mp
 from _dist import run_ranks
 from conftest import LORA, hf_reference, lora_adapters, toy_batch, varlen_case
+from extensions import lora
 import config
 from config import Config
 
@@ -81,7 +82,8 @@ def _check_case(root, name, mesh, cfg, label):
     dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     share = len(LENS) // dp_size
     mine = list(range(dp_rank * share, (dp_rank + 1) * share))  # this dp rank's global rows
-    policy, critic = mp.load_policy(path, mesh, cfg), mp.load_critic(path, mesh, cfg)
+    adapt = lora.add_adapters if cfg.lora_rank else None  # LoRA's adapters (extensions/lora.py)
+    policy, critic = mp.load_policy(path, mesh, cfg, adapt=adapt), mp.load_critic(path, mesh, cfg)
     if cfg.lora_rank:  # the reference's adapters, not the initial ones (B = 0): each rank its shards
         _set_adapters(policy, ref["adapters"])
     if cfg.lora_rank and mesh["tp"].size() > 1:

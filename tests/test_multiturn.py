@@ -1,6 +1,7 @@
-"""Multi-turn episodes (docs/multiturn.md): the episode loop (rollout.run_episodes) with a scripted
-engine and with the HF engine, GAE over turns by hand, the action mask (no observation token in
-any loss, gradient or statistic, in every loss mode, with GSPO, and through a replayed ppo_step,
+"""Multi-turn episodes (docs/multiturn.md, extensions/multiturn.py): the episode loop
+(multiturn.run_episodes) with a scripted engine and with the HF engine, GAE over turns by hand,
+the action mask (no observation token in any loss, gradient or statistic, in every loss mode, with
+GSPO, and through a replayed ppo_step,
 checked against the same episodes with their observations cut out), and the bad inputs a task
 can give. The ChatML template test is in test_real_model.py (it needs that
 file's tokenizer); vLLM's episodes against the HF engine's in _vllm_checks.py; replay on every
@@ -21,6 +22,7 @@ import model_parallel
 import rollout
 import train_ppo
 from _dist import _free_port
+from extensions import evaluation, gspo, multiturn, offpolicy
 from conftest import ROOT, cpu_env, python_block, torchrun_cmd
 from train_ppo import compute_gae
 
@@ -60,7 +62,8 @@ def cfg_of(**kwargs):
 def test_episode_of_turns_and_observations_with_masks_logprobs_and_seeds():
     engine = ScriptedEngine(lambda ids: [7, EOS])  # every turn: one token and the stop
     task = Echo([40, 41, 42])
-    (ids, lps, mask, calls, ended), = rollout.run_episodes(engine, task, cfg_of(), [[1, 2]], [(3, 4, 5)], 1.0)
+    (ids, lps, mask, calls, ended), = multiturn.run_episodes(engine, task, cfg_of(), [[1, 2]], [(3, 4, 5)],
+                                                             1.0)
     assert ids == [7, EOS, 40, 41, 42, 7, EOS, 40, 41, 42, 7, EOS]  # 3 turns, the last one's end
     # the third turn is a call too, on the last allowed turn: counted, never answered
     assert calls == 3 and ended == "max_turns"
@@ -78,29 +81,29 @@ def test_episode_of_turns_and_observations_with_masks_logprobs_and_seeds():
 
 def test_episode_ends_at_none_at_a_cut_turn_and_before_an_observation_that_would_not_fit():
     # observe says None: over after one turn
-    ids, _, mask, calls, ended = rollout.run_episodes(ScriptedEngine(lambda ids: [7, EOS]), Echo(None),
+    ids, _, mask, calls, ended = multiturn.run_episodes(ScriptedEngine(lambda ids: [7, EOS]), Echo(None),
                                                       cfg_of(), [[1]], [(0, 0, 0)], 1.0)[0]
     assert ids == [7, EOS] and mask == [1, 1] and (calls, ended) == (0, "stop")
     # a call answered, then the answer: a natural end after one call
     replies = iter([[40], None])
     task = Echo(None)
     task.observe = lambda turn, episode: next(replies)
-    ids, _, mask, calls, ended = rollout.run_episodes(ScriptedEngine(lambda ids: [7, EOS]), task, cfg_of(),
+    ids, _, mask, calls, ended = multiturn.run_episodes(ScriptedEngine(lambda ids: [7, EOS]), task, cfg_of(),
                                                       [[1]], [(0, 0, 0)], 1.0)[0]
     assert mask == [1, 1, 0, 1, 1] and (calls, ended) == (1, "stop")
     # a turn cut off by its budget (no stop token) is not observed: the episode is over
     engine = ScriptedEngine(lambda ids: [7, 7, 7, 7, 7, EOS])
-    ids, _, _, calls, ended = rollout.run_episodes(engine, Echo([40]), cfg_of(), [[1]], [(0, 0, 0)], 1.0)[0]
+    ids, _, _, calls, ended = multiturn.run_episodes(engine, Echo([40]), cfg_of(), [[1]], [(0, 0, 0)], 1.0)[0]
     assert ids == [7, 7, 7, 7] and engine.calls[0][2] == [4] and (calls, ended) == (0, "length")
     # max_model_len 12: prompt 2 + turn 2 + observation 8 = 12 leaves no room for a turn: the
     # observation is not cut, the episode ends before it
     cfg = cfg_of(max_model_len=12)
-    ids, _, _, calls, ended = rollout.run_episodes(ScriptedEngine(lambda ids: [7, EOS]), Echo([40] * 8), cfg,
-                                                   [[1, 2]], [(0, 0, 0)], 1.0)[0]
+    ids, _, _, calls, ended = multiturn.run_episodes(ScriptedEngine(lambda ids: [7, EOS]), Echo([40] * 8),
+                                                     cfg, [[1, 2]], [(0, 0, 0)], 1.0)[0]
     assert ids == [7, EOS] and (calls, ended) == (1, "context")  # a call whose output did not fit
     # with 7 observation ids one token of room is left: the next turn's budget is 1
     engine = ScriptedEngine(lambda ids: [7, EOS])
-    ids, _, mask, calls, ended = rollout.run_episodes(engine, Echo([40] * 7), cfg, [[1, 2]], [(0, 0, 0)],
+    ids, _, mask, calls, ended = multiturn.run_episodes(engine, Echo([40] * 7), cfg, [[1, 2]], [(0, 0, 0)],
                                                       1.0)[0]
     assert ids == [7, EOS, *[40] * 7, 7] and engine.calls[1][2] == [1] and len(ids) + 2 == 12
     assert (calls, ended) == (1, "length")
@@ -108,12 +111,12 @@ def test_episode_ends_at_none_at_a_cut_turn_and_before_an_observation_that_would
 
 def test_a_task_that_never_ends_is_bounded_by_max_turns_and_single_turn_tasks_make_one_call():
     engine = ScriptedEngine(lambda ids: [7, EOS])
-    episodes = rollout.run_episodes(engine, Echo([40]), cfg_of(max_turns=5), [[1], [2, 3]],
+    episodes = multiturn.run_episodes(engine, Echo([40]), cfg_of(max_turns=5), [[1], [2, 3]],
                                     [(0, 0, 0), (0, 0, 1)], 1.0)
     assert [sum(mask) for _, _, mask, _, _ in episodes] == [10, 10] and len(engine.calls) == 5
     assert [(calls, ended) for *_, calls, ended in episodes] == [(5, "max_turns")] * 2
     engine = ScriptedEngine(lambda ids: [7, EOS])
-    (ids, _, mask, calls, ended), = rollout.run_episodes(engine, rollout.ToyTask(0), cfg_of(), [[1]],
+    (ids, _, mask, calls, ended), = multiturn.run_episodes(engine, rollout.ToyTask(0), cfg_of(), [[1]],
                                                          [(0, 0, 0)], 1.0)
     assert ids == [7, EOS] and mask == [1, 1] and len(engine.calls) == 1  # no observe: one turn
     assert (calls, ended) == (0, "stop")
@@ -122,12 +125,12 @@ def test_a_task_that_never_ends_is_bounded_by_max_turns_and_single_turn_tasks_ma
 @pytest.mark.parametrize("observation", ["7", 7, [1.0], [262], [-1]])  # text, an id, a float, out of vocab
 def test_a_bad_observation_is_one_clear_error(observation):
     with pytest.raises(rollout.TaskError, match=r"observe\(\) must return a list of token ids in \[0, 262\)"):
-        rollout.run_episodes(ScriptedEngine(lambda ids: [7, EOS]), Echo(observation), cfg_of(), [[1]],
+        multiturn.run_episodes(ScriptedEngine(lambda ids: [7, EOS]), Echo(observation), cfg_of(), [[1]],
                              [(0, 0, 0)], 1.0)
 
 
 def test_toy_tool_task_calls_the_calculator_and_rewards_the_last_turn():
-    task = rollout.ToyToolTask(seed=1)
+    task = multiturn.ToyToolTask(seed=1)
     prompt, answer = task.prompts(0, 1)[0]
     a, b = map(int, prompt[:-1].split("+"))
     assert 10 <= a < 100 and 10 <= b < 100 and answer == str(a + b)
@@ -150,7 +153,7 @@ def test_toy_tool_task_calls_the_calculator_and_rewards_the_last_turn():
     assert task.reward(answer, answer, "stop") == 1.0  # a direct answer counts too (max_turns=1)
     assert rollout.last_turn([1, 2], [1, 1]) == [1, 2]  # single-turn: the whole response
     # without the tool (max_turns=1) the warm-up teaches the direct answer, with no call
-    assert rollout.ToyToolTask(seed=1, tool=False).target(answer) == task.tok.encode(answer) + [task.eos_id]
+    assert multiturn.ToyToolTask(seed=1, tool=False).target(answer) == task.tok.encode(answer) + [task.eos_id]
 
 
 def test_gae_over_two_turns_by_hand():
@@ -236,7 +239,8 @@ def _batches(estimator, **overrides):
             out["old_lp"] = _spread(batch, numbers["old_lp"], -7.0 + noise)
         return out
 
-    shared = dict(index=[0, 1, 2], reward=torch.tensor([1.0, 0.0, 0.5]))
+    shared = dict(index=[0, 1, 2], reward=torch.tensor([1.0, 0.0, 0.5]),
+                  task_score=torch.tensor([1.0, 0.0, 0.5]))
     full = dataclasses.replace(full, **shared, **fields(full, OFF_MASK))
     cut = dataclasses.replace(cut, **shared, **fields(cut, ZEROS))
     cfg = config.Config(**{**dict(advantage_estimator=estimator, samples_per_prompt=3, offpolicy_is="token",
@@ -269,6 +273,8 @@ def test_observation_tokens_are_in_no_loss_gradient_or_statistic(estimator, mode
         # the losses' inputs: wild numbers off the mask instead of compute_advantages' zeros there
         inputs = dataclasses.replace(batch, **{name: torch.where(on, x, off[name])
                                                for name, x in computed.items()})
+        # the correction's weights, as ppo_step computes them in the passes without grad
+        inputs, corrected = offpolicy.weigh(inputs, cfg, mesh)
         # the new policy's logprobs and entropy, the critic's new values: leaves, for the gradients
         new = dict(lp=_spread(batch, batch.old_lp[on] + moves["lp"], off["lp"]),
                    entropy=_spread(batch, moves["entropy"], off["entropy"]),
@@ -286,7 +292,7 @@ def test_observation_tokens_are_in_no_loss_gradient_or_statistic(estimator, mode
         grads = {name: leaf.grad for name, leaf in new.items() if leaf.grad is not None}
         sums = train_ppo.UpdateSums({name: term.detach() for name, term in terms.items()},
                                     {"clipped_tokens": clipped}, {"grad_norm": 1.0})
-        metrics = train_ppo.step_metrics(batch, sums, cfg, mesh)
+        metrics = {**train_ppo.step_metrics(batch, sums, cfg, mesh), **corrected}
         results.append(dict(on=on, computed=computed, terms=sums[0], grads=grads, metrics=metrics))
     full, cut = results
     for name in cut["computed"]:  # on the actions; 0 elsewhere (step_metrics sums returns unmasked)
@@ -356,8 +362,10 @@ def _stand_in_models(estimator):
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         parts[name] = train_ppo.Part(model, optimizer, schedule)
-    reference = model_parallel.snapshot_weights(TokenTable(reference))
-    return train_ppo.Models(parts, reference, None)
+    # the reference policy: its table swapped into the policy, as build_models makes it
+    snapshot = model_parallel.snapshot_weights(TokenTable(reference))
+    swap = functools.partial(model_parallel.swapped_weights, parts["policy"].model, snapshot)
+    return train_ppo.Models(parts, swap, None)
 
 
 def _dump(path, prompts, responses, masks, rewards, engine_lps):
@@ -412,7 +420,7 @@ def test_replayed_episodes_train_as_their_cut_rows(estimator, mode, ratio, tmp_p
                                 max_new_tokens=4,
                                 replay_rollouts=str(tmp_path / name), out_dir=str(tmp_path / "out"))
             models = _stand_in_models(estimator)
-            metrics, _ = train_ppo.ppo_step({"step": 0, "prompts_drawn": 0}, models, None,
+            metrics, _, _ = train_ppo.ppo_step({"step": 0, "prompts_drawn": 0}, models, None,
                                             types.SimpleNamespace(pad_id=0), cfg, mesh)
             weights = {part: models.parts[part].model.table.detach() for part in models.parts}
             runs[name] = metrics, weights
@@ -524,19 +532,19 @@ def test_a_tool_task_gets_turns_by_default():
     (max_model_len 16: prompt 1 + (turn 2 + observation 1) x 5)."""
     cfg = config.Config(max_new_tokens=4, max_model_len=16)
     engine = ScriptedEngine(lambda ids: [7, EOS])
-    (ids, _, mask, calls, ended), = rollout.run_episodes(engine, Echo([40]), cfg, [[1]], [(0, 0, 0)], 1.0)
+    (ids, _, mask, calls, ended), = multiturn.run_episodes(engine, Echo([40]), cfg, [[1]], [(0, 0, 0)], 1.0)
     assert mask == [1, 1, 0] * 4 + [1, 1]  # 5 turns: a 6th would start at 16, max_model_len
     assert (calls, ended) == (5, "context")  # the 5th call's output left no room for a turn
     # a task without observe() is single-turn whatever max_turns says
     engine = ScriptedEngine(lambda ids: [7, EOS])
-    rollout.run_episodes(engine, rollout.ToyTask(0), cfg, [[1]], [(0, 0, 0)], 1.0)
+    multiturn.run_episodes(engine, rollout.ToyTask(0), cfg, [[1]], [(0, 0, 0)], 1.0)
     assert len(engine.calls) == 1
 
 
 def test_an_empty_observation_is_refused():
     """[] would merge the turns before and after it into one run of 1s (one turn fewer counted)."""
     with pytest.raises(rollout.TaskError, match=r"not empty, or None, not \[\]"):
-        rollout.run_episodes(ScriptedEngine(lambda ids: [7, EOS]), Echo([]), config.Config(), [[1]],
+        multiturn.run_episodes(ScriptedEngine(lambda ids: [7, EOS]), Echo([]), config.Config(), [[1]],
                              [(0, 0, 0)], 1.0)
 
 
@@ -552,7 +560,7 @@ def test_gspo_is_finite_where_a_logprob_on_an_observation_is_minus_inf():
     cut = new.detach()[:, keep].clone().requires_grad_(True)
 
     def loss(lp, old_lp, advantages, m):
-        per_token, _ = train_ppo.policy_loss(lp, old_lp, advantages, 0.2, sequence_mask=m)
+        per_token, _ = train_ppo.policy_loss(gspo.sequence_log_ratio(lp, old_lp, m), advantages, 0.2)
         return train_ppo.aggregate_loss(per_token, m, mode="seq-mean-token-mean")
     with_gaps, plain = loss(new, old, adv, mask), loss(cut, old[:, keep], adv[:, keep], torch.ones(1, 4))
     with_gaps.backward()
@@ -590,7 +598,7 @@ def test_the_warm_up_trains_on_the_models_tokens_of_a_tool_trace(one_rank, tmp_p
     a TokenTable policy whose AdamW steps are real): the rows of the call's and the answer's ids
     move, the brackets', which only the tool writes, never do. Trained on the whole trace, the
     model would be taught to predict the tool's output."""
-    task = rollout.ToyToolTask(seed=1)
+    task = multiturn.ToyToolTask(seed=1)
     policy = TokenTable(torch.full((262, 2), -1.0))
     monkeypatch.setattr(model_parallel, "load_policy", lambda *args: policy)
     monkeypatch.setattr(model_parallel, "forward_policy", table_policy)
@@ -626,13 +634,13 @@ def test_a_prompt_that_leaves_no_room_is_one_clear_error():
         def generate(self, prompt_ids, seeds, budgets, temperature):
             assert min(budgets) >= 1, f"a budget of {min(budgets)} tokens reached the engine"
             return super().generate(prompt_ids, seeds, budgets, temperature)
-    task = rollout.ToyToolTask(seed=1)
+    task = multiturn.ToyToolTask(seed=1)
     prompt = task.encode("23+45=")
     with pytest.raises(rollout.TaskError, match="a prompt of 6 tokens leaves no room for a response within "
                                                 "max_model_len=6: raise max_model_len"):
-        rollout.run_episodes(Strict(lambda ids: [7, EOS]), task, cfg_of(max_model_len=6), [prompt],
+        multiturn.run_episodes(Strict(lambda ids: [7, EOS]), task, cfg_of(max_model_len=6), [prompt],
                              [(0, 0, 0)], 1.0)
-    (ids, *_), = rollout.run_episodes(Strict(lambda ids: [7, EOS]), task, cfg_of(max_model_len=7), [prompt],
+    (ids, *_), = multiturn.run_episodes(Strict(lambda ids: [7, EOS]), task, cfg_of(max_model_len=7), [prompt],
                                       [(0, 0, 0)], 1.0)
     assert ids == [7]  # one token of room: cut off
 
@@ -641,7 +649,7 @@ def test_a_bad_observation_in_validation_stops_every_rank_with_one_line(one_rank
     task = Echo([999])
     task.val, task.encode = [("1+1=", "2")], lambda q: [1]
     with pytest.raises(SystemExit, match=r"^task error: observe\(\) must return a list of token ids in"):
-        rollout.validation(ScriptedEngine(lambda ids: [7, EOS]), task, cfg_of())
+        evaluation.validation(ScriptedEngine(lambda ids: [7, EOS]), task, cfg_of())
 
 
 def test_the_tool_is_taken_away_with_max_turns_1_from_the_warm_up_too(tmp_path):
@@ -679,11 +687,14 @@ def test_a_dump_the_trainer_cannot_train_on_is_refused_in_one_line(one_rank, tmp
                 action_mask=[1, 1], calls=0, ended="stop", task_score=1.0, reward=1.0)
     cfg = config.Config(replay_rollouts=str(tmp_path))
     replayed = dict(rollout_samples=0, rollout_prompts=cfg.prompts_per_step)  # none generated
+    # a dump written before rule_reward and loss_mask had keys of their own: the task's score (with
+    # no overlong penalty), and the model's tokens
+    read = dict(good, rule_reward=1.0, loss_mask=[1, 1])
     _write_dump(tmp_path / "step_0.jsonl", [good])
-    assert rollout.rollouts(None, None, cfg, 0, 0) == ({0: good}, replayed)
+    assert rollout.rollouts(None, None, cfg, 0, 0) == ({0: read}, cfg.prompts_per_step, replayed)
     # a dump written before task_score had a key of its own: its reward is the task's score
     _write_dump(tmp_path / "step_0.jsonl", [{k: v for k, v in good.items() if k != "task_score"}])
-    assert rollout.rollouts(None, None, cfg, 0, 0) == ({0: good}, replayed)
+    assert rollout.rollouts(None, None, cfg, 0, 0) == ({0: read}, cfg.prompts_per_step, replayed)
     old = {k: v for k, v in good.items() if k not in ("action_mask", "calls", "ended")}
     _write_dump(tmp_path / "step_0.jsonl", [good, old])
     with pytest.raises(SystemExit, match=rf"^replay error: {tmp_path}/step_0.jsonl:2: the sample has no "

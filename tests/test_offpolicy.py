@@ -19,6 +19,7 @@ import torch
 import config
 import rollout
 import train_ppo
+from extensions import dapo, evaluation, offpolicy
 
 SAFETY = 20.0  # verl's SAFETY_BOUND on a log ratio before exp
 
@@ -112,7 +113,7 @@ def test_importance_weights_equal_verls_in_every_level_and_mode(level, mode):
     log_ratio, mask = gapped_case()
     cfg = config.Config(offpolicy_is=level, offpolicy_is_mode=mode, offpolicy_is_bound=2.0,
                         offpolicy_is_lower=0.5)
-    got = train_ppo.importance_weights(log_ratio, mask, cfg)
+    got = offpolicy.importance_weights(log_ratio, mask, cfg)
     want = verl_weights(log_ratio, mask, level, 2.0, 0.5 if mode == "mask" else None)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
     # the bounds bite in this case: some weights truncated or masked, some not
@@ -139,34 +140,39 @@ def test_rejection_masks_equal_verls_for_every_option(option):
     bound = dict(token_k1=2.0, seq_sum_k1=2.2, seq_mean_k1=2.0, seq_sum_k2=1.5, seq_sum_k3=1.5,
                  seq_max_k2=0.5, seq_max_k3=0.65).get(option, 0.3)
     cfg = config.Config(offpolicy_reject=option, offpolicy_reject_bound=bound)
-    got = train_ppo.rejection_mask(log_ratio, mask, cfg)
+    got = offpolicy.rejection_mask(log_ratio, mask, cfg)
     want = verl_rejection(log_ratio, mask, option, bound)
     assert torch.equal(got, want), (option, got, want)
     kept = got[mask.bool()]
     assert 0 < kept.sum() < mask.sum(), f"{option}: the case keeps all or nothing"
 
 
-def test_the_corrections_weight_and_metrics_by_hand():
+def test_the_corrections_weight_and_metrics_by_hand(monkeypatch):
     """offpolicy_weights: importance weight times the rejection's keep, from batch.old_lp -
-    batch.engine_lp; offpolicy_shares: the tokens and sequences of weight 0 and the sums of w
-    and w^2 over response tokens, by hand on two rows."""
+    batch.engine_lp; offpolicy.shares: the tokens and sequences of weight 0 and the sums of w
+    and w^2 over response tokens, by hand on two rows; offpolicy.weigh: the batch's weights and
+    the metrics made of those sums."""
     old = torch.tensor([[0.0, -1.0, -1.0, -1.0], [0.0, -2.0, -0.5, 0.0]])
     engine = torch.tensor([[0.0, -1.0, -2.0, -0.2], [0.0, -2.0, -0.5, 0.0]])  # ratios 1, e, e^-0.8
     mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0]])
     batch = train_ppo.Batch(ids=None, mask=mask, engine_lp=engine, lens=[4, 3], unscored=1,
-                            old_lp=old)
+                            weight=torch.ones_like(mask), old_lp=old)
     cfg = config.Config(offpolicy_is="token", offpolicy_is_bound=2.0,
                         offpolicy_reject="token_k1", offpolicy_reject_bound=2.0)
-    w = train_ppo.offpolicy_weights(batch, slice(None), cfg)
+    w = offpolicy.offpolicy_weights(batch, slice(None), cfg)
     # row 0: ratio 1 kept; e truncated to 2 but rejected by k1 (|log e| = 1 > log 2); e^-0.8
     # rejected too (0.8 > log 2 = 0.69); row 1: ratios 1, 1
     expected = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0]])
     torch.testing.assert_close(w, expected)
-    shares = {k: float(v) for k, v in train_ppo.offpolicy_shares(batch, cfg).items()}
-    assert shares == {"offpolicy_token_masked": 2.0, "offpolicy_seq_masked": 1.0,
-                      "offpolicy_w": 3.0, "offpolicy_w_sq": 3.0}
-    # the ESS step_metrics makes of them: (sum w)^2 / (n sum w^2) = 9 / (5 * 3)
-    assert math.isclose(shares["offpolicy_w"] ** 2 / (5 * shares["offpolicy_w_sq"]), 0.6)
+    masked, seqs, w_sum, w_sq, n_tok, n_seq = offpolicy.shares(batch, w).tolist()
+    assert (masked, seqs, w_sum, w_sq, n_tok, n_seq) == (2.0, 1.0, 3.0, 3.0, 5.0, 2.0)
+    # the metrics weigh makes of them (one rank: dp_sum is the identity), and the batch's weights;
+    # the ESS: (sum w)^2 / (n sum w^2) = 9 / (5 * 3)
+    monkeypatch.setattr(train_ppo, "dp_sum", lambda tensor, mesh: tensor)
+    weighed, metrics = offpolicy.weigh(batch, cfg, None)
+    torch.testing.assert_close(weighed.weight, expected)
+    assert metrics == pytest.approx(dict(offpolicy_token_masked=2 / 5, offpolicy_seq_masked=1 / 2,
+                                         offpolicy_ess=0.6))
 
 
 def test_weighted_surrogate_keeps_zero_weight_tokens_in_the_normalizer():
@@ -177,9 +183,11 @@ def test_weighted_surrogate_keeps_zero_weight_tokens_in_the_normalizer():
     mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
     adv = torch.tensor([[0.0, 1.0, 1.0, 2.0]])
     batch = train_ppo.Batch(ids=None, mask=mask, engine_lp=engine, lens=[4], unscored=1,
-                            old_lp=old, advantages=adv)
+                            weight=torch.ones_like(mask), old_lp=old, advantages=adv)
     cfg = config.Config(offpolicy_reject="token_k1", offpolicy_reject_bound=2.0, kl_coef=0.0,
                         advantage_estimator="grpo", samples_per_prompt=2)
+    # the weights ppo_step gives the batch before the update (offpolicy.weigh)
+    batch = dataclasses.replace(batch, weight=offpolicy.offpolicy_weights(batch, slice(None), cfg))
     lp = old.clone()  # pi = pi_old: the surrogate is -A per token
     aggregate = lambda per_token, m: train_ppo.aggregate_loss(per_token, m, num_tokens=m.sum())  # noqa: E731
     terms, _ = train_ppo.policy_loss_terms(lp, None, batch, torch.tensor([0]), aggregate, cfg)
@@ -206,14 +214,14 @@ def test_keep_groups_by_hand():
     drawn, each sample with its drawn index."""
     cfg = config.Config(prompts_per_step=3, samples_per_prompt=2, dynamic_sampling=True)
     every = samples_of([[1, 1], [0, 1], [0, 0], [1, 1], [0, 0], [1, 0]])
-    assert rollout.varied_groups(every, cfg) == [1, 5]
-    kept, metrics = rollout.keep_groups(every, cfg)
+    assert dapo.varied_groups(every, cfg) == [1, 5]
+    kept, metrics = dapo.keep_groups(every, cfg)
     assert [kept[i]["drawn"] for i in range(6)] == [2, 3, 8, 9, 10, 11]  # groups 1, 4, 5
     assert [kept[i]["index"] for i in range(6)] == list(range(6))
     assert metrics == dict(dynamic_kept_fraction=2 / 6, dynamic_filled_groups=1)
     # enough varied groups: the first 3 of them, no filling
     every = samples_of([[1, 0], [0, 0], [0, 1], [1, 0], [0, 1]])
-    kept, metrics = rollout.keep_groups(every, cfg)
+    kept, metrics = dapo.keep_groups(every, cfg)
     assert [kept[i]["drawn"] // 2 for i in range(0, 6, 2)] == [0, 2, 3]
     assert metrics == dict(dynamic_kept_fraction=4 / 5, dynamic_filled_groups=0)
 
@@ -245,7 +253,7 @@ def _rollouts_body(rank, world_size, out):
                         overlong_penalty=0.5, seed=3)
     engine = ScoredEngine()
     task = rollout.ToyTask(seed=3)
-    every, metrics = rollout.rollouts(engine, task, cfg, step=7, start=40)
+    every, _, metrics = rollout.rollouts(engine, task, cfg, step=7, start=40)
     seeds = [None] * world_size
     train_ppo.dist.all_gather_object(seeds, engine.seeds)
     if rank == 0:
@@ -295,11 +303,11 @@ def test_the_raw_task_score_decides_the_filter_not_the_shaped_reward():
                         max_new_tokens=4, overlong_buffer=2)
     every = samples_of([[1.0, 1.0], [0.0, 1.0]])
     every[0]["action_mask"] = [1, 1, 1, 1]  # 4 tokens: past max_new_tokens - 2
-    rollout.overlong_shaping(every.values(), cfg)
+    dapo.overlong_shaping(every.values(), cfg)
     assert every[0]["length_penalty"] == -1.0 and every[1]["length_penalty"] == 0.0
     assert every[0]["task_score"] == every[1]["task_score"] == 1.0  # raw scores untouched
-    assert rollout.varied_groups(every, cfg) == [1]
-    kept, _ = rollout.keep_groups(every, cfg)
+    assert dapo.varied_groups(every, cfg) == [1]
+    kept, _ = dapo.keep_groups(every, cfg)
     assert [kept[i]["drawn"] for i in (0, 1)] == [2, 3]
 
 
@@ -312,22 +320,30 @@ def test_overlong_penalty_and_mask_by_hand():
     samples = [dict(action_mask=[1] * 3, ended="stop"), dict(action_mask=[1] * 6, ended="stop"),
                dict(action_mask=[1] * 8, ended="length"),
                dict(action_mask=[1, 1, 0, 0, 0, 1, 1], ended="stop")]
-    rollout.overlong_shaping(samples, cfg)
+    for s in samples:
+        s.update(task_score=1.0, rule_reward=1.0)
+    dapo.overlong_shaping(samples, cfg)
     assert [s["length_penalty"] for s in samples] == [0.0, -0.25, -0.5, 0.0]
+    # what the sample is trained on: its task score plus the penalty
+    assert [s["rule_reward"] for s in samples] == [1.0, 0.75, 0.5, 1.0]
     assert [s.get("loss_mask") for s in samples] == [None, None, [0] * 8, None]
 
 
 def test_overlong_shaping_reaches_the_reward_and_the_mask_of_the_batch(monkeypatch):
-    """training_batch: the length penalty is the batch's length_penalty (added to the reward at
-    step 3, never to task_score), and a loss_mask replaces the action mask."""
+    """training_batch: the length penalty reaches the batch's reward (a sample's rule_reward,
+    dapo.overlong_shaping's), never task_score, and a loss_mask replaces the action mask."""
     every = {0: dict(prompt_ids=[1, 2], response_ids=[5, 6, 7], engine_logprobs=[-1.0] * 3,
-                     action_mask=[1, 1, 1], task_score=1.0, length_penalty=-0.25),
+                     action_mask=[1, 1, 1], task_score=1.0),
              1: dict(prompt_ids=[1, 2], response_ids=[5, 6], engine_logprobs=[-1.0] * 2,
-                     action_mask=[1, 1], loss_mask=[0, 0], task_score=0.0)}
-    cfg = config.Config(prompts_per_step=1, samples_per_prompt=2, micro_batch_size=2)
+                     action_mask=[1, 1], task_score=0.0, ended="length")}
+    cfg = config.Config(prompts_per_step=1, samples_per_prompt=2, micro_batch_size=2,
+                        max_new_tokens=4, overlong_buffer=2, overlong_mask=True)
+    for s in every.values():  # as rollout.generate_share makes them
+        s.update(loss_mask=s["action_mask"], rule_reward=s["task_score"], ended=s.get("ended", "stop"))
+    dapo.overlong_shaping(every.values(), cfg)
     batch = train_ppo.training_batch(every, cfg, OneRank(), 0, "cpu")
     rows = {j: r for r, j in enumerate(batch.index)}
-    assert batch.length_penalty[rows[0]] == -0.25 and batch.length_penalty[rows[1]] == 0.0
+    assert batch.reward[rows[0]] == 1.0 - 0.5 and batch.reward[rows[1]] == 0.0
     assert batch.task_score[rows[0]] == 1.0
     assert batch.mask[rows[0]].sum() == 3 and batch.mask[rows[1]].sum() == 0
 
@@ -353,11 +369,11 @@ def test_a_step_whose_every_response_overlong_mask_cut(monkeypatch):
     then 0 over no token (no division by zero), its response length is still the model's tokens
     ((3 + 2) / 2, episode_metrics), and GAE's whitening over no token gives zeros, not NaN."""
     every = {0: dict(prompt_ids=[1, 2], response_ids=[5, 6, 7], engine_logprobs=[-1.0] * 3,
-                     action_mask=[1, 1, 1], loss_mask=[0, 0, 0], task_score=1.0, calls=0,
-                     ended="length"),
+                     action_mask=[1, 1, 1], loss_mask=[0, 0, 0], task_score=1.0, rule_reward=1.0,
+                     calls=0, ended="length"),
              1: dict(prompt_ids=[1, 2], response_ids=[5, 6], engine_logprobs=[-1.0] * 2,
-                     action_mask=[1, 1], loss_mask=[0, 0], task_score=0.0, calls=0,
-                     ended="length")}
+                     action_mask=[1, 1], loss_mask=[0, 0], task_score=0.0, rule_reward=0.0,
+                     calls=0, ended="length")}
     monkeypatch.setattr(train_ppo, "dp_sum", lambda tensor, mesh: tensor)
     cfg = config.Config(prompts_per_step=1, samples_per_prompt=2, micro_batch_size=2,
                         advantage_estimator="grpo", kl_coef=0.0, overlong_mask=True)
@@ -384,7 +400,7 @@ def test_pass_at_k_against_a_count_of_k_subsets(n, c, k):
     samples = [True] * c + [False] * (n - c)
     subsets = list(itertools.combinations(samples, k))
     counted = sum(any(s) for s in subsets) / len(subsets)
-    assert math.isclose(rollout.pass_at_k(n, c, k), counted)
+    assert math.isclose(evaluation.pass_at_k(n, c, k), counted)
 
 
 def test_validation_reports_greedy_accuracy_and_pass_at_k(one_rank):
@@ -398,20 +414,20 @@ def test_validation_reports_greedy_accuracy_and_pass_at_k(one_rank):
     engine.generate = lambda ids, seeds, budgets, t: (
         seeded(ids, seeds, budgets, t) if t else [([ord("0"), 256], [-0.1, -0.1])] * len(ids))
     cfg = config.Config(val_pass_k=2, val_samples=4, temperature=0.7, seed=1)
-    out = rollout.validation(engine, task, cfg)
+    out = evaluation.validation(engine, task, cfg)
     correct = []
     for i, (_, answer) in enumerate(task.val):
         digits = [str(rollout.sample_seed(1, -1, i, k) % 3) for k in range(4)]
         correct.append(sum(d == answer for d in digits))
-    want = sum(rollout.pass_at_k(4, c, 2) for c in correct) / 3
+    want = sum(evaluation.pass_at_k(4, c, 2) for c in correct) / 3
     assert out == pytest.approx({"val_accuracy": 1 / 3, "val_pass@2": want})
     assert 0 < want < 1, correct  # a case where pass@2 is neither all nor nothing
-    assert rollout.validation(engine, task, cfg) == out  # the same seeds each time
+    assert evaluation.validation(engine, task, cfg) == out  # the same seeds each time
 
 
 @pytest.fixture
 def one_rank(monkeypatch):
-    """A one-rank gloo process group (rollout.validation's gather), released after the test."""
+    """A one-rank gloo process group (evaluation.validation's gather), released after the test."""
     from _dist import _free_port
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))

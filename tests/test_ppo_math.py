@@ -60,12 +60,12 @@ def test_dual_clip_by_hand():
     # token 2 is clipped as usual; only token 1 keeps a gradient, d(-A r)/d logp = -A r = 2
     adv = torch.tensor([[-1.0, -1.0, 1.0, -2.0]])
     logp = torch.log(torch.tensor([[5.0, 2.0, 5.0, 4.0]])).requires_grad_()
-    per_token, clipped = policy_loss(logp, torch.zeros(1, 4), adv, 0.2, clip_ratio_c=3.0)
+    per_token, clipped = policy_loss(logp - torch.zeros(1, 4), adv, 0.2, clip_ratio_c=3.0)
     loss = per_token.mean()
     assert loss.item() == pytest.approx((3 + 2 - 1.2 + 6) / 4) and clipped.sum().item() == 3
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 2.0, 0.0, 0.0]]) / 4)
-    plain, plain_clipped = policy_loss(logp, torch.zeros(1, 4), adv, 0.2)  # clip_ratio_c=0: off
+    plain, plain_clipped = policy_loss(logp - torch.zeros(1, 4), adv, 0.2)  # clip_ratio_c=0: off
     assert plain.mean().item() == pytest.approx((5 + 2 - 1.2 + 8) / 4) and plain_clipped.sum().item() == 1
 
 
@@ -88,7 +88,7 @@ def test_policy_loss_both_clipping_branches():
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
     old = torch.zeros(1, 4)
     logp = torch.log(torch.tensor([[1.5, 0.5, 1.5, 0.5]])).requires_grad_()
-    per_token, clipped = policy_loss(logp, old, adv, clip=0.2)
+    per_token, clipped = policy_loss(logp - old, adv, clip=0.2)
     loss = per_token.mean()
     assert loss.item() == pytest.approx((-1.2 - 0.5 + 1.5 + 0.8) / 4)
     assert clipped.tolist() == [[True, False, False, True]]
@@ -100,7 +100,7 @@ def test_policy_loss_both_clipping_branches():
 def test_token_mean_normalizes_by_the_given_global_token_count():
     adv, logp = torch.tensor([[0.0, 2.0]]), torch.zeros(1, 2)
     mask = torch.tensor([[0.0, 1.0]])
-    per_token, _ = policy_loss(logp, logp, adv, 0.2)
+    per_token, _ = policy_loss(logp - logp, adv, 0.2)
     loss = aggregate_loss(per_token, mask, num_tokens=torch.tensor(4.0))
     assert loss.item() == pytest.approx(-2.0 / 4)  # one token of -A*1, over 4 global tokens
 

@@ -16,6 +16,7 @@ import config
 import model_parallel
 import rollout
 from conftest import ROOT, read_metrics, run_cli
+from extensions import multiturn
 
 # Qwen's ChatML layout
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -106,7 +107,7 @@ class ScriptedChat:
 
 def test_episode_ids_are_the_chat_templates_rendering_of_the_conversation(real_model):
     """system, user, assistant (a tool call), tool, assistant: the prompt's ids, then each turn's
-    sampled ids with the tool message between them (rollout.chat_tool_message in the task's
+    sampled ids with the tool message between them (multiturn.chat_tool_message in the task's
     observe), are exactly the chat template's rendering of the same conversation, the separators
     included: ChatML's "\n" after each <|im_end|>, which no turn samples, comes with the tool
     message. Then a template that writes earlier turns differently once a tool message follows
@@ -122,11 +123,11 @@ def test_episode_ids_are_the_chat_templates_rendering_of_the_conversation(real_m
             call = re.fullmatch(r"calc\((\d+)\+(\d+)\)<\|im_end\|>", tok.decode(turn))
             if call is None:  # the answer: the episode is over
                 return None
-            return rollout.chat_tool_message(tok, str(int(call[1]) + int(call[2])))
+            return multiturn.chat_tool_message(tok, str(int(call[1]) + int(call[2])))
 
     prompt = list(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
     cfg = config.Config(max_turns=2, max_new_tokens=32, max_model_len=256)
-    (response, lps, mask, calls, ended), = rollout.run_episodes(ScriptedChat(tok, turns), CalcTask(), cfg,
+    (response, lps, mask, calls, ended), = multiturn.run_episodes(ScriptedChat(tok, turns), CalcTask(), cfg,
                                                                 [prompt], [(0, 0, 0)], 1.0)
     assert (calls, ended) == (1, "stop")
     conversation = chat + [{"role": "assistant", "content": turns[0]}, {"role": "tool", "content": "7"},
@@ -141,7 +142,7 @@ def test_episode_ids_are_the_chat_templates_rendering_of_the_conversation(real_m
     # a template that numbers the messages renders every earlier token anew once one is added
     tok.chat_template = "{{ messages | length }}" + CHAT_TEMPLATE
     with pytest.raises(rollout.TaskError, match="writes it differently once a tool message follows"):
-        rollout.chat_tool_message(tok, "7")
+        multiturn.chat_tool_message(tok, "7")
 
 
 # Templates written here that render tool calls and tool messages as Qwen2.5's and Llama 3.1's
@@ -187,7 +188,7 @@ def calc_episode(tok, turns, read_call, role):
     """The episode of the scripted `turns` (a call to calc, then an answer) after a system and a
     user message, rendered by `tok`'s chat template: the task's observe reads the call's operands
     from the first turn's text (`read_call`) and answers their sum in a `role` message with
-    rollout.chat_tool_message. Returns the conversation before the turns, the prompt's ids, and
+    multiturn.chat_tool_message. Returns the conversation before the turns, the prompt's ids, and
     the response's ids and action mask."""
     chat = [{"role": "system", "content": "You may call calc(a, b)."},
             {"role": "user", "content": "What is 3 + 4?"}]
@@ -198,11 +199,11 @@ def calc_episode(tok, turns, read_call, role):
             if text == turns[-1]:  # the answer: the episode is over
                 return None
             a, b = read_call(text)
-            return rollout.chat_tool_message(tok, str(a + b), role=role)
+            return multiturn.chat_tool_message(tok, str(a + b), role=role)
 
     prompt = list(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
     cfg = config.Config(max_turns=2, max_new_tokens=64, max_model_len=256)
-    (response, _, mask, calls, ended), = rollout.run_episodes(ScriptedChat(tok, turns), CalcTask(), cfg,
+    (response, _, mask, calls, ended), = multiturn.run_episodes(ScriptedChat(tok, turns), CalcTask(), cfg,
                                                               [prompt], [(0, 0, 0)], 1.0)
     assert (calls, ended) == (1, "stop")
     assert sum(mask) == sum(len(tok.encode(t)) + 1 for t in turns)  # both turns, each with its EOS
@@ -380,12 +381,12 @@ def test_tool_message_headed_by_the_call_after_a_stop_token_other_than_eos(real_
     tok.eos_token = "<|endoftext|>"
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     with pytest.raises(rollout.TaskError, match=r"does not end an assistant turn with a stop token"):
-        rollout.chat_tool_message(tok, "7", name="calc")  # <|endoftext|> ends no turn
+        multiturn.chat_tool_message(tok, "7", name="calc")  # <|endoftext|> ends no turn
     chat = [{"role": "system", "content": "You may call calc."},
             {"role": "user", "content": "What is 3 + 4?"}]
     prompt = list(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
     call, answer = tok.encode("call calc") + [im_end], tok.encode("7") + [im_end]
-    episode = prompt + call + rollout.chat_tool_message(tok, "7", stop_ids=[im_end], name="calc") + answer
+    episode = prompt + call + multiturn.chat_tool_message(tok, "7", stop_ids=[im_end], name="calc") + answer
     conversation = chat + [{"role": "assistant", "content": "", "tool_calls": [CALC_CALL]},
                            {"role": "tool", "content": "7"}, {"role": "assistant", "content": "7"}]
     rendered = list(tok.apply_chat_template(conversation, tokenize=True, return_dict=False))
@@ -402,6 +403,6 @@ def test_a_tool_output_is_cut_to_the_tasks_bound(real_model):
     long = "Tom has 3 apples and 4 pears. " * 20
     first = tok.decode(tok.encode(long, add_special_tokens=False)[:5])
     assert len(tok.encode(long)) > 100 and len(first) < 40
-    assert rollout.chat_tool_message(tok, long, max_tokens=5) == (
+    assert multiturn.chat_tool_message(tok, long, max_tokens=5) == (
         tok.encode("\n<|im_start|>tool\n" + first + "...(truncated)<|im_end|>\n<|im_start|>assistant\n"))
-    assert rollout.chat_tool_message(tok, "7", max_tokens=5) == rollout.chat_tool_message(tok, "7")
+    assert multiturn.chat_tool_message(tok, "7", max_tokens=5) == multiturn.chat_tool_message(tok, "7")

@@ -2,7 +2,7 @@
 tokenizer trained here with SmolLM2's own chat template (nothing downloaded): the data split, the
 warm-up's trace and its mask against the template's rendering of the conversation, the
 calculator, the reward, and the evaluation's own turn loop against the trainer's
-(rollout.run_episodes) on a scripted model."""
+(multiturn.run_episodes) on a scripted model."""
 import importlib.util
 import os
 import re
@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerFast
 import config
 import rollout
 from conftest import ROOT
+from extensions import multiturn
 
 # SmolLM2-135M-Instruct's template, as its checkpoint ships it
 SMOLLM2_TEMPLATE = (
@@ -128,7 +129,7 @@ def test_reward_reads_the_models_answer_after_its_call(setup):
 class ScriptedModel:
     """A stand-in for a transformers model: generate() appends, to each left-padded row, the k-th
     turn of its script (k: the tool messages in the row so far), cut at max_new_tokens, then pads.
-    Also an engine for rollout.run_episodes, with the same script."""
+    Also an engine for multiturn.run_episodes, with the same script."""
 
     def __init__(self, tok, scripts):
         self.tok, self.scripts = tok, scripts  # {question's first token ids: [turn ids, ...]}
@@ -154,7 +155,7 @@ class ScriptedModel:
 def test_eval_turn_loop_agrees_with_the_trainers_episodes(setup):
     """Four scripted episodes: call then answer (stop), an answer cut off by the budget (length), a
     direct answer (stop), a call then a second call (max_turns). The evaluation's loop gives the
-    last turn, ending and calls that rollout.run_episodes gives, and the rewards 1, 0, 1, 0; with
+    last turn, ending and calls that multiturn.run_episodes gives, and the rewards 1, 0, 1, 0; with
     max_turns=1, a call ends as "max_turns"."""
     script, task, _, tok = setup
     eos = [tok.eos_token_id]
@@ -170,7 +171,7 @@ def test_eval_turn_loop_agrees_with_the_trainers_episodes(setup):
         cfg = config.Config(max_turns=turns, max_new_tokens=24, max_model_len=400)
         mine = script.greedy_episodes(model, task, cfg, model.stop_ids, questions)
         prompts = [task.encode(q) for q in questions]
-        outs = rollout.run_episodes(model, task, cfg, prompts, [(0, 0, 0)] * 4, 0.0)
+        outs = multiturn.run_episodes(model, task, cfg, prompts, [(0, 0, 0)] * 4, 0.0)
         # the trainer's reward reads the model's last turn (rollout.generate_share)
         trainers_ = [(task.decode(rollout.last_turn(ids, mask)), ended, calls)
                      for ids, _, mask, calls, ended in outs]

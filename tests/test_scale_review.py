@@ -22,6 +22,7 @@ import model_parallel
 import rollout
 import train_ppo
 from _dist import run_ranks
+from extensions import distill
 from conftest import ROOT, HostReads
 
 
@@ -76,7 +77,7 @@ def _one_rank_body(rank, world_size, tmp):
     reward_model = model_parallel.load_reward_model(reward_dir, mesh, keep)
     policy = model_parallel.load_policy(path, mesh, bf16)
     batch = train_ppo.make_batch([[1, 2, 3], [4, 5]], [[6, 7], [8]], pad_id=257)
-    batch.task_score = torch.zeros(2)
+    batch.task_score = batch.reward = torch.zeros(2)
     with torch.no_grad():  # as ppo_step calls it
         train_ppo.reward_model_scores(reward_model, batch, keep, mesh)
     gathered = [n for n, p in reward_model.named_parameters() if not isinstance(p, DTensor)]
@@ -91,7 +92,7 @@ def _one_rank_body(rank, world_size, tmp):
     assert not any(p.requires_grad for p in teacher.parameters())
     assert not any("lora" in n for n, _ in teacher.named_parameters()) and _offloaded(teacher)
     with torch.no_grad():
-        train_ppo.teacher_logprobs(train_ppo.Models({}, None, None, teacher), batch, keep, mesh)
+        distill.teacher_logprobs(teacher, batch, keep, mesh)
     gathered = [n for n, p in teacher.named_parameters() if not isinstance(p, DTensor)]
     assert not gathered, f"the teacher was left gathered: {gathered}"
     return lengths

@@ -154,7 +154,8 @@ def test_step_metrics_console_plot_and_summary_follow_the_loss_terms(tmp_path, m
     # engine's logprobs those of pi_old
     batch = train_ppo.make_batch([[1] * 10] * 4, [[2] * 5] * 4, pad_id=257)
     batch = dataclasses.replace(batch, reward=torch.tensor([1.0, 1.0, 1.0, 0.0]), old_lp=batch.engine_lp,
-                                ref_lp=batch.engine_lp - 0.01 * batch.mask)
+                                ref_lp=batch.engine_lp - 0.01 * batch.mask,
+                                task_score=torch.tensor([1.0, 1.0, 1.0, 0.0]))
     # the update's sums over its 4 optimizer steps (the third skipped): policy_loss 0.1, -0.3, 0.2,
     # 0.4; entropy_loss -0.004, -0.002, -0.002, -0.004; ratio_penalty 0.01, 0.02, 0.03, 0.06; grad
     # norms 1, 2, 3, 6; 8 clipped tokens
@@ -167,7 +168,7 @@ def test_step_metrics_console_plot_and_summary_follow_the_loss_terms(tmp_path, m
     # means over the 4 optimizer steps, skipped one included; clip_frac over 2 epochs of 20 tokens
     by_hand = dict(step=0, reward_mean=0.75, reward_std=math.sqrt(0.75 - 0.75 ** 2), kl=0.01,
                    response_len_mean=5.0, logprob_mismatch=0.0, token_mult_prob_error=1.0,
-                   mismatch_k1=0.0, mismatch_k3=0.0, clip_frac=0.2,
+                   mismatch_k1=0.0, mismatch_k3=0.0, task_score=0.75, clip_frac=0.2,
                    skipped_updates=1, policy_loss=0.1, entropy_loss=-0.003, ratio_penalty=0.03,
                    grad_norm=3.0, time_step_s=2.0, tokens=60)
     assert metrics == pytest.approx(by_hand)  # the same keys, and these values
@@ -364,7 +365,7 @@ def test_tensorboard_holds_the_metrics_of_metrics_jsonl(tmp_path):
 
 def test_policy_ratio_is_clamped_before_exp():
     logprobs, old = torch.tensor([[0.0, 1000.0]]), torch.tensor([[0.0, 0.0]])  # a wild token
-    per_token, _ = train_ppo.policy_loss(logprobs, old, torch.tensor([[0.0, -1.0]]), 0.2)
+    per_token, _ = train_ppo.policy_loss(logprobs - old, torch.tensor([[0.0, -1.0]]), 0.2)
     assert torch.isfinite(per_token).all()
 
 

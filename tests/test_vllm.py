@@ -126,7 +126,7 @@ def check_engine(results):
         # 256: the toy EOS
         assert stopped == free[:k + 1] and free[k] not in free[:k] + [256], m["second_stop"]
     # multi-turn: vLLM's episodes are the HF engine's, three turns of one token and the same tool
-    # output between them, its logprobs 0 (rollout.run_episodes over each engine, greedy)
+    # output between them, its logprobs 0 (multiturn.run_episodes over each engine, greedy)
     for m in results:
         assert m["episodes"]["vllm"] == m["episodes"]["hf"], m["episodes"]
         for ids, mask in m["episodes"]["vllm"]:
