@@ -961,10 +961,10 @@ def announce(engine, models, cfg, resume_dir, start_step):
     config.json too)."""
     started = (f"resumed from {resume_dir}: step {start_step + 1} next" if resume_dir
                else "fresh start")
-    if engine is not None:  # its dtype: the compute dtype, or offpolicy.py's engine_dtype
-        started += f", the engine in {str(engine.dtype).removeprefix('torch.')}"
     runner = getattr(engine, "runner", None)  # vLLM's model runner: in the log and config.json
-    print0(f"{started}, vLLM's {runner} model runner" if runner else started)
+    started = f"{started}, vLLM's {runner} model runner" if runner else started
+    dtype = str(getattr(engine, "dtype", "")).removeprefix("torch.")  # offpolicy.py may set it
+    print0(f"{started}, the engine in {dtype}" if engine is not None else started)
     if runner and dist.get_rank() == 0:
         config.save(cfg, os.path.join(cfg.out_dir, "config.json"), vllm_model_runner=runner)
     if engine is not None and start_step:  # the engine loaded model_dir: give it the resumed policy

@@ -49,7 +49,7 @@ cfg = Config(out_dir=args.dir, rollout_engine="vllm", seed=7, max_model_len=64, 
              lora_alpha=16.0, micro_batch_size=6)
 mesh = model_parallel.make_mesh(world_size, 1, 1, "cpu")  # the trainer: FSDP over dp=2
 path = model_parallel.materialize_tiny_model("tiny-llama", args.dir, seed=3)
-policy = model_parallel.load_policy(path, mesh, cfg)
+policy = model_parallel.load_policy(path, mesh, cfg, adapt=lora.add_adapters)
 stored = torch.bfloat16 if args.dtype == "bf16" else torch.float32  # the frozen base's dtype
 loaded = {name: t.to(stored) for name, t in load_file(os.path.join(path, "model.safetensors")).items()}
 
@@ -143,7 +143,7 @@ ckpt = train_ppo.save_checkpoint(os.path.join(args.dir, "ckpt"), parts, keep=1, 
 measured["checkpoint_bytes"] = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt)
                                    if f.endswith(".distcp"))
 tp_mesh = model_parallel.make_mesh(world_size, 2, 1, "cpu")  # (dp, cp, tp) = (1, 1, 2)
-resumed = model_parallel.load_policy(path, tp_mesh, cfg)
+resumed = model_parallel.load_policy(path, tp_mesh, cfg, adapt=lora.add_adapters)
 train_ppo.load_checkpoint(ckpt, {"policy": part(resumed)})
 first = tok.encode(rollout.ToyTask(cfg.seed).prompts(0, 1)[0][0])  # not this rank's own prompts:
 shared = torch.tensor([first + [5, 9, 11, 2]] * 2)  # the same rows on both ranks (tp needs it)
