@@ -47,8 +47,6 @@ class CoreConfig:
     steps: int = 20
     # redraw out_dir/curves.png every N steps (and at the end); 0 = never
     plot_every: int = 5
-    # also write every metric to out_dir/tensorboard (needs the tensorboard package)
-    tensorboard: bool = False
     # checkpoint out_dir/ckpt/step_N every N steps and at the end (0 = only on SIGTERM/SIGINT)
     save_every: int = 0
     # keep the newest N checkpoints, delete older ones (0 = keep all)
@@ -99,9 +97,6 @@ class CoreConfig:
     activation_checkpointing: bool = False
     # FSDP2 CPU offload of params, grads and optimizer state (saves GPU memory)
     cpu_offload: bool = False
-    # AdamW's state goes to pinned host memory while the engine generates, and back for the update
-    # (saves GPU memory)
-    offload_optimizer: bool = False
     # fsdp: FSDP2 shards params, grads and AdamW state over dp*cp. ddp: whole replicas, gradients
     # all-reduced (DDP; fp32, tp=1): faster for small models on gloo
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"
@@ -227,15 +222,8 @@ class CoreConfig:
 # in a namespace of the few names they may use: the rest of the file imports torch and the core,
 # and a bad option is refused before either loads. Config is CoreConfig's fields, then each
 # extension's in this order; validate runs each check. Removing an extension removes its line here.
-EXTENSIONS = (
-    "lora",
-    "distill",
-    "offpolicy",
-    "dapo",
-    "gspo",
-    "evaluation",
-    "multiturn",
-)
+EXTENSIONS = ["lora", "distill", "offpolicy", "dapo", "gspo", "evaluation", "multiturn",
+              "optimizer_offload", "tensorboard"]
 EXTENSIONS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "extensions")
 
 
@@ -551,8 +539,6 @@ def validate(cfg: Config, world_size: int) -> None:
     """Refuse impossible combinations before anything is loaded. One line each."""
     _validate_values(cfg)
     _validate_sizes(cfg, world_size)
-    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("tensorboard=true needs the tensorboard package: pip install tensorboard")
     vllm_installed = importlib.util.find_spec("vllm") is not None
     # "auto" is resolved here, so that config.json records what ran
     if cfg.rollout_engine == "auto":
@@ -573,11 +559,6 @@ def validate(cfg: Config, world_size: int) -> None:
     rows, tokens = (1, cfg.max_tokens_per_microbatch) if cfg.packing else unpacked
     if cfg.attention == "masked" and masked_attention_error(tokens, cfg.cp_size, rows):
         raise ConfigError(masked_attention_error(tokens, cfg.cp_size, rows))
-    # FSDP2's CPU offload keeps parameters, gradients and hence AdamW's moments on the host already;
-    # moving the moments to the GPU for the update would meet CPU gradients there
-    if cfg.offload_optimizer and cfg.cpu_offload:
-        raise ConfigError("offload_optimizer=true with cpu_offload=true: cpu_offload already keeps "
-                          "AdamW's state in host memory; set offload_optimizer=false")
     if cfg.sequence_parallel and cfg.tp_size == 1:
         raise ConfigError("sequence_parallel=true needs tp_size > 1 "
                           "(it shards activations over tp)")

@@ -1202,7 +1202,7 @@ def forward_reward_model(reward_model, input_ids, seq_lens, mesh, cfg):
 
 # -----------------------------------------------------------------------------
 # The reference policy's snapshot (the initial policy's shards in host memory, for the reference
-# pass's swap), and the optimizer's state, moved to host memory while the engine generates.
+# pass's swap).
 
 def snapshot_weights(model, dtype=None):
     """The reference policy: this rank's shard of every parameter, copied once to host memory, in
@@ -1212,46 +1212,6 @@ def snapshot_weights(model, dtype=None):
     names, params = zip(*model.named_parameters())
     weights = dict(zip(names, _host_copies([_local(p).detach() for p in params], dtype)))
     return {"weights": weights, "parked": {}}  # parked: filled by swapped_weights
-
-
-@contextlib.contextmanager
-def optimizer_state_on(optimizers, device):
-    """Within the block AdamW's state of each optimizer is on `device` (the update's); before and
-    after, in host memory (offload_optimizer: the engine generates meanwhile)."""
-    for optimizer in optimizers:
-        move_optimizer_state(optimizer, device)
-    try:
-        yield
-    finally:
-        for optimizer in optimizers:
-            move_optimizer_state(optimizer, "host")
-
-
-def move_optimizer_state(optimizer, device):
-    """AdamW's two moments (8 bytes a parameter: twice the fp32 weights) to `device`: "host" (pinned
-    host memory) while vLLM generates, the trainer's device again before the update, as NeMo-RL's
-    offload_before_refit / offload_after_refit. Sharded (DTensor) states stay DTensors of their
-    mesh, with their local shard where it now lives, as FSDP2's CPU offload keeps its parameters:
-    a checkpoint saved meanwhile is the same checkpoint. In host memory each moment is one flat
-    buffer (_host_copies)."""
-    states = [state for state in optimizer.state.values() if "exp_avg" in state]
-    for key in ("exp_avg", "exp_avg_sq"):
-        olds = [state[key] for state in states]
-        if not olds:
-            continue
-        if device == "host":
-            news = _host_copies([_local(old) for old in olds])
-        else:
-            # copy: a tensor of its own also where the trainer's device is the CPU
-            news = [_local(old).to(device, non_blocking=True, copy=True) for old in olds]
-        for state, old, new in zip(states, olds, news):
-            if isinstance(old, DTensor):
-                # the moved shard, wrapped as the old one was. Not DTensor.from_local: on a CUDA
-                # mesh it moves a host tensor back to the GPU (that made offloading free nothing).
-                # The constructor (private in torch 2.13) wraps it where it is, as FSDP2 wraps its
-                # CPU-offloaded shards (fsdp/_fully_shard/_fsdp_common._from_local_no_grad)
-                new = DTensor(new, old._spec, requires_grad=False)
-            state[key] = new
 
 
 # What a model dir holds besides config and weights, copied into an export as it is (AutoTokenizer,

@@ -100,7 +100,9 @@ from extensions import evaluation  # noqa: E402
 from extensions import gspo  # noqa: E402
 from extensions import lora  # noqa: E402
 from extensions import multiturn  # noqa: E402
+from extensions import optimizer_offload  # noqa: E402
 from extensions import offpolicy  # noqa: E402
+from extensions import tensorboard  # noqa: E402
 
 
 # -----------------------------------------------------------------------------
@@ -496,11 +498,9 @@ def update(parts, batch, cfg, mesh, train_policy=True):
     # the models this update trains: the critic alone in its warm-up
     trained = [name for name in parts if name != "policy" or train_policy]
     sums = UpdateSums(Counter(), Counter(), Counter())
-    # offload_optimizer: AdamW's state on the batch's device for the update, in host memory (where
-    # the engine generates) before and after
-    optimizers = [part.optimizer for part in parts.values()]
-    on_device = (model_parallel.optimizer_state_on(optimizers, batch.ids.device)
-                 if cfg.offload_optimizer else nullcontext())
+    on_device = nullcontext()
+    if cfg.offload_optimizer:  # AdamW's state here for the update alone (optimizer_offload.py)
+        on_device = optimizer_offload.state_on_device(parts, batch.ids.device)
     with on_device:
         for epoch in range(cfg.ppo_epochs):
             for first in range(0, len(batch.lens), per_minibatch):
@@ -875,12 +875,17 @@ def main(cfg, task=None):
     # on from there (a checkpoint saves the position)
     progress = {"step": 0, "prompts_drawn": cfg.sft_steps * cfg.sft_batch_size}
     if resume_dir:
-        progress = load_checkpoint(resume_dir, models.parts, cfg.offload_optimizer)
+        progress = load_checkpoint(resume_dir, models.parts)
+    if resume_dir and cfg.offload_optimizer:  # the moments to host memory (optimizer_offload.py)
+        optimizer_offload.to_host(models.parts)
     start_step = progress["step"]
     generates = cfg.steps > start_step and not cfg.replay_rollouts  # (a replay needs no engine)
     engine = rollout.make_engine(cfg, model_dir, device, task.eos_id) if generates else None
     announce(engine, models, cfg, resume_dir, start_step)
-    tensorboard = start_metrics_log(cfg, start_step)  # None unless tensorboard=true (rank 0)
+    start_metrics_log(cfg, start_step)
+    board = None  # a copy of each row as TensorBoard's scalars (tensorboard.py)
+    if cfg.tensorboard and dist.get_rank() == 0:
+        board = tensorboard.writer(cfg)
     stop_requested = install_stop_handler(device)
     t_start = time.time()
     bad_steps = 0  # steps in a row with a skipped update
@@ -893,7 +898,7 @@ def main(cfg, task=None):
         if cfg.eval_every:  # and after the last update: the exported policy's
             evaluated.update(evaluation.after_step(engine, task, cfg, step))
         metrics.update(evaluated)
-        log_step(metrics, loss_names, cfg, t_start, start_step, tensorboard)
+        log_step(metrics, loss_names, cfg, t_start, start_step, board)
         bad_steps = bad_steps + 1 if metrics["skipped_updates"] else 0
         if cfg.max_skipped_steps and bad_steps >= cfg.max_skipped_steps:
             print0(f"stopping: {bad_steps} steps in a row skipped updates "
@@ -1053,7 +1058,7 @@ def build_models(model_dir, cfg, mesh):
 # Run plumbing, after the step it serves: the console line and metrics log, the plot, the stop
 # signal; the run's end.
 
-def log_step(metrics, loss_names, cfg, t_start, start_step, tensorboard):
+def log_step(metrics, loss_names, cfg, t_start, start_step, board):
     """Rank 0: append the step's row to metrics.jsonl (and TensorBoard's scalars), print one line,
     redraw the plot. `loss_names`: the loss terms the update reported, in its order; the console
     line and the plot show those and no others."""
@@ -1063,10 +1068,8 @@ def log_step(metrics, loss_names, cfg, t_start, start_step, tensorboard):
     path = os.path.join(cfg.out_dir, "metrics.jsonl")
     with open(path, "a") as f:
         f.write(json.dumps(metrics) + "\n")
-    if tensorboard:  # a copy: metrics.jsonl stays the record
-        for name, value in metrics.items():
-            tensorboard.add_scalar(name, value, step)
-        tensorboard.flush()
+    if board is not None:  # a copy: metrics.jsonl stays the record (tensorboard.py)
+        tensorboard.write(board, metrics, step)
     elapsed = time.time() - t_start
     eta = elapsed / (step + 1 - start_step) * (cfg.steps - step - 1)
     fields = [f"step {step + 1}/{cfg.steps}", f"reward {metrics['reward_mean']:.3f}",
@@ -1122,21 +1125,15 @@ def install_stop_handler(device):
 
 def start_metrics_log(cfg, start_step):
     """Rank 0: a fresh run starts a fresh metrics.jsonl, a resumed one keeps the rows before its
-    step. Returns TensorBoard's writer into out_dir/tensorboard with tensorboard=true (rank 0),
-    else None."""
+    step."""
     path = os.path.join(cfg.out_dir, "metrics.jsonl")
     if dist.get_rank() != 0:
-        return None
+        return
     kept = []
     if os.path.exists(path):  # read before open(path, "w") empties the file
         kept = [line for line in open(path) if json.loads(line)["step"] < start_step]
     with open(path, "w") as f:
         f.writelines(kept)
-    if not cfg.tensorboard:
-        return None
-    # imported here: the package is optional (config refuses tensorboard=true without it)
-    from torch.utils.tensorboard import SummaryWriter
-    return SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
 
 
 def finish_run(cfg, engine, mesh, t_start):
@@ -1266,12 +1263,11 @@ def export(policy, cfg, model_dir):
         lora.save_adapter(policy, os.path.join(cfg.out_dir, "adapter"), cfg, model_dir)
 
 
-def load_checkpoint(path, parts, offload_optimizer=False):
+def load_checkpoint(path, parts):
     """Collective (every rank). Load a save_checkpoint dir into parts (on any mesh) and this
     rank's RNG states; return the saved `progress` dict. A rank the saving run did not have
-    takes rank 0's RNG states. offload_optimizer: AdamW's moments, which set_state_dict creates on
-    the trainer's device, go to host memory at once, where update() expects them: else they would
-    sit on the GPU through vLLM's start and the first generation, whose room offloading made."""
+    takes rank 0's RNG states. AdamW's moments are created on the trainer's device
+    (optimizer_offload.py moves them to host memory next, if it is on)."""
     # the optimizers the saving run had stepped, as its files name them
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     stepped = [name for name in parts if any(key.startswith(name + "_optimizer.") for key in saved)]
@@ -1288,8 +1284,6 @@ def load_checkpoint(path, parts, offload_optimizer=False):
         part.schedule.load_state_dict(trainer_state["schedulers"][name])
         if name in stepped:
             set_optimizer_state_dict(part.model, part.optimizer, state[name + "_optimizer"])
-            if offload_optimizer:
-                model_parallel.move_optimizer_state(part.optimizer, "host")
     return trainer_state["progress"]
 
 

@@ -26,6 +26,7 @@ import config
 import model_parallel as mp
 from _dist import _free_port
 from conftest import hf_reference, toy_batch, varlen_case
+from extensions import optimizer_offload
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -130,14 +131,14 @@ def _offload_on_gpu(rank, path, port):
              for s in optimizer.state.values()}
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    mp.move_optimizer_state(optimizer, "host")
+    optimizer_offload.move_optimizer_state(optimizer, "host")
     torch.cuda.synchronize()
     moments = 8 * sum(mp._local(p).numel() for p in policy.parameters())
     assert before - torch.cuda.memory_allocated() >= 0.99 * moments, \
         (before, torch.cuda.memory_allocated(), moments)
     assert all(mp._local(s[k]).is_pinned()
                for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
-    mp.move_optimizer_state(optimizer, device)
+    optimizer_offload.move_optimizer_state(optimizer, device)
     for s in optimizer.state.values():
         for k in ("exp_avg", "exp_avg_sq"):
             assert mp._local(s[k]).is_cuda and torch.equal(mp._local(s[k]), saved[id(s)][k])

@@ -1,5 +1,5 @@
 """Every extension can be removed by deleting it (extensions/__init__.py): in copies of the tree,
-its file, its line in config.EXTENSIONS, and every statement of the five modules that names the
+its file, its name in config.EXTENSIONS, and every statement of the five modules that names the
 module or reads one of its options go (a compound statement whose header does goes whole, and one
 left with an empty body goes too). What is left must be a working trainer:
 
@@ -12,6 +12,7 @@ core statements that name each extension is printed (`core_lines`: the few lines
 """
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -93,11 +94,15 @@ def strip(tree_dir, name):
         doomed = set()
         for a, b in _doomed(ast.parse("\n".join(lines)).body, name, options):
             doomed.update(range(a, b + 1))
-        # config.EXTENSIONS holds the name as a string, a line of its own
-        doomed.update(i + 1 for i, line in enumerate(lines) if line.strip() == f'"{name}",')
         deleted += sum(1 for n in doomed if lines[n - 1].strip() and
                        not lines[n - 1].strip().startswith("#"))
         kept = [line for i, line in enumerate(lines, 1) if i not in doomed]
+        # config.EXTENSIONS holds the name as a string: it goes from the list
+        for node in ast.parse("\n".join(kept)).body:
+            if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "EXTENSIONS":
+                text = "\n".join(kept[node.lineno - 1:node.end_lineno])
+                text = re.sub(rf'"{name}",\s*|,\s*"{name}"|"{name}"', "", text)
+                kept[node.lineno - 1:node.end_lineno] = text.split("\n")
         with open(path, "w") as f:
             f.write("\n".join(kept))
     return deleted

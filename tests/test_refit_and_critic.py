@@ -11,6 +11,7 @@ import rollout
 from config import Config
 from _dist import run_ranks
 from conftest import plain_logprobs
+from extensions import optimizer_offload
 
 IDS = [[51, 43, 57, 61, 49, 50, 256, 257], [50, 43, 50, 61, 52, 256, 257, 257]]  # "3+9=12", "2+2=4"
 LENS = [7, 6]
@@ -137,7 +138,7 @@ def _flat_host_sets_body(rank, world_size, tmp):
     optimizer.step()
     states = list(optimizer.state.values())
     moments = {k: [s[k].to_local().clone() for s in states] for k in ("exp_avg", "exp_avg_sq")}
-    model_parallel.move_optimizer_state(optimizer, "host")
+    optimizer_offload.move_optimizer_state(optimizer, "host")
     for key, before in moments.items():
         after = [s[key].to_local() for s in optimizer.state.values()]
         assert len(storages(after)) == 1 and all(torch.equal(a, b) for a, b in zip(after, before))
@@ -180,7 +181,7 @@ def _offload_on_a_gpu_mesh_body(rank, world_size, tmp):
     saved = get_optimizer_state_dict(policy, optimizer)  # the checkpoint's view of the state
     states = optimizer.state.values()
     moments = {k: [s[k].to_local().clone() for s in states] for k in ("exp_avg", "exp_avg_sq")}
-    copies = _copies_into_host_buffers(lambda: model_parallel.move_optimizer_state(optimizer, "host"))
+    copies = _copies_into_host_buffers(lambda: optimizer_offload.move_optimizer_state(optimizer, "host"))
     for key, before in moments.items():
         states = [s[key] for s in optimizer.state.values()]
         # still DTensors of the policy's mesh, whose local shards are views of one host buffer

@@ -25,6 +25,7 @@ import rollout
 import train_ppo
 from _dist import run_ranks
 from conftest import ROOT, cpu_env, paired, python_block, torchrun_cmd
+from extensions import optimizer_offload
 
 
 def _grpo_body(rank, world_size):
@@ -242,8 +243,9 @@ def test_engine_logprobs_as_old_policy_train_the_same_in_fp32(tmp_path):
 
 def _offload_body(rank, world_size, out_dir):
     rollout.HFEngine.shutdown = lambda self: None  # keep the process group for the second run
-    for offload in (False, True):
-        cfg = config.Config(out_dir=os.path.join(out_dir, str(offload)), offload_optimizer=offload, steps=3,
+    for offloaded in (False, True):
+        cfg = config.Config(out_dir=os.path.join(out_dir, str(offloaded)), offload_optimizer=offloaded,
+                            steps=3,
                             prompts_per_step=2, samples_per_prompt=4, num_minibatches=2, ppo_epochs=2,
                             lr=1e-4, max_new_tokens=4, micro_batch_size=2, rollout_engine="hf",
                             export_hf=False, plot_every=0, save_every=3)
@@ -253,7 +255,7 @@ def _offload_body(rank, world_size, out_dir):
     # the trainer's device, must go to host memory before the engine starts (on a GPU, vLLM takes
     # the room they would hold): the calls in order, recorded
     calls = []
-    move, make_engine = model_parallel.move_optimizer_state, rollout.make_engine
+    move, make_engine = optimizer_offload.move_optimizer_state, rollout.make_engine
 
     def recording_move(optimizer, device):
         """Where the moments are after the move: "host" if each moment is one flat host buffer,
@@ -265,7 +267,7 @@ def _offload_body(rank, world_size, out_dir):
             storages = {s[key].to_local().untyped_storage().data_ptr() for s in states}
             where.add({1: "host", len(states): str(device)}.get(len(storages), f"{len(storages)} storages"))
         calls.append(" and ".join(sorted(where)))
-    model_parallel.move_optimizer_state = recording_move
+    optimizer_offload.move_optimizer_state = recording_move
     rollout.make_engine = lambda *args: (calls.append("engine"), make_engine(*args))[1]
     cfg.steps, cfg.resume = 4, "auto"
     train_ppo.main(cfg)
