@@ -1,4 +1,5 @@
-"""The five modules stay readable: code lines are budgeted, comments and docstrings are free.
+"""The five modules and each extension stay readable: code lines are budgeted, comments and
+docstrings are free.
 
 A code line is a line with at least one Python token that is not a comment and not part of a
 docstring (a string literal standing first in a module, class or function body). Blank lines,
@@ -14,11 +15,13 @@ import tokenize
 from conftest import ROOT
 
 MODULES = ("train_ppo.py", "model_parallel.py", "logprobs.py", "rollout.py", "config.py")
-# issue 44 (LoRA) set 700 a module and 2,450 together (from 650 and 2,300); issue 50 (a GPU and a
-# new user, round 5) 710 and 2,470; issue 51 (the afternoon path: the width rule) 745 and 2,600;
-# issue 52 (on-policy distillation) 780 and 2,750; issue 53 (off-policy correction, DAPO) 820 and
-# 2,950
-BUDGET_EACH, BUDGET_TOTAL = 820, 2950
+# The budgets grew with each capability (700 a module and 2,450 together with LoRA, to 820 and
+# 2,950 with the off-policy correction and DAPO) until the capabilities beyond PPO's core left for
+# extensions/: the five modules then 2,491, each extension at most 300, all together 3,124 (the
+# core's target was 2,400 and the whole's 3,000: docs/testing.md, "Code lines", says what holds
+# each above it)
+BUDGET_EACH, BUDGET_TOTAL = 740, 2500
+EXTENSION_EACH, ALL_TOTAL = 300, 3130
 NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
             tokenize.ENDMARKER, tokenize.ENCODING}
 
@@ -61,10 +64,21 @@ def test_counter_on_a_hand_counted_case():
     assert code_lines(source) == 5
 
 
+def _counts(paths):
+    return {p: code_lines(open(os.path.join(ROOT, p), encoding="utf-8").read()) for p in paths}
+
+
 def test_code_line_budget():
-    counts = {m: code_lines(open(os.path.join(ROOT, m), encoding="utf-8").read()) for m in MODULES}
+    counts = _counts(MODULES)
     total = sum(counts.values())
     print("code lines: " + ", ".join(f"{m} {n}" for m, n in counts.items()) + f"; together {total}")
     over = {m: n for m, n in counts.items() if n > BUDGET_EACH}
     assert not over, f"over {BUDGET_EACH} code lines: {over}: simplify or split, never densify"
     assert total <= BUDGET_TOTAL, f"{total} code lines together, over the budget of {BUDGET_TOTAL}"
+    extensions = _counts(os.path.join("extensions", name) for name in
+                         sorted(os.listdir(os.path.join(ROOT, "extensions"))) if name.endswith(".py"))
+    print("extensions: " + ", ".join(f"{m} {n}" for m, n in extensions.items()))
+    over = {m: n for m, n in extensions.items() if n > EXTENSION_EACH}
+    assert not over, f"over {EXTENSION_EACH} code lines: {over}"
+    everything = total + sum(extensions.values())
+    assert everything <= ALL_TOTAL, f"{everything} code lines in all, over the budget of {ALL_TOTAL}"
