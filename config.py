@@ -326,7 +326,8 @@ def resolve_auto(cfg: Config, device_type: str, gpu_kernel) -> str:
 def field_docs(cls=None) -> dict:
     """{field name: its doc}, read from the comments in the class's source, so that `--help` and
     the code can never disagree (cleanrl keeps the docs next to the fields too). cls: a dataclass;
-    None: Config, whose docs are CoreConfig's and those of each extension's Options.
+    None: Config, whose docs are CoreConfig's and those of each extension's Options, each of
+    those ending with the extension's file.
 
     A field's doc is the run of comment lines directly above it, then its trailing comment if it
     has one, joined into one paragraph. Two kinds of comment lines belong to no field:
@@ -336,8 +337,9 @@ def field_docs(cls=None) -> dict:
     if cls is not None:
         return _comment_docs(inspect.getsource(cls), cls.__dataclass_fields__)
     docs = _comment_docs(inspect.getsource(CoreConfig), CoreConfig.__dataclass_fields__)
-    for options, _, text in OPTIONS.values():
-        docs.update(_comment_docs(text, options.__dataclass_fields__))
+    for name, (options, _, text) in OPTIONS.items():  # each doc ends with its extension's file
+        found = _comment_docs(text, options.__dataclass_fields__)
+        docs.update({key: f"{doc} (extensions/{name}.py)" for key, doc in found.items()})
     return docs
 
 

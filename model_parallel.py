@@ -10,12 +10,12 @@ with our attention function -> this rank's vocab shard of the logits -> logprobs
 
 Sections, in order: first what one PPO step calls, in the order it calls it (the forward:
 microbatches, the Layout of this rank's tokens that every layer reads and _layout that builds it,
-our attention function; the reference's weight swap; the critic; the gradient sync and the global
-grad norm; full weights for the refit). Then, after the banner "Beyond one step", what a first
-reading skips: distributed set-up; CP's attention and the varlen kernels; model families and
-their tiny presets; tensor-parallel plans; LoRA; loading (build, shard, allocate, read); the
-reward model's forward; the reference policy's snapshot and the optimizer's offload; LoRA's
-adapters and the HF export.
+our attention function; the reference's weight swap and DDP's gradient sync; the global grad
+norm; full weights for the refit; last the critic's pass, which GRPO and RLOO skip). Then, after
+the banner "Beyond one step", what a first reading skips: distributed set-up; CP's attention and
+the varlen kernels; model families and their tiny presets; tensor-parallel plans; loading (build,
+shard, allocate, read); the reward model's forward; the reference policy's snapshot; the HF
+export. (LoRA's adapters and the optimizer's offload live in extensions/.)
 
 Where the ideas come from (code and prose are our own):
 1. FSDP2 per decoder layer then the root, one TP plan dict per family, the degree check naming every
@@ -72,11 +72,11 @@ except ImportError:
 # -----------------------------------------------------------------------------
 # What one PPO step calls here, in the order it first calls it: the forward (microbatches, this
 # rank's tokens laid out by _layout, the model, whose attention is ppo_attention, the head, and
-# per-token numbers in the trainer's rows), the reference pass (swapped_weights), the critic's
-# pass, DDP's gradient sync, the global grad-norm clip, and the refit's full weights. What a first
-# reading skips (the mesh's set-up, CP's attention and the varlen kernels, the model families, TP
-# plans, LoRA, loading, the reference's snapshot, the HF export) comes after the banner "Beyond
-# one step".
+# per-token numbers in the trainer's rows), the reference pass (swapped_weights), DDP's gradient
+# sync, the global grad-norm clip, the refit's full weights, and last the critic's pass (GAE
+# only). What a first reading skips (the mesh's set-up, CP's attention and the varlen kernels, the
+# model families, TP plans, loading, the reference's snapshot, the HF export) comes after the
+# banner "Beyond one step".
 
 
 # Layout: where this rank's tokens sit, which every layer's attention reads (ppo_attention, below;

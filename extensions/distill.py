@@ -120,7 +120,8 @@ def teacher_pass(teacher, batch, cfg, mesh):
     metrics)."""
     teacher_lp = teacher_logprobs(teacher, batch, cfg, mesh)  # (b, S)
     batch = dataclasses.replace(batch, extra={**batch.extra, "teacher_lp": teacher_lp})
-    sums = torch.stack([v.double() for v in shares(batch)] + [batch.mask.sum().double()])
+    sums = torch.stack([v.double() for v in shares(batch, teacher_lp)]
+                       + [batch.mask.sum().double()])
     k1, k3, teacher_logprob, n_tok = train_ppo.dp_sum(sums, mesh).tolist()  # one host read
     n_tok = max(n_tok, 1.0)  # overlong_mask may take every response out of the loss
     return batch, dict(distill_kl_k1=k1 / n_tok, distill_kl_k3=k3 / n_tok,
@@ -140,10 +141,10 @@ def teacher_logprobs(teacher, batch, cfg, mesh):
     return teacher_lp
 
 
-def shares(batch):
+def shares(batch, teacher):
     """This rank's sums for distillation's metrics: the reverse KL to the teacher (k1 and k3) of
     the sampling policy, and the teacher's logprob of the student's tokens."""
-    mask, teacher = batch.mask, batch.extra["teacher_lp"]  # (b, S) each
+    mask = batch.mask  # (b, S), as teacher
     masked_sum, kl_penalty = train_ppo.masked_sum, train_ppo.kl_penalty
     return (masked_sum(kl_penalty(batch.old_lp, teacher, "k1"), mask),
             masked_sum(kl_penalty(batch.old_lp, teacher, "k3"), mask),
@@ -177,6 +178,9 @@ def distill_loss(lp, batch, idx, aggregate, cfg, weight=1.0):
       loss    d_t of the current pi, with its gradient, made one number by `aggregate`
               (loss_agg_mode). check refuses k1 here, as verl does: d/dtheta of log pi -
               log pi_teacher is grad log pi, which does not involve the teacher.
+
+    The reward form's surrogate is the token one, in clip_ratio's range, whatever
+    policy_loss_mode is (under gspo the task's term alone takes the sequence's ratio).
 
     The task's signal mixes in as verl mixes it, a sum of losses: policy_loss + distill_coef *
     this (prime-rl mixes the advantages instead; under clipping the two differ)."""

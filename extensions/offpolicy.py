@@ -97,17 +97,18 @@ def engine_dtype(cfg) -> torch.dtype:
 @torch.no_grad()
 def weigh(batch, cfg, mesh):
     """Collective over dp. The correction in the passes without grad (train_ppo.ppo_step): every
-    token's weight (offpolicy_weights) as batch.weight, and its metrics (docs/metrics.md): the
-    response tokens of weight 0 (masked or rejected) over all, the sequences with any such token
-    over all, and the weights' effective sample size, (sum w)^2 / (n sum w^2) (Kish). Returns
-    (the batch, the metrics)."""
+    token's weight (offpolicy_weights; ppo_step multiplies batch.weight by it), and its metrics
+    (docs/metrics.md): the response tokens of weight 0 (masked or rejected) over all, the
+    sequences with any such token over all, and the weights' effective sample size,
+    (sum w)^2 / (n sum w^2) (Kish). Returns
+    (the weights (b, S), the metrics)."""
     weight = offpolicy_weights(batch, slice(None), cfg)  # (b, S)
     # summed over dp, one host read
     masked, seqs, w, w_sq, n_tok, n_seq = train_ppo.dp_sum(shares(batch, weight), mesh).tolist()
     n_tok = max(n_tok, 1.0)  # overlong_mask may take every response out of the loss
     metrics = dict(offpolicy_token_masked=masked / n_tok, offpolicy_seq_masked=seqs / n_seq,
                    offpolicy_ess=w ** 2 / max(n_tok * w_sq, 1e-12))
-    return dataclasses.replace(batch, weight=weight), metrics
+    return weight, metrics
 
 
 def shares(batch, weight):

@@ -193,8 +193,8 @@ def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):
 
 def test_no_reference_pass_at_kl_coef_0(monkeypatch):
     """Nothing reads the reference at kl_coef 0: build_models keeps no copy of the initial weights
-    (no snapshot), and score() runs no reference pass (no weight swap, no forward, ref_lp None);
-    at kl_coef > 0 it does both (the check can fail)."""
+    (no snapshot), and no_grad_passes() runs no reference pass (no weight swap, no forward,
+    ref_lp None); at kl_coef > 0 it does both (the check can fail)."""
     calls = []
 
     def forward_batch(forward, model, batch, cfg, mesh, **kwargs):
@@ -216,7 +216,7 @@ def test_no_reference_pass_at_kl_coef_0(monkeypatch):
         calls.clear()
         cfg = config.Config(kl_coef=kl_coef, advantage_estimator="grpo", samples_per_prompt=3)
         models = train_ppo.build_models("dir", cfg, None)
-        old_lp, _, ref_lp, values = train_ppo.score(models, batch, cfg, None)
+        old_lp, _, ref_lp, values = train_ppo.no_grad_passes(models, batch, cfg, None)
         assert calls == expected and values is None
         assert (ref_lp is None) == (kl_coef == 0)
 

@@ -3,7 +3,8 @@ its file, its name in config.EXTENSIONS, and every statement of the five modules
 module or reads one of its options go (a compound statement whose header does goes whole, and one
 left with an empty body goes too). What is left must be a working trainer:
 
-  - each extension alone removed: the trainer imports and prints --help (fast tier);
+  - each extension alone removed: the trainer imports and prints --help (fast tier; every copy
+    in one process, so torch loads once);
   - every extension removed: the trainer imports, --help works and lists no extension's option,
     a default step runs in one process, and the core's own unit tests pass there (slow tier).
 
@@ -11,6 +12,9 @@ The rule is written here once (`strip`), so that it is the rule README states, a
 core statements that name each extension is printed (`core_lines`: the few lines a fork deletes).
 """
 import ast
+import builtins
+import dataclasses
+import json
 import os
 import re
 import shutil
@@ -108,11 +112,14 @@ def strip(tree_dir, name):
     return deleted
 
 
-def copy_tree(dest):
-    """The trainer's files (the five modules, extensions/, configs/, tests/) copied to dest."""
+def copy_tree(dest, with_tests=True):
+    """The trainer's files (the five modules, extensions/, and with_tests configs/ and tests/)
+    copied to dest."""
+    os.makedirs(dest, exist_ok=True)
     for module in CORE:
         shutil.copy(os.path.join(ROOT, module), dest)
-    for folder in ("extensions", "configs", "tests"):
+    folders = ("extensions", "configs", "tests") if with_tests else ("extensions",)
+    for folder in folders:
         shutil.copytree(os.path.join(ROOT, folder), os.path.join(dest, folder),
                         ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(os.path.join(ROOT, "pytest.ini"), dest)
@@ -125,14 +132,76 @@ def run(dest, *args, timeout=300):
     return proc
 
 
+def _free_names(node):
+    """The names a definition reads that it does not bind itself (arguments, assignments, its
+    own imports): what it takes from the namespace it runs in."""
+    bound = {sub.arg for sub in ast.walk(node) if isinstance(sub, ast.arg)}
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+            bound.add(sub.id)
+        if isinstance(sub, ast.alias):
+            bound.add((sub.asname or sub.name).split(".")[0])
+    loads = {sub.id for sub in ast.walk(node)
+             if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load)}
+    return loads - bound
+
+
 @pytest.mark.parametrize("name", config.EXTENSIONS)
-def test_each_extension_alone_can_be_deleted(name, tmp_path):
-    copy_tree(tmp_path)
-    deleted = strip(tmp_path, name)
-    print(f"{name}: {deleted} core code lines name it")
-    run(tmp_path, "-c", "import train_ppo")
-    out = run(tmp_path, "train_ppo.py", "--help").stdout
-    assert not any(f"--{option}=" in out for option in _options(name))
+def test_options_and_check_read_alone(name):
+    """config.py runs an extension's Options and check alone, in a namespace of a few names: a
+    name outside it would fail with a NameError only when that line runs (a refusal never tried
+    in a test). Its fields must be new ones, each with a plain default, which is all
+    config.Config keeps of them (dataclasses.make_dataclass: a reused name would silently replace
+    the core's default)."""
+    path = os.path.join(ROOT, "extensions", f"{name}.py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    allowed = {"dataclasses", "Literal", "ConfigError", "os", "json", "Options", "check"}
+    allowed |= set(dir(builtins))
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in ("Options", "check"):
+            assert _free_names(node) <= allowed, (name, node.name, _free_names(node) - allowed)
+    options, _, _ = config.OPTIONS[name]
+    core = {f.name for f in dataclasses.fields(config.CoreConfig)}
+    for field in dataclasses.fields(options):
+        assert field.name not in core, f"{name}.{field.name} is CoreConfig's"
+        assert field.default is not dataclasses.MISSING, f"{name}.{field.name} has no default"
+        assert not field.metadata, f"{name}.{field.name}: Config keeps no metadata"
+
+
+# Run in one process for every copy (torch and transformers imported once, ~4 s a copy saved):
+# for each tree, the trainer's own modules are dropped from sys.modules and imported afresh from
+# it, and --help's text (config.print_help, what `train_ppo.py --help` prints) is kept.
+IMPORT_EACH = """
+import contextlib, io, json, sys
+OWN = ("config", "train_ppo", "model_parallel", "logprobs", "rollout", "extensions")
+helps = {}
+for tree in sys.argv[1:]:
+    for name in [name for name in sys.modules if name.split(".")[0] in OWN]:
+        del sys.modules[name]
+    sys.path.insert(0, tree)
+    import train_ppo, config
+    assert train_ppo.__file__.startswith(tree) and config.__file__.startswith(tree)
+    sys.path.remove(tree)
+    with contextlib.redirect_stdout(io.StringIO()) as text:
+        config.print_help()
+    helps[tree] = text.getvalue()
+print(json.dumps(helps))
+"""
+
+
+def test_each_extension_alone_can_be_deleted(tmp_path):
+    """For each extension, a copy without it: the trainer imports and --help lists none of its
+    options (and still the core's)."""
+    trees = {name: tmp_path / name for name in config.EXTENSIONS}
+    for name, tree in trees.items():
+        copy_tree(tree, with_tests=False)
+        print(f"{name}: {strip(tree, name)} core code lines name it")
+    helps = json.loads(run(tmp_path, "-c", IMPORT_EACH, *map(str, trees.values())).stdout)
+    for name, tree in trees.items():
+        out = helps[str(tree)]
+        assert "--lr=" in out, name
+        assert not any(f"--{option}=" in out for option in _options(name)), name
 
 
 @pytest.mark.slow  # a step in one process, and the core's unit tests, in the stripped copy

@@ -274,7 +274,8 @@ def test_observation_tokens_are_in_no_loss_gradient_or_statistic(estimator, mode
         inputs = dataclasses.replace(batch, **{name: torch.where(on, x, off[name])
                                                for name, x in computed.items()})
         # the correction's weights, as ppo_step computes them in the passes without grad
-        inputs, corrected = offpolicy.weigh(inputs, cfg, mesh)
+        weight, corrected = offpolicy.weigh(inputs, cfg, mesh)
+        inputs = dataclasses.replace(inputs, weight=inputs.weight * weight)
         # the new policy's logprobs and entropy, the critic's new values: leaves, for the gradients
         new = dict(lp=_spread(batch, batch.old_lp[on] + moves["lp"], off["lp"]),
                    entropy=_spread(batch, moves["entropy"], off["entropy"]),

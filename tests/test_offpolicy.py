@@ -169,8 +169,8 @@ def test_the_corrections_weight_and_metrics_by_hand(monkeypatch):
     # the metrics weigh makes of them (one rank: dp_sum is the identity), and the batch's weights;
     # the ESS: (sum w)^2 / (n sum w^2) = 9 / (5 * 3)
     monkeypatch.setattr(train_ppo, "dp_sum", lambda tensor, mesh: tensor)
-    weighed, metrics = offpolicy.weigh(batch, cfg, None)
-    torch.testing.assert_close(weighed.weight, expected)
+    weight, metrics = offpolicy.weigh(batch, cfg, None)
+    torch.testing.assert_close(weight, expected)
     assert metrics == pytest.approx(dict(offpolicy_token_masked=2 / 5, offpolicy_seq_masked=1 / 2,
                                          offpolicy_ess=0.6))
 
