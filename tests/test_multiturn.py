@@ -389,7 +389,8 @@ def test_replayed_episodes_train_as_their_cut_rows(estimator, mode, ratio, tmp_p
     against the same episodes with their observations cut out, dumped as single-turn rows.
     The policy and critic are TokenTable stand-ins (the real model's numbers depend on the
     context, which the cut changes), wild on the observation ids. Both runs must log the same
-    losses, KL, entropy, grad norms and statistics, and leave the same weights. With gamma 0.9 and
+    losses, KL, entropy, grad norms and statistics, and leave the same weights; the batch update()
+    trains on carries the correction's weights (offpolicy_is=token), by hand. With gamma 0.9 and
     lam 0.8, a GAE that stepped through the observations would discount across them; with the
     mask ignored, the observations' numbers would enter everything."""
     prompts = [[5, 6, 7], [5, 6], [5, 6, 7, 8], [6, 7]]
@@ -406,6 +407,10 @@ def test_replayed_episodes_train_as_their_cut_rows(estimator, mode, ratio, tmp_p
     monkeypatch.setattr(model_parallel, "forward_policy", table_policy)
     monkeypatch.setattr(model_parallel, "forward_critic", table_critic)
     monkeypatch.setattr(rollout, "dump_rollouts", lambda *args: None)
+    # the batch update() trains on: the correction's weights are in it (ppo_step applies them)
+    seen, real_update = [], train_ppo.update
+    monkeypatch.setattr(train_ppo, "update", lambda parts, batch, *args, **kwargs:
+                        seen.append(batch) or real_update(parts, batch, *args, **kwargs))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
@@ -425,6 +430,11 @@ def test_replayed_episodes_train_as_their_cut_rows(estimator, mode, ratio, tmp_p
                                             types.SimpleNamespace(pad_id=0), cfg, mesh)
             weights = {part: models.parts[part].model.table.detach() for part in models.parts}
             runs[name] = metrics, weights
+            # offpolicy_is=token, truncate at 2: min(pi_old / pi_engine, 2) on the loss's tokens
+            trained = seen[-1]
+            tis = (trained.old_lp - trained.engine_lp).exp().clamp(max=2.0) * trained.mask
+            torch.testing.assert_close(trained.weight, tis)
+            assert ((tis - 1).abs() > 0.1).any()  # weights that are not 1: the check sees them
     finally:
         torch.distributed.destroy_process_group()
         if mesh is not None:
