@@ -13,6 +13,8 @@ Peers: none.
 """
 import dataclasses
 
+import torch
+
 import rollout
 from config import ConfigError
 
@@ -145,6 +147,7 @@ def overlong_shaping(samples, cfg) -> None:
         if cfg.overlong_buffer:
             past = sum(s["action_mask"]) - (cfg.max_new_tokens - cfg.overlong_buffer)
             s["length_penalty"] = -cfg.overlong_penalty * min(max(past, 0) / cfg.overlong_buffer, 1)
-            s["rule_reward"] = s["task_score"] + s["length_penalty"]
+            # summed in float32, the trainer's reward dtype (as a tensor sum of the two would be)
+            s["rule_reward"] = (torch.tensor(s["task_score"]) + s["length_penalty"]).item()
         if cfg.overlong_mask and s["ended"] == "length":
             s["loss_mask"] = [0] * len(s["action_mask"])

@@ -17,7 +17,7 @@ from conftest import ROOT
 MODULES = ("train_ppo.py", "model_parallel.py", "logprobs.py", "rollout.py", "config.py")
 # The budgets grew with each capability (700 a module and 2,450 together with LoRA, to 820 and
 # 2,950 with the off-policy correction and DAPO) until the capabilities beyond PPO's core left for
-# extensions/: the five modules then 2,493, each extension at most 300, all together 3,127 (the
+# extensions/: the five modules then 2,493, each extension at most 300, all together 3,128 (the
 # core's target was 2,400 and the whole's 3,000: docs/testing.md, "Code lines", says what holds
 # each above it)
 BUDGET_EACH, BUDGET_TOTAL = 740, 2500
