@@ -566,7 +566,32 @@ def validate(cfg: Config, world_size: int) -> None:
                           "(it shards activations over tp)")
     for _, check, _ in OPTIONS.values():  # each extension's own refusals (its file's check)
         check(cfg)
+    _validate_launch(cfg, os.environ)
     _validate_paths(cfg)
+
+
+def _validate_launch(cfg: Config, environ) -> None:
+    """What the launch must give the run, read from the variables torchrun sets (none: a plain
+    `python train_ppo.py`). A tensor-parallel group lies within a node: the mesh puts tp innermost,
+    on consecutive ranks, and a node runs LOCAL_WORLD_SIZE consecutive ranks. Restarts need a
+    fresh store each rendezvous round (docs/nodes.md)."""
+    node = int(environ.get("LOCAL_WORLD_SIZE", "0"))  # --nproc_per_node
+    for name in ("tp_size", "rollout_tp_size"):
+        if node % getattr(cfg, name):
+            raise ConfigError(f"{name}={getattr(cfg, name)} does not divide the processes of a "
+                              f"node (--nproc_per_node={node}): a tensor-parallel group must lie "
+                              f"within one node, or every layer's collectives cross the network")
+    # torchrun hands its workers one store for every rendezvous round, and a restarted worker
+    # reads the dead round's addresses in it: init_process_group then fails with "Gloo
+    # connectFullMesh failed" (NCCL the same: pytorch/pytorch#167288). With this variable each
+    # round gets a store of its own, hosted by its rank 0, on any node and after either kind of
+    # restart (a worker's failure, a node lost or joining).
+    restarts = environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if restarts != "0" and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise ConfigError(f"torchrun --max-restarts={restarts} needs "
+                          f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment "
+                          f"(export it before torchrun, on every node): without it a restarted "
+                          f"worker fails in init_process_group")
 
 
 def load(argv: list, world_size: int) -> Config:

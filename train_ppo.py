@@ -7,6 +7,9 @@
     # 2 nodes (run on each, same --rdzv_endpoint):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 \
         train_ppo.py --config FILE
+    # restarts in place and going on without a lost node (docs/nodes.md; Slurm there too):
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --max-restarts=3 ... \
+        train_ppo.py --config FILE --save_every=20
     # every option with its default and doc:
     python train_ppo.py --help
 
@@ -945,7 +948,11 @@ def start_run(cfg, task):
         if dist.get_rank() == 0:
             os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
             config.save(cfg, os.path.join(cfg.out_dir, "config.json"))
-        resume_dir = rank0_decides(find_checkpoint(cfg.resume, cfg.out_dir))
+        resume_dir = find_checkpoint(cfg.resume, cfg.out_dir)
+        if torchrun_restarted():  # the run's newest checkpoint, whatever resume says
+            resume_dir = find_checkpoint("auto", cfg.out_dir) or resume_dir
+            print0(f"torchrun restarted the workers: going on from {resume_dir or 'the start'}")
+        resume_dir = rank0_decides(resume_dir)
         if resume_dir:  # a LoRA checkpoint resumes as LoRA, a full one in full (lora.py)
             lora.check_resume(resume_dir, cfg)
     except (rollout.TaskError, model_parallel.CheckpointError) as e:
@@ -960,6 +967,16 @@ def start_run(cfg, task):
            f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine, "
            f"{cfg.prompts_per_step}x{cfg.samples_per_prompt} samples a step")
     return device, mesh, model_dir, resume_dir, task
+
+
+def torchrun_restarted():
+    """Collective (every rank). Whether torchrun restarted this run's workers: after a worker's
+    failure (--max-restarts) or a change of nodes (--nnodes=MIN:MAX). Any rank's count decides:
+    an agent that restarts its workers because a node left or joined counts no restart
+    (torch.distributed.elastic's agent), so rank 0's own count may be 0."""
+    count = torch.tensor(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return count.item() > 0
 
 
 def announce(engine, models, cfg, resume_dir, start_step):

@@ -1,6 +1,7 @@
 """Checkpoints and HF export through the real CLI (torchrun, 2 CPU ranks, the HF engine).
 
-Four runs share the work (each CLI launch costs ~30 s of imports on 2 cores):
+Four runs share the work (each CLI launch costs ~30 s of imports on 2 cores), and the multi-node
+test compares with the first:
   straight: 4 steps at dp=2, a checkpoint every 2 steps, the HF export at the end;
   stopped:  2 steps at dp=2 and stop; then resumed for 2 more on the same mesh, and that
             process is SIGKILLed inside its final save, after writing and before the rename;
@@ -10,6 +11,7 @@ The export is compared with the trainer's own logprobs in transformers and in vL
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -25,7 +27,7 @@ import rollout
 import train_ppo
 from _dist import _free_port
 from conftest import (ROOT, close, cpu_env, kill_torchrun, plain_logprobs, read_metrics, run_cli,
-                      torchrun_cmd)
+                      torchrun_cmd, torchrun_workers)
 
 pytestmark = pytest.mark.slow  # four CLI runs under torchrun, and a vLLM engine
 
@@ -184,6 +186,81 @@ def test_keep_checkpoints_and_complete_only(straight, tmp_path):
     shutil.copytree(os.path.join(out, "ckpt", "step_4"), half)
     os.remove(half / "trainer_state_rank0.pt")
     assert train_ppo.find_checkpoint("auto", str(tmp_path)) is None
+
+
+# Two torchrun agents on one host stand for two nodes of one process each: the c10d rendezvous,
+# short timeouts (a lost node's keep-alive expires in ~2 s; a round waits 5 s for late nodes).
+RDZV = ("--rdzv_backend=c10d", "--rdzv_id=elastic", "--rdzv_conf=join_timeout=120,"
+        "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2")
+
+
+def node(port, *args):
+    """One torchrun agent, a node of one process, in the rendezvous at 127.0.0.1:port, as
+    docs/nodes.md launches it: between 1 and 2 nodes, 2 restarts, the store fix in torchrun's
+    environment."""
+    cmd = [torchrun_cmd(1)[0], "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=2", *RDZV,
+           f"--rdzv_endpoint=127.0.0.1:{port}", "train_ppo.py", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=cpu_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+
+
+def wait_for(path, nodes, deadline):
+    """Until `path` exists; fails if a node ends first or the deadline passes."""
+    while not os.path.exists(path):
+        ended = [n.args[-1] for n in nodes if n.poll() is not None]
+        assert not ended and time.time() < deadline, f"{path} never came"
+        time.sleep(0.05)
+
+
+def test_a_run_outlives_a_lost_worker_then_a_lost_node(straight, tmp_path):
+    """The straight run's config (4 steps, dp=2) on two nodes of one process, a checkpoint a step:
+      1. after step_1's checkpoint the second node's worker is SIGKILLed. Both nodes restart in
+         place (the first node's agent may count no restart: a change of nodes is not one) and go
+         on from the newest checkpoint. Every step on two nodes equals the straight run's (one
+         node of two processes), bit for bit.
+      2. after step_3's checkpoint, saved after that restart, the second node is lost for good
+         (its agent and worker SIGKILLed). The first goes on alone, at dp=1, from step_3: its step
+         4 equals that of step_3 resumed on one process by hand, bit for bit, and the straight
+         run's to the mesh tests' tolerance. The host node, which holds the rendezvous store, is
+         the one that must stay (README)."""
+    model = straight[1]
+    out = str(tmp_path / "out")
+    args = (*ARGS, f"--model={model}", "--steps=4", "--save_every=1", "--keep_checkpoints=4",
+            "--collective_timeout_s=60", f"--out_dir={out}")
+    port = _free_port()
+    host = node(port, *args)  # binds the rendezvous endpoint first: the store's host
+    time.sleep(1)
+    other = node(port, *args)
+    deadline = time.time() + 600
+    try:
+        wait_for(os.path.join(out, "ckpt", "step_1"), (host, other), deadline)
+        os.kill(torchrun_workers(other.pid)[0], signal.SIGKILL)  # a worker lost
+        wait_for(os.path.join(out, "ckpt", "step_3"), (host, other), deadline)
+        kill_torchrun(other.pid)  # a node lost: its agent and its worker
+        log = host.communicate(timeout=max(deadline - time.time(), 1))[0]
+    finally:
+        for agent in (host, other):
+            kill_torchrun(agent.pid)
+    errors = "\n".join(line for line in log.splitlines() if "Error" in line)  # not the tracebacks
+    assert host.returncode == 0, errors[-6000:]
+    assert log.count("torchrun restarted the workers: going on from") == 2, log[-6000:]
+    assert "mesh dp=1 " in log and f"resumed from {out}/ckpt/step_3" in log, log[-6000:]
+    rows, full = read_metrics(out), read_metrics(straight[0])
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for a, b in zip(full[:3], rows[:3]):  # two nodes, as one node: bit for bit
+        assert training_numbers(a) == training_numbers(b), a["step"]
+    # by hand: step_3 resumed on one process
+    hand = str(tmp_path / "hand")
+    shutil.copytree(os.path.join(out, "sft"), os.path.join(hand, "sft"))
+    shutil.copytree(os.path.join(out, "ckpt", "step_3"), os.path.join(hand, "ckpt", "step_3"))
+    run_cli(1, *ARGS, f"--model={model}", "--steps=4", "--resume=auto", "--export_hf=false",
+            f"--out_dir={hand}")
+    (by_hand,) = read_metrics(hand)
+    assert training_numbers(rows[3]) == training_numbers(by_hand)
+    for k in COMPARED:
+        assert close(full[3][k], rows[3][k]), (k, full[3][k], rows[3][k])
+    print("step 4 on dp=1 after the lost node, against the straight run (dp=2): "
+          + ", ".join(f"{k} {rows[3][k] - full[3][k]:+.2e}" for k in COMPARED))
 
 
 VLLM_SCRIPT = """

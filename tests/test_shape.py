@@ -19,9 +19,11 @@ MODULES = ("train_ppo.py", "model_parallel.py", "logprobs.py", "rollout.py", "co
 # 2,950 with the off-policy correction and DAPO) until the capabilities beyond PPO's core left for
 # extensions/: the five modules then 2,493, each extension at most 300, all together 3,128 (the
 # core's target was 2,400 and the whole's 3,000: docs/testing.md, "Code lines", says what holds
-# each above it)
-BUDGET_EACH, BUDGET_TOTAL = 740, 2500
-EXTENSION_EACH, ALL_TOTAL = 300, 3130
+# each above it); runs that outlive a lost worker or node added 22 (train_ppo.py's 745: the
+# restart count every rank agrees on and the checkpoint a restarted run goes on from; config.py's
+# refusals of a launch that cannot work)
+BUDGET_EACH, BUDGET_TOTAL = 745, 2520
+EXTENSION_EACH, ALL_TOTAL = 300, 3152
 NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
             tokenize.ENDMARKER, tokenize.ENCODING}
 
