@@ -37,6 +37,11 @@ class CoreConfig:
     and/or its trailing comment; `# ---- name ----` banners head the groups (see field_docs).
     Config, below, adds the extensions' options to these."""
 
+    # the keys the user gave, in the config file or on the command line, whatever the value (one
+    # equal to the default, written out, counts): parse_args sets them, notes() reads them. Not a
+    # setting: a class attribute (unannotated), not a field
+    given = frozenset()
+
     # ---- I/O ----
     # where metrics.jsonl, rollouts/, curves.png and config.json go
     out_dir: str = "out/run"
@@ -57,7 +62,8 @@ class CoreConfig:
     # at the end, write the policy as an HF checkpoint dir out_dir/hf (with the model's tokenizer
     # files)
     export_hf: bool = True
-    # dtype of that export: auto = the compute dtype (bf16 on GPU, fp32 on CPU), bf16, fp32
+    # dtype of that export (needs export_hf): auto = the run's compute dtype, as dtype=auto picks
+    # it (bf16 on a GPU under fsdp; fp32 on a CPU, or under ddp); bf16; fp32
     export_dtype: Literal["auto", "bf16", "fp32"] = "auto"
     # stop when this many steps in a row skipped their update for a NaN/inf loss or grad norm
     # (0 = never stop)
@@ -84,7 +90,8 @@ class CoreConfig:
     cp_size: int = 1
     # with tp > 1: shard the norms and the residual stream on the sequence dim
     sequence_parallel: bool = False
-    # pack sequences into rows of max_tokens_per_microbatch tokens (varlen attention)
+    # pack sequences into rows of max_tokens_per_microbatch tokens, each attending only within its
+    # own sequence; the kernel is attention's (auto: varlen on a GPU in bf16, masked SDPA on a CPU)
     packing: bool = False
     # per rank, with packing: the token budget of one packed row
     max_tokens_per_microbatch: int = 512
@@ -197,7 +204,9 @@ class CoreConfig:
     ppo_epochs: int = 1  # passes over each step's rollouts
     # optimizer steps per epoch; each is a global minibatch
     num_minibatches: int = 1
-    whiten_advantages: bool = True  # normalize advantages over the global batch
+    # gae only: normalize the advantages over the global batch (grpo and rloo normalize within
+    # each prompt's group instead: grpo_norm_by_std)
+    whiten_advantages: bool = True
     # how the per-token losses of a global minibatch become one number (docs/losses.md):
     # token-mean (every response token weighs the same), seq-mean-token-sum, seq-mean-token-mean
     # (every response weighs the same), seq-mean-token-sum-norm (Dr. GRPO: token sums over a
@@ -218,38 +227,40 @@ class CoreConfig:
 # -----------------------------------------------------------------------------
 # The extensions' options. Each extension (extensions/NAME.py; README, "Extensions") declares, at
 # its top, its options in a dataclass `Options`, written as CoreConfig's fields are, and in
-# `check(cfg)` its own refusals. This file runs those two definitions alone, from the file's text,
-# in a namespace of the few names they may use: the rest of the file imports torch and the core,
-# and a bad option is refused before either loads. Config is CoreConfig's fields, then each
-# extension's in this order; validate runs each check. Removing an extension removes its line here.
+# `check(cfg)` its own refusals, and in `idle(cfg)` (if any) when its options do nothing. This file
+# runs those definitions alone, from the file's text, in a namespace of the few names they may
+# use: the rest of the file imports torch and the core, and a bad option is refused before either
+# loads. Config is CoreConfig's fields, then each extension's in this order; validate runs each
+# check, notes each idle. Removing an extension removes its line here.
 EXTENSIONS = ["lora", "distill", "offpolicy", "dapo", "gspo", "evaluation", "multiturn",
               "optimizer_offload", "tensorboard"]
 EXTENSIONS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "extensions")
 
 
 def extension_options(name: str):
-    """(Options, check, the text of Options) of extensions/NAME.py: its definitions of those two
-    names run alone, where they may use dataclasses, Literal, ConfigError, os and json."""
+    """(Options, check, the text of Options, idle) of extensions/NAME.py: its definitions of
+    Options, check and idle (none: nothing of it is ever idle) run alone, where they may use
+    dataclasses, Literal, ConfigError, os and json."""
     path = os.path.join(EXTENSIONS_DIR, f"{name}.py")
     with open(path, encoding="utf-8") as f:
         source = f.read()
     nodes = [node for node in ast.parse(source, path).body
              if isinstance(node, (ast.ClassDef, ast.FunctionDef))
-             and node.name in ("Options", "check")]
+             and node.name in ("Options", "check", "idle")]
     scope = dict(dataclasses=dataclasses, Literal=Literal, ConfigError=ConfigError, os=os,
                  json=json)
     exec(compile(ast.Module(nodes, type_ignores=[]), path, "exec"), scope)
     options = next(node for node in nodes if node.name == "Options")
     # its whole lines (a segment would end before the last line's trailing comment): its docs
     text = "\n".join(source.splitlines()[options.lineno - 1:options.end_lineno])
-    return scope["Options"], scope["check"], text
+    return scope["Options"], scope["check"], text, scope.get("idle", lambda cfg: ())
 
 
-# {extension: (its Options, its check, the text of its Options)}
+# {extension: (its Options, its check, the text of its Options, its idle)}
 OPTIONS = {name: extension_options(name) for name in EXTENSIONS}
 Config = dataclasses.make_dataclass(
     "Config", [(f.name, f.type, dataclasses.field(default=f.default))
-               for options, _, _ in OPTIONS.values() for f in dataclasses.fields(options)],
+               for options, *_ in OPTIONS.values() for f in dataclasses.fields(options)],
     bases=(CoreConfig,), namespace={"__module__": __name__, "__doc__": "Every setting of a run: "
                                     "CoreConfig's fields, then each extension's (EXTENSIONS)."})
 
@@ -337,7 +348,7 @@ def field_docs(cls=None) -> dict:
     if cls is not None:
         return _comment_docs(inspect.getsource(cls), cls.__dataclass_fields__)
     docs = _comment_docs(inspect.getsource(CoreConfig), CoreConfig.__dataclass_fields__)
-    for name, (options, _, text) in OPTIONS.items():  # each doc ends with its extension's file
+    for name, (options, _, text, _) in OPTIONS.items():  # each doc ends with its extension's file
         found = _comment_docs(text, options.__dataclass_fields__)
         docs.update({key: f"{doc} (extensions/{name}.py)" for key, doc in found.items()})
     return docs
@@ -434,7 +445,9 @@ def parse_args(argv: list) -> Config:
             hint = f" (did you mean {close[0]}?)" if close else " (see --help for the keys)"
             raise ConfigError(f"unknown key {key!r} in the {where}{hint}")
         kwargs[key] = _coerce(key, value, types[key])
-    return Config(**kwargs)
+    cfg = Config(**kwargs)
+    cfg.given = frozenset(kwargs)
+    return cfg
 
 
 def _validate_values(cfg: Config) -> None:
@@ -564,7 +577,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.sequence_parallel and cfg.tp_size == 1:
         raise ConfigError("sequence_parallel=true needs tp_size > 1 "
                           "(it shards activations over tp)")
-    for _, check, _ in OPTIONS.values():  # each extension's own refusals (its file's check)
+    for _, check, *_ in OPTIONS.values():  # each extension's own refusals (its file's check)
         check(cfg)
     _validate_launch(cfg, os.environ)
     _validate_paths(cfg)
@@ -594,6 +607,44 @@ def _validate_launch(cfg: Config, environ) -> None:
                           f"worker fails in init_process_group")
 
 
+def idle(cfg: Config):
+    """The core's settings that do nothing in this run, or less than their names say, as (key,
+    why) pairs; each extension's file has its own `idle` for its options. notes() keeps the keys
+    the user gave. A new option that can be idle says when here (or in its extension's idle)."""
+    if cfg.advantage_estimator != "gae":  # no critic, no GAE
+        for key in ("critic_model", "critic_lr", "gamma", "lam", "value_clip", "whiten_advantages"):
+            yield key, f"does nothing with advantage_estimator={cfg.advantage_estimator}: no critic"
+        # the loss's KL term is k3 under grpo and rloo (train_ppo.policy_loss_terms)
+        yield "kl_estimator", (f"sets only the logged kl with advantage_estimator="
+                               f"{cfg.advantage_estimator}: the KL loss term is k3")
+    if cfg.advantage_estimator != "grpo":
+        yield "grpo_norm_by_std", f"does nothing with advantage_estimator={cfg.advantage_estimator}"
+    if cfg.kl_coef == 0:
+        yield "kl_estimator", "does nothing with kl_coef=0 (no reference policy)"
+    if not cfg.sft_steps:
+        for key in ("sft_batch_size", "sft_lr"):
+            yield key, "does nothing with sft_steps=0"
+    if not cfg.export_hf:
+        yield "export_dtype", "does nothing with export_hf=false"
+    if cfg.replay_rollouts:  # no engine: the dumped samples are trained on again
+        for key in ("rollout_engine", "rollout_tp_size", "refit_bucket_mb"):
+            yield key, "does nothing with replay_rollouts (no engine)"
+
+
+def notes(cfg: Config) -> list:
+    """One line for each setting the user gave that does nothing in this run, or less than its
+    name says (the core's idle, then each extension's): `note: KEY=VALUE WHY`. Defaults never
+    show. What only the task tells (held-out prompts) is said where the task is built."""
+    lines = []
+    for rule in [idle, *(extension[3] for extension in OPTIONS.values())]:
+        for key, why in rule(cfg):
+            value = getattr(cfg, key)
+            line = f"note: {key}={str(value).lower() if isinstance(value, bool) else value} {why}"
+            if key in cfg.given and line not in lines:
+                lines.append(line)
+    return lines
+
+
 def load(argv: list, world_size: int) -> Config:
     """The entry point: parse, validate, or print one line and exit(2)."""
     if "--help" in argv or "-h" in argv:
@@ -608,6 +659,9 @@ def load(argv: list, world_size: int) -> Config:
         if os.environ.get("RANK", "0") == "0":
             print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+    if os.environ.get("RANK", "0") == "0":
+        for line in notes(cfg):
+            print(line, flush=True)
     quiet_third_party_output()  # the config is good: the run loads models next
     return cfg
 

@@ -942,6 +942,8 @@ def start_run(cfg, task):
         if cfg.teacher:  # a teacher's ids must mean the policy's tokens (distill.py)
             distill.check_teacher(cfg, model_dir)
         task = rollout.make_task(cfg, model_dir) if task is None else task
+        if cfg.eval_every:  # a task without held-out prompts leaves it idle (evaluation.py)
+            evaluation.task_notes(task, cfg)
         # a run of episodes of turns: Dr. GRPO's constant (multiturn.py)
         if rollout.episode_runner(task, cfg) is multiturn.run_episodes:
             multiturn.setup(cfg)

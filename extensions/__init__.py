@@ -17,9 +17,11 @@ How an extension is joined to the core:
     config.Config: a type, a default, a doc in comments). config.py reads that class from the
     file's text, without importing the file, which imports torch and the core, and so does the
     extension's own refusals (`def check(cfg)`, run by config.validate): a bad option is refused
-    before either loads. Both definitions run alone, so they may use only dataclasses, Literal,
-    ConfigError, os, json, builtins and what they import inside themselves (config checks this
-    when it reads them);
+    before either loads. So does `def idle(cfg)`, if the file has one: when each of its options
+    does nothing (or less than its name says), as (key, why) pairs, from which config.notes
+    prints a line for each option the user gave. These definitions run alone, so they may use
+    only dataclasses, Literal, ConfigError, os, json, builtins and what they import inside
+    themselves (a test checks this);
   - the core calls it by name where its work happens, guarded by its switch, in the manner of
     torchtitan's parallelize_llama (`if cfg.teacher: ...distill.teacher_pass(...)`). No
     registry, no hooks: grep the module's name to find every place it acts;

@@ -31,15 +31,16 @@ class Options:
     # and rloo: under gae the critic still gives such a group per-token advantages, and a
     # teacher's term still trains on it, so dropping it discards a signal there (allowed)
     dynamic_sampling: bool = False
-    # rounds of a step at most; after the last, the newest dropped groups fill the batch (under
-    # grpo/rloo only their overlong penalties, if any, reach the surrogate; dynamic_kept_fraction
-    # shows how many)
+    # rounds of a step at most (needs dynamic_sampling); after the last, the newest dropped groups
+    # fill the batch (under grpo/rloo only their overlong penalties, if any, reach the surrogate;
+    # dynamic_kept_fraction shows how many)
     dynamic_max_rounds: int = 4
     # overlong shaping: a response whose model tokens L pass max_new_tokens - this buffer gets
     # -overlong_penalty * (L - (max_new_tokens - buffer)) / buffer added to its reward, down to
     # -overlong_penalty (0 = off)
     overlong_buffer: int = 0
-    overlong_penalty: float = 1.0  # the overlong penalty's largest size (DAPO: 1)
+    # the overlong penalty's largest size (DAPO: 1; needs overlong_buffer > 0)
+    overlong_penalty: float = 1.0
     # a response cut off by its token budget (ended "length") leaves the loss: its mask is 0
     overlong_mask: bool = False
 
@@ -57,6 +58,19 @@ def check(cfg):
         raise ConfigError(f"overlong_buffer={cfg.overlong_buffer} is longer than "
                                  f"max_new_tokens={cfg.max_new_tokens}: use a buffer inside the "
                                  f"budget")
+
+
+def idle(cfg):
+    """This file's options that do nothing in this run, as (key, why): config.notes names those
+    the user gave."""
+    if cfg.replay_rollouts:  # the dumped samples train as they were dumped
+        for key in ("dynamic_sampling", "dynamic_max_rounds", "overlong_buffer",
+                    "overlong_penalty"):
+            yield key, "does nothing with replay_rollouts (the dump's samples train as they are)"
+    if not cfg.dynamic_sampling:
+        yield "dynamic_max_rounds", "does nothing without dynamic_sampling"
+    if not cfg.overlong_buffer:
+        yield "overlong_penalty", "does nothing with overlong_buffer=0"
 
 
 def shape(engine, task, cfg, step, start, every, generated):

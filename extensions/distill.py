@@ -35,9 +35,10 @@ class Options:
     # log pi_teacher(x_t). "" = no teacher
     teacher: str = ""
     # how that KL trains the student (verl 0.9.1's two forms): reward = each token's advantage is
-    # -(log pi_old - log pi_teacher), discount 0, through the clipped surrogate (Thinking
-    # Machines' form, verl's use_policy_gradient); loss = distill_estimator's KL estimate per token
-    # through loss_agg_mode (verl's default form)
+    # minus distill_estimator's estimate at pi_old (k1: -(log pi_old - log pi_teacher)), discount
+    # 0, through the clipped surrogate (Thinking Machines' form, verl's use_policy_gradient);
+    # loss = distill_estimator's estimate at the current pi per token, through loss_agg_mode
+    # (verl's default form). Needs a teacher
     distill_form: Literal["reward", "loss"] = "reward"
     # the per-token estimate: k1 = log ratio, k2 = (log ratio)^2 / 2, k3 = (r - 1) - log r; the
     # loss form refuses k1 (its gradient does not depend on the teacher)
@@ -70,6 +71,15 @@ def check(cfg):
     if cfg.teacher and not os.path.isdir(cfg.teacher):
         raise ConfigError(f"teacher={cfg.teacher!r} is not a directory: give an HF causal "
                                  f"LM checkpoint dir with the policy's tokenizer")
+
+
+def idle(cfg):
+    """This file's options that do nothing in this run, as (key, why): config.notes names those
+    the user gave."""
+    if not cfg.teacher:
+        for key in ("distill_form", "distill_estimator", "distill_coef", "distill_task",
+                    "distill_clamp"):
+            yield key, "does nothing without a teacher (teacher=DIR)"
 
 
 def check_teacher(cfg, model_dir):

@@ -22,12 +22,14 @@ class Options:
     from this file's text, before torch loads (README, "Extensions")."""
 
     # ---- evaluation (evaluation.py) ----
-    # greedy accuracy on val_prompts every N steps and after the last (0 = never)
+    # greedy accuracy on the task's held-out prompts every N steps and after the last (0 =
+    # never). Needs held-out prompts (gsm8k's val_prompts=FILE; the toy tasks have none) and an
+    # engine (not under replay_rollouts)
     eval_every: int = 0
-    # with eval_every: also pass@k for this k (0 = greedy only): val_samples samples a prompt at
+    # also pass@k for this k (0 = greedy only; needs eval_every): val_samples samples a prompt at
     # the training temperature, and the unbiased estimator of Chen et al. (2021)
     val_pass_k: int = 0
-    val_samples: int = 8  # samples a prompt for pass@k (>= val_pass_k)
+    val_samples: int = 8  # samples a prompt for pass@k (>= val_pass_k; needs val_pass_k > 0)
 
 
 def check(cfg):
@@ -43,6 +45,25 @@ def check(cfg):
         raise ConfigError(f"val_pass_k={cfg.val_pass_k} is measured at each evaluation, "
                                  f"and eval_every=0 makes none: set eval_every=N (steps between "
                                  f"them)")
+
+
+def idle(cfg):
+    """This file's options that do nothing in this run, as (key, why): config.notes names those
+    the user gave. A task without held-out prompts is known only once it is built: task_notes."""
+    if cfg.replay_rollouts:
+        for key in ("eval_every", "val_pass_k", "val_samples"):
+            yield key, "does nothing with replay_rollouts (no engine to sample with)"
+    if not cfg.val_pass_k:
+        yield "val_samples", "does nothing with val_pass_k=0"
+
+
+def task_notes(task, cfg):
+    """Rank 0 prints a note for each evaluation setting the user gave that this task leaves idle:
+    it has no held-out prompts (the toy tasks; gsm8k without val_prompts)."""
+    for key in ("eval_every", "val_pass_k", "val_samples"):
+        if key in cfg.given and not task.val and dist.get_rank() == 0:
+            print(f"note: {key}={getattr(cfg, key)} does nothing: the task has no held-out "
+                  f"prompts (gsm8k takes val_prompts=FILE)", flush=True)
 
 
 def before_step(engine, task, cfg, step):

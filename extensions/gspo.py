@@ -24,12 +24,28 @@ class Options:
     # its own, as narrow as the paper's: a sequence's ratio stays much nearer 1 than a token's.
     # GSPO averages over sequences: pair it with loss_agg_mode=seq-mean-token-mean.
     policy_loss_mode: Literal["ppo", "gspo"] = "ppo"
-    gspo_clip_ratio: float = 3e-4  # GSPO's sequence ratio is kept in [1 - this, 1 + the next one]
-    gspo_clip_ratio_high: float = 4e-4  # the paper's 3e-4 below and 4e-4 above
+    # gspo only: the sequence ratio is kept in [1 - gspo_clip_ratio, 1 + gspo_clip_ratio_high]
+    # (the paper's 3e-4 below and 4e-4 above); clip_ratio and clip_ratio_high, the token's range,
+    # then clip no task term
+    gspo_clip_ratio: float = 3e-4
+    # gspo only: the upper side of that range alone (1 + this), as clip_ratio_high is the token's
+    gspo_clip_ratio_high: float = 4e-4
 
 
 def check(cfg):
     """This file's refusals: none (config.validate runs it, as every extension's)."""
+
+
+def idle(cfg):
+    """This file's options, and the core's they replace, that do nothing in this run, as (key,
+    why): config.notes names those the user gave."""
+    if cfg.policy_loss_mode == "ppo":
+        for key in ("gspo_clip_ratio", "gspo_clip_ratio_high"):
+            yield key, "does nothing with policy_loss_mode=ppo"
+    else:  # the token clip range is left to distillation's reward form (distill.py), if any
+        for key in ("clip_ratio", "clip_ratio_high"):
+            yield key, ("clips no task term with policy_loss_mode=gspo (gspo_clip_ratio and "
+                        "gspo_clip_ratio_high do), only a teacher's reward-form term")
 
 
 def sequence_log_ratio(logprobs, old_logprobs, mask):

@@ -73,6 +73,14 @@ def check(cfg):
                                  f"rollout_engine=hf")
 
 
+def idle(cfg):
+    """This file's options that do nothing in this run, as (key, why): config.notes names those
+    the user gave."""
+    if not cfg.lora_rank:
+        for key in ("lora_alpha", "lora_targets"):
+            yield key, "does nothing with lora_rank=0 (no adapters)"
+
+
 def check_device(cfg, device_type):
     """Once the device is known (the dtype resolved): vLLM keeps adapters in the model's dtype,
     and its GPU LoRA kernels take fp16 or bf16 only (vllm/lora/ops/triton_ops/lora_shrink_op.py

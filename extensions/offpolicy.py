@@ -45,14 +45,17 @@ class Options:
     offpolicy_is_mode: Literal["truncate", "mask"] = "truncate"
     offpolicy_is_bound: float = 2.0  # the weight's upper bound (verl's rollout_is_threshold)
     offpolicy_is_lower: float = 0.5  # mask: the lower bound
-    # reject (weight 0) tokens or whole sequences whose divergence from the engine passes a bound:
-    # token_kN per token; seq_sum_kN, seq_mean_kN, seq_max_kN per sequence (verl's rollout_rs);
-    # kN is verl's estimate (k1 = log pi_engine / pi_old, k2 = its square / 2, k3 = r - 1 - log r)
+    # reject (weight 0) tokens or whole sequences whose divergence from the engine passes
+    # offpolicy_reject_bound: token_k1/k2/k3 judge each token; seq_sum_, seq_mean_ (k1, k2, k3)
+    # and seq_max_ (k2 and k3 only, as verl's options) a whole sequence by its tokens' sum, mean
+    # or max (verl's rollout_rs). With lr = log pi_old/pi_engine
+    # and r = e^lr: k1 = -lr, k2 = lr^2 / 2, k3 = r - 1 - lr. Needs old_logprobs=trainer
     offpolicy_reject: Literal[
         "off", "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
         "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"] = "off"
-    # the rejection's bound: for k2 and k3 the largest divergence kept; for k1 a ratio B > 1,
-    # kept within [1/B, B] (of exp(k1))
+    # the rejection's bound, with no default that works (0 = unset: every rejection refuses it):
+    # for k2 and k3 the largest divergence kept (e.g. 0.01); for k1 a ratio B > 1 (e.g. 2), a
+    # token or sequence kept while exp(k1) lies within [1/B, B]
     offpolicy_reject_bound: float = 0.0
 
 
@@ -66,7 +69,8 @@ def check(cfg):
         raise ConfigError("the off-policy correction weighs pi_old / pi_engine, which "
                                  "old_logprobs=engine makes 1: use old_logprobs=trainer, or "
                                  "offpolicy_is=off and offpolicy_reject=off")
-    if cfg.offpolicy_is_mode == "mask" and not cfg.offpolicy_is_lower < cfg.offpolicy_is_bound:
+    masking = cfg.offpolicy_is != "off" and cfg.offpolicy_is_mode == "mask"
+    if masking and not cfg.offpolicy_is_lower < cfg.offpolicy_is_bound:
         raise ConfigError(f"offpolicy_is_lower={cfg.offpolicy_is_lower:g} must be below "
                                  f"offpolicy_is_bound={cfg.offpolicy_is_bound:g}: the weights "
                                  f"kept lie between them")
@@ -87,6 +91,26 @@ def check(cfg):
         if cap:
             raise ConfigError(f"{saved} ran with tis_cap={cap:g}, which was replaced: resume "
                               f"with offpolicy_is=token offpolicy_is_bound={cap:g}")
+
+
+def idle(cfg):
+    """This file's options that do nothing in this run, as (key, why): config.notes names those
+    the user gave."""
+    if cfg.offpolicy_is == "off":
+        for key in ("offpolicy_is_mode", "offpolicy_is_bound", "offpolicy_is_lower"):
+            yield key, "does nothing with offpolicy_is=off"
+    elif cfg.offpolicy_is_mode == "truncate":
+        yield "offpolicy_is_lower", "does nothing with offpolicy_is_mode=truncate (mask's bound)"
+    if cfg.offpolicy_reject == "off":
+        yield "offpolicy_reject_bound", "does nothing with offpolicy_reject=off"
+    if cfg.replay_rollouts:
+        yield "engine_dtype", "does nothing with replay_rollouts (no engine)"
+    elif cfg.engine_dtype == "bf16" and cfg.old_logprobs == "engine":
+        # a note, not a refusal: an uncorrected bf16 engine is a run worth measuring (what the
+        # correction is for); but nothing in this run can weigh its mismatch
+        yield "engine_dtype", ("with old_logprobs=engine: the bf16 engine's logprobs are pi_old, "
+                               "so its mismatch stays in the ratio, and no correction can weigh "
+                               "it (offpolicy_is needs old_logprobs=trainer)")
 
 
 def engine_dtype(cfg) -> torch.dtype:

@@ -34,7 +34,7 @@ CORE_TESTS = ("test_ppo_math.py", "test_logprobs.py", "test_rewards.py", "test_m
 
 def _options(name):
     """The option names extensions/NAME.py declares (config.OPTIONS)."""
-    options, _, _ = config.OPTIONS[name]
+    options, *_ = config.OPTIONS[name]
     return set(options.__dataclass_fields__)
 
 
@@ -156,12 +156,13 @@ def test_options_and_check_read_alone(name):
     path = os.path.join(ROOT, "extensions", f"{name}.py")
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read())
-    allowed = {"dataclasses", "Literal", "ConfigError", "os", "json", "Options", "check"}
+    read_alone = ("Options", "check", "idle")
+    allowed = {"dataclasses", "Literal", "ConfigError", "os", "json", *read_alone}
     allowed |= set(dir(builtins))
     for node in tree.body:
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in ("Options", "check"):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in read_alone:
             assert _free_names(node) <= allowed, (name, node.name, _free_names(node) - allowed)
-    options, _, _ = config.OPTIONS[name]
+    options, *_ = config.OPTIONS[name]
     core = {f.name for f in dataclasses.fields(config.CoreConfig)}
     for field in dataclasses.fields(options):
         assert field.name not in core, f"{name}.{field.name} is CoreConfig's"
