@@ -634,14 +634,19 @@ def rng_states():
     visible device (8 under torchrun on a node), and set_rng_state_all needs that many visible to
     put them back, so a resume on fewer (a 4-GPU node, SLURM binding one GPU a task) would fail
     (IndexError in torch/cuda/random.py). A rank draws from no other device's generator."""
-    return dict(torch=torch.get_rng_state(), python=random.getstate(), numpy=np.random.get_state(),
+    # numpy's state as a tensor and plain numbers: a checkpoint's trainer state then loads with
+    # torch.load(weights_only=True), which runs no code (an ndarray would need pickle)
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy = (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)
+    return dict(torch=torch.get_rng_state(), python=random.getstate(), numpy=numpy,
                 cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
 
 
 def set_rng_states(state):
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])  # onto the current device: this rank's
 

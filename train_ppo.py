@@ -1298,8 +1298,9 @@ def load_checkpoint(path, parts):
     state_file = os.path.join(path, f"trainer_state_rank{dist.get_rank()}.pt")
     if not os.path.isfile(state_file):  # a rank the saving run did not have
         state_file = os.path.join(path, "trainer_state_rank0.pt")
-    # our own file, so weights_only=False: numpy's RNG state is not a tensor
-    trainer_state = torch.load(state_file, weights_only=False)
+    # tensors and plain numbers only (rollout.rng_states): weights_only runs no code. dcp.load
+    # above does read the checkpoint's metadata with pickle: a checkpoint is trusted input
+    trainer_state = torch.load(state_file, weights_only=True)
     rollout.set_rng_states(trainer_state["rng"])
     for name, part in parts.items():
         set_model_state_dict(part.model, state[name], options=TRAINED_ONLY)

@@ -2,7 +2,8 @@
 trainer's pi_old (another dtype, other kernels), so every token's policy loss is weighed by its
 importance weight pi_old / pi_engine, truncated or masked, and may be rejected, as verl 0.9.1's
 rollout_corr_helper weighs it (compute_rollout_correction_weights and
-compute_rollout_rejection_mask). Also engine_dtype: a bf16 engine under an fp32 trainer makes the
+compute_rollout_rejection_mask) at the token and sequence levels; the geometric level is SkyRL's
+(verl has none). Also engine_dtype: a bf16 engine under an fp32 trainer makes the
 mismatch a GPU has real on a CPU.
 
 Where the core calls it: train_ppo.ppo_step, in the passes without grad (`weigh`: every token's

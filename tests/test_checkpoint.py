@@ -119,7 +119,7 @@ def test_resume_draws_the_prompts_the_straight_run_drew(straight, resumed):
     drawn = [r["rollout_prompts"] for r in rows]
     assert max(drawn[:2]) > 4, f"no step before the resume drew a second round: {drawn}"
     state = torch.load(os.path.join(resumed["out"], "ckpt", "step_2", "trainer_state_rank0.pt"),
-                       weights_only=False)
+                       weights_only=True)
     assert state["progress"] == {"step": 2, "prompts_drawn": 240 + drawn[0] + drawn[1]}
     stream = [prompt for prompt, _ in rollout.ToyTask(1).prompts(240, sum(drawn))]
     for out in (straight[0], resumed["out"]):

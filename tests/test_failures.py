@@ -4,6 +4,7 @@ collective that would wait forever (it times out).
 
 The bad-input checks call the functions the trainer calls, in-process (fast); one CLI run shows
 the one line and the exit code. README's table of bad inputs lists the same cases."""
+import ast
 import json
 import math
 import os
@@ -358,3 +359,31 @@ def test_a_collective_times_out_instead_of_hanging(monkeypatch):
             dist.destroy_process_group()
         child.kill()
         child.wait()
+
+
+def _refusal_patterns(path):
+    """(line, regex) for each `raise ConfigError(...)` in a file: the message's literal text, with
+    each formatted value free (`.+?`)."""
+    found = []
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+                and getattr(node.exc.func, "id", None) == "ConfigError"):
+            continue
+        message = node.exc.args[0]
+        pieces = message.values if isinstance(message, ast.JoinedStr) else [message]
+        found.append((node.lineno, "".join(re.escape(piece.value) if isinstance(piece, ast.Constant)
+                                           else ".+?" for piece in pieces)))
+    return found
+
+
+def test_failures_md_lists_every_refusal_config_can_give():
+    """Every `config error` config.py and the extensions' checks can print has a row in
+    docs/failures.md whose example line it matches: a refusal added without its row fails here."""
+    doc = open(os.path.join(ROOT, "docs", "failures.md"), encoding="utf-8").read()
+    files = ["config.py"] + [os.path.join("extensions", name) for name in
+                             sorted(os.listdir(os.path.join(ROOT, "extensions")))
+                             if name.endswith(".py")]
+    missing = [f"{path}:{line}" for path in files
+               for line, pattern in _refusal_patterns(os.path.join(ROOT, path))
+               if not re.search("`config error: " + pattern + "`", doc)]
+    assert not missing, f"refusals with no row in docs/failures.md: {missing}"

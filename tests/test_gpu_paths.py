@@ -12,8 +12,10 @@ import functools
 import gc
 import json
 import os
+import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -361,5 +363,20 @@ def test_a_checkpoint_saved_with_8_visible_gpus_resumes_with_1(monkeypatch, tmp_
     torch.save(rollout.rng_states(), tmp_path / "trainer_state_rank3.pt")
     resuming = CudaRng(visible=1, current=0)
     resuming.install(monkeypatch)
-    rollout.set_rng_states(torch.load(tmp_path / "trainer_state_rank3.pt", weights_only=False))
+    rollout.set_rng_states(torch.load(tmp_path / "trainer_state_rank3.pt", weights_only=True))
     assert torch.equal(resuming.states[0], torch.full((8,), 3, dtype=torch.uint8))
+
+
+def test_rng_states_load_with_weights_only_and_draw_the_same(tmp_path):
+    """A checkpoint's trainer state loads with torch.load(weights_only=True), which runs no code:
+    numpy's RNG state is kept as a tensor and numbers. Restored, every generator draws what it
+    would have drawn (torch, Python's random, numpy, a Gaussian half-drawn by numpy included)."""
+    np.random.seed(5)
+    np.random.standard_normal()  # numpy now holds a cached Gaussian (has_gauss = 1)
+    torch.save(rollout.rng_states(), tmp_path / "state.pt")
+    expected = (torch.rand(3), random.random(), np.random.standard_normal(3))
+    torch.rand(7), random.random(), np.random.standard_normal(9)  # move every generator on
+    rollout.set_rng_states(torch.load(tmp_path / "state.pt", weights_only=True))
+    drawn = (torch.rand(3), random.random(), np.random.standard_normal(3))
+    assert torch.equal(drawn[0], expected[0]) and drawn[1] == expected[1]
+    assert np.array_equal(drawn[2], expected[2])
