@@ -114,13 +114,17 @@ rlhf-demo: $(STAMP)
 # (out/demo/hf; the demo runs first if it is missing) teaches a student that starts where the demo's
 # PPO started, its SFT checkpoint (out/demo/sft): the same PPO config, with the teacher's per-token
 # reverse KL (k3, the loss form: the reward form learned no faster than PPO here) beside the task's
-# loss, for DISTILL_STEPS steps, into out/distill-demo.
+# loss, for DISTILL_STEPS steps, into out/distill-demo. Its start prints two notes, rightly:
+# demo_cpu.toml's sft_batch_size and sft_lr do nothing with sft_steps=0 (the student starts from the
+# demo's warm-up). The last lines: for the demo's run and the student's, the first step whose reward
+# reaches 0.85, and the first whose 5-step mean does (docs/distillation.md's table).
 DISTILL_STEPS ?= 20
 distill-demo: $(STAMP)
 	test -f out/demo/hf/config.json || $(MAKE) demo
 	$(VENV)/bin/torchrun --nproc_per_node=2 train_ppo.py --config configs/demo_cpu.toml \
 		--model=out/demo/sft --sft_steps=0 --teacher=out/demo/hf --distill_form=loss \
 		--distill_estimator=k3 --steps=$(DISTILL_STEPS) --out_dir=out/distill-demo
+	$(VENV)/bin/python scripts/reward_reached.py 0.85 out/demo out/distill-demo
 
 # Optional: multi-turn episodes with a tool (docs/multiturn.md). The toy model learns two-digit sums
 # with a calculator it calls: "23+45=" -> "?" -> the tool's "[68]" -> "68". `make tool-demo TURNS=1`

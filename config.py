@@ -699,5 +699,5 @@ def quiet_third_party_output() -> None:
 if __name__ == "__main__":
     # `python config.py ARGS`: a command line checked before torchrun starts its processes (the
     # Makefile's recipes do), with WORLD_SIZE as torchrun will set it: one line and exit 2 if it
-    # is bad, nothing printed if it is good
+    # is bad; if it is good, a note for each setting given that does nothing (notes), or nothing
     load(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", "1")))

@@ -1,12 +1,13 @@
 """The demo's learning check: `make demo`'s exact config must learn the toy task.
 Takes a few minutes on 2 cores; it is the one test that shows PPO works, not just runs."""
+import importlib.util
 import json
 import os
 import re
 
 import pytest
 
-from conftest import cpu_env, read_metrics, run_cli
+from conftest import ROOT, cpu_env, read_metrics, run_cli
 
 PROGRESS = re.compile(r"(sft|step) \d+/\d+")  # the progress lines; at most 10 others
 
@@ -30,3 +31,17 @@ def test_demo_learns(tmp_path):
     assert last5 >= 0.75, rewards
     assert last5 - rewards[0] >= 0.35, rewards
     assert os.path.isfile(os.path.join(tmp_path, "curves.png"))
+
+
+def test_reward_reached_by_hand():
+    """scripts/reward_reached.py (what `make distill-demo` prints last), on rewards worked by hand:
+    0.9 first at step 2 (1 s of steps before it); the 5-step windows' means 0.66, 0.82, 0.82, 0.9:
+    the first >= 0.85 ends at step 8; a level never reached says so."""
+    spec = importlib.util.spec_from_file_location(
+        "reward_reached", os.path.join(ROOT, "scripts", "reward_reached.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rewards = [0.1, 0.9, 0.5, 0.9, 0.9, 0.9, 0.9, 0.9]
+    rows = [{"reward_mean": r, "time_step_s": 1.0 + i} for i, r in enumerate(rewards)]
+    assert script.reached(rows, 0.85) == (2, 8, 1.0)
+    assert script.reached(rows, 0.95) == (None, None, None)
