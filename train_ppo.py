@@ -951,7 +951,7 @@ def start_run(cfg, task):
             os.makedirs(os.path.join(cfg.out_dir, "rollouts"), exist_ok=True)
             config.save(cfg, os.path.join(cfg.out_dir, "config.json"))
         resume_dir = find_checkpoint(cfg.resume, cfg.out_dir)
-        if torchrun_restarted():  # the run's newest checkpoint, whatever resume says
+        if torchrun_restarted(device):  # the run's newest checkpoint, whatever resume says
             resume_dir = find_checkpoint("auto", cfg.out_dir) or resume_dir
             print0(f"torchrun restarted the workers: going on from {resume_dir or 'the start'}")
         resume_dir = rank0_decides(resume_dir)
@@ -971,12 +971,13 @@ def start_run(cfg, task):
     return device, mesh, model_dir, resume_dir, task
 
 
-def torchrun_restarted():
+def torchrun_restarted(device):
     """Collective (every rank). Whether torchrun restarted this run's workers: after a worker's
     failure (--max-restarts) or a change of nodes (--nnodes=MIN:MAX). Any rank's count decides:
     an agent that restarts its workers because a node left or joined counts no restart
-    (torch.distributed.elastic's agent), so rank 0's own count may be 0."""
-    count = torch.tensor(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    (torch.distributed.elastic's agent), so rank 0's own count may be 0. (On the device: NCCL's
+    collectives take GPU tensors.)"""
+    count = torch.tensor(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return count.item() > 0
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 
 import pytest
+import torch
 
 import config
 import train_ppo
@@ -43,7 +44,7 @@ def test_a_launch_that_works_is_not_refused(monkeypatch, tmp_path):
 def _restarted(rank, world_size, cases):
     for counts, want in cases:
         os.environ["TORCHELASTIC_RESTART_COUNT"] = str(counts[rank])
-        assert train_ppo.torchrun_restarted() is want, (rank, counts)
+        assert train_ppo.torchrun_restarted(torch.device("cpu")) is want, (rank, counts)
 
 
 def test_every_rank_knows_of_a_restart_any_agent_counted():
