@@ -944,6 +944,8 @@ def start_run(cfg, task):
         task = rollout.make_task(cfg, model_dir) if task is None else task
         if cfg.eval_every:  # a task without held-out prompts leaves it idle (evaluation.py)
             evaluation.task_notes(task, cfg)
+        if "max_turns" in cfg.given:  # so does a task without turns (multiturn.py)
+            multiturn.task_notes(task, cfg)
         # a run of episodes of turns: Dr. GRPO's constant (multiturn.py)
         if rollout.episode_runner(task, cfg) is multiturn.run_episodes:
             multiturn.setup(cfg)

@@ -2,9 +2,10 @@
 e.g. gsm8k's val_prompts) every eval_every steps and after the last update, and pass@k.
 
 Where the core calls it: train_ppo.main, around each step (before_step: the policy before the
-step's update; after_step: after the last update, the exported policy's, as final_*). It samples
-with the run's engine and the core's episode_runner (one turn, or episodes of turns), so a tool
-task is evaluated as it is trained. Metrics: val_accuracy, val_pass@k (docs/metrics.md).
+step's update; after_step: after the last update, the exported policy's, as final_*), and
+train_ppo.start_run (task_notes: a task without held-out prompts leaves the options idle). It
+samples with the run's engine and the core's episode_runner (one turn, or episodes of turns), so a
+tool task is evaluated as it is trained. Metrics: val_accuracy, val_pass@k (docs/metrics.md).
 Peers: none.
 """
 import dataclasses

@@ -12,11 +12,14 @@ takes a target's (ids, mask)), and the endings and turn counts in the metrics
 (rollout.episode_metrics).
 
 Where the core calls it: rollout.episode_runner (generation, training and validation alike),
-rollout.make_task (task=toy_tool: ToyToolTask), train_ppo.start_run (setup: Dr. GRPO's constant).
+rollout.make_task (task=toy_tool: ToyToolTask), train_ppo.start_run (setup: Dr. GRPO's constant;
+task_notes: max_turns given to a task without turns).
 Peers: none; scripts/smollm2_tool.py's real tool uses chat_tool_message.
 """
 import dataclasses
 import re
+
+import torch.distributed as dist
 
 import rollout
 from config import ConfigError
@@ -51,6 +54,14 @@ def setup(cfg):
     recorded in config.json; train_ppo.train_minibatch reads it."""
     if not cfg.loss_agg_norm:
         cfg.loss_agg_norm = cfg.max_model_len
+
+
+def task_notes(task, cfg):
+    """Rank 0 prints a note if the user gave max_turns and the task cannot take turns: it has no
+    `observe` (toy_add, gsm8k, a fork's single-turn task), so each episode is one turn."""
+    if not hasattr(task, "observe") and dist.get_rank() == 0:
+        print(f"note: max_turns={cfg.max_turns} does nothing: the task has no observe(), so an "
+              f"episode is one turn", flush=True)
 
 
 def run_episodes(engine, task, cfg, prompt_ids, keys, temperature):

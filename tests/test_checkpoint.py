@@ -31,7 +31,7 @@ from conftest import (ROOT, close, cpu_env, kill_torchrun, plain_logprobs, read_
 
 pytestmark = pytest.mark.slow  # four CLI runs under torchrun, and a vLLM engine
 
-# every run samples under dynamic sampling (issue 53): a step may draw rounds of prompts, so the
+# every run samples under dynamic sampling: a step may draw rounds of prompts, so the
 # prompt stream's position after it depends on what it drew, and a resume must go on from there
 ARGS = ("--config", "configs/test_tiny.toml", "--rollout_engine=hf", "--sft_steps=30",
         "--dynamic_sampling=true")

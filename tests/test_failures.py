@@ -138,8 +138,8 @@ def test_tokenizer_larger_than_the_model_vocab(model_dir, tmp_path):
 
 
 def test_gsm8k_with_a_checkpoint_without_a_tokenizer(model_dir, tmp_path):
-    """Issue 34: --task=gsm8k --model=tiny-llama (a checkpoint with no tokenizer files) ended in a
-    32-line transformers traceback about slow tokenizers."""
+    """Found by the scale review (2026-11-26): --task=gsm8k --model=tiny-llama (a checkpoint with
+    no tokenizer files) ended in a 32-line transformers traceback about slow tokenizers."""
     cfg = gsm8k_cfg(tmp_path, ['{"question": "1+1?", "answer": "#### 2"}'])
     with pytest.raises(rollout.TaskError, match="needs the checkpoint's own tokenizer, and .* has none"):
         rollout.make_task(cfg, model_dir, 262)

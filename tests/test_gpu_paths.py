@@ -181,8 +181,9 @@ def _recording_body(rank, world_size, out_dir):
     train_ppo.main(cfg)
     DTensor.full_tensor = full_tensor
     engine = engines[0]
-    # issue 34: the refit gathers each fp32 master shard cast to the engine's bf16 first, not the
-    # fp32 weights cast after (twice the bytes): every all-gather of the run is a refit's
+    # (the scale review, 2026-11-26) the refit gathers each fp32 master shard cast to the
+    # engine's bf16 first, not the fp32 weights cast after (twice the bytes): every all-gather of
+    # the run is a refit's
     assert len(gathered) == 2 * len(list(engine.model.parameters())), len(gathered)
     assert set(gathered) == {torch.bfloat16}, set(gathered)
 

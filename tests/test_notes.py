@@ -10,7 +10,7 @@ import pytest
 
 import config
 import rollout
-from extensions import evaluation
+from extensions import evaluation, multiturn
 
 DUMP = "--replay_rollouts=out/dump"  # (notes read the config alone: the dir need not exist)
 GRPO = "--advantage_estimator=grpo"
@@ -119,4 +119,16 @@ def test_evaluation_on_a_task_without_held_out_prompts_says_so(capsys, monkeypat
         "val_prompts=FILE)"]
     task.val = [("1+1=", "2")]
     evaluation.task_notes(task, cfg)
+    assert capsys.readouterr().out == ""
+
+
+def test_max_turns_on_a_task_without_turns_says_so(capsys, monkeypatch):
+    """A task without observe() (the toy sums) runs one turn an episode whatever max_turns says;
+    the toy tool task takes turns, and says nothing."""
+    monkeypatch.setattr(multiturn.dist, "get_rank", lambda: 0)
+    cfg = config.parse_args(["--max_turns=3"])
+    multiturn.task_notes(rollout.ToyTask(cfg.seed), cfg)
+    assert capsys.readouterr().out.splitlines() == [
+        "note: max_turns=3 does nothing: the task has no observe(), so an episode is one turn"]
+    multiturn.task_notes(multiturn.ToyToolTask(cfg.seed), cfg)
     assert capsys.readouterr().out == ""
