@@ -614,13 +614,13 @@ def idle(cfg: Config):
     if cfg.advantage_estimator != "gae":  # no critic, no GAE
         for key in ("critic_model", "critic_lr", "gamma", "lam", "value_clip", "whiten_advantages"):
             yield key, f"does nothing with advantage_estimator={cfg.advantage_estimator}: no critic"
-        # the loss's KL term is k3 under grpo and rloo (train_ppo.policy_loss_terms)
-        yield "kl_estimator", (f"sets only the logged kl with advantage_estimator="
-                               f"{cfg.advantage_estimator}: the KL loss term is k3")
     if cfg.advantage_estimator != "grpo":
         yield "grpo_norm_by_std", f"does nothing with advantage_estimator={cfg.advantage_estimator}"
     if cfg.kl_coef == 0:
         yield "kl_estimator", "does nothing with kl_coef=0 (no reference policy)"
+    elif cfg.advantage_estimator != "gae":  # the KL loss term is k3 (train_ppo.policy_loss_terms)
+        yield "kl_estimator", (f"sets only the logged kl with advantage_estimator="
+                               f"{cfg.advantage_estimator}: the KL loss term is k3")
     if not cfg.sft_steps:
         for key in ("sft_batch_size", "sft_lr"):
             yield key, "does nothing with sft_steps=0"
