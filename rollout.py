@@ -582,8 +582,7 @@ class VLLMEngine:
             if lm_head is not None and self.worker.model_config.hf_text_config.tie_word_embeddings:
                 lm_head.quant_method.process_weights_after_loading(lm_head)
         self.reloading = False
-        # cached KV blocks were computed by the old weights
-        self.llm.reset_prefix_cache()
+        reset_prefix_cache(self.llm)  # cached KV blocks were computed by the old weights
 
     def sleep(self):
         # GPU only: level 2 drops weights and KV cache; refit rewrites every weight. Where refit
@@ -602,6 +601,16 @@ class VLLMEngine:
     def shutdown(self):
         """vLLM's shutdown destroys the default process group itself: call it last."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def reset_prefix_cache(llm):
+    """Drop vLLM's cached KV blocks after new weights or adapters: they were computed by the old
+    ones. While a request still holds blocks vLLM resets nothing, with a warning only, and returns
+    False. Refit comes between generate() calls, which finish every request, so it succeeds; were
+    it ever not to, generation would reuse stale KV: stop instead."""
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM kept its prefix cache after a weight update (blocks still held "
+                           "by a request): generation would reuse KV of the old weights")
 
 
 def make_engine(cfg, model_dir: str, device: torch.device, eos_id):

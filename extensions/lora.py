@@ -290,4 +290,4 @@ def load_adapter(engine, path):
         engine.llm.llm_engine.add_lora(LoRARequest("policy", 1, path, load_inplace=True))
     engine.lora_request = LoRARequest("policy", 1, path)
     # cached KV blocks were computed by the old adapters (the cache keys on the name and path)
-    engine.llm.reset_prefix_cache()
+    rollout.reset_prefix_cache(engine.llm)

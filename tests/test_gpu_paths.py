@@ -229,8 +229,8 @@ def test_engine_calls_in_gpu_order_and_tp_ranks_train_on_one_copy_of_the_rollout
 class FakeLLM:
     """Stands in for vllm.LLM where CPU cannot run it: sleep mode is CUDA-only."""
 
-    def __init__(self, calls):
-        self.calls = calls
+    def __init__(self, calls, resets=True):
+        self.calls, self.resets = calls, resets
 
     def sleep(self, level):
         self.calls.append(f"sleep level={level}")
@@ -240,6 +240,7 @@ class FakeLLM:
 
     def reset_prefix_cache(self):
         self.calls.append("reset_prefix_cache")
+        return self.resets  # vLLM: False, with a warning only, while a request holds blocks
 
     @property
     def llm_engine(self):  # LoRA: add_lora, on the engine
@@ -281,6 +282,19 @@ def test_vllm_engine_sleep_mode_calls_under_lora(on_gpu):
     on_gpu_calls = ["sleep level=1", "wake_up ['weights', 'kv_cache']", *load]
     assert calls == (on_gpu_calls if on_gpu else load)
     assert engine.lora_request.lora_path == "/out/refit_adapter" and not engine.lora_request.load_inplace
+
+
+def test_a_prefix_cache_that_vllm_kept_stops_the_run():
+    """vLLM's reset_prefix_cache resets nothing and returns False while a request holds cached
+    blocks: after new weights (refit's finish) or a new adapter (LoRA's load), generation would
+    reuse KV of the old ones. Both paths check the result, and stop with one line."""
+    with pytest.raises(RuntimeError, match="kept its prefix cache after a weight update"):
+        rollout.reset_prefix_cache(FakeLLM([], resets=False))
+    engine = rollout.VLLMEngine.__new__(rollout.VLLMEngine)  # no vLLM model behind it
+    engine.llm, engine.on_gpu, engine.asleep = FakeLLM([], resets=False), False, set()
+    with pytest.raises(RuntimeError, match="kept its prefix cache after a weight update"):
+        lora.load_adapter(engine, "/out/refit_adapter")
+    rollout.reset_prefix_cache(FakeLLM([]))  # reset: nothing said
 
 
 class BuiltLLM:
