@@ -635,14 +635,18 @@ def notes(cfg: Config) -> list:
     """One line for each setting the user gave that does nothing in this run, or less than its
     name says (the core's idle, then each extension's): `note: KEY=VALUE WHY`. Defaults never
     show. What only the task tells (held-out prompts) is said where the task is built."""
-    lines = []
+    said = {}
     for rule in [idle, *(extension[3] for extension in OPTIONS.values())]:
         for key, why in rule(cfg):
-            value = getattr(cfg, key)
-            line = f"note: {key}={str(value).lower() if isinstance(value, bool) else value} {why}"
-            if key in cfg.given and line not in lines:
-                lines.append(line)
-    return lines
+            if key in cfg.given:
+                said.setdefault(key, note_line(cfg, key, why))  # one line a key: its first why
+    return list(said.values())
+
+
+def note_line(cfg: Config, key: str, why: str) -> str:
+    """`note: KEY=VALUE WHY`, the value as a command line writes it (extensions' task_notes too)."""
+    value = getattr(cfg, key)
+    return f"note: {key}={str(value).lower() if isinstance(value, bool) else value} {why}"
 
 
 def load(argv: list, world_size: int) -> Config:

@@ -13,6 +13,7 @@ import math
 
 import torch.distributed as dist
 
+import config
 import rollout
 from config import ConfigError
 
@@ -63,8 +64,8 @@ def task_notes(task, cfg):
     it has no held-out prompts (the toy tasks; gsm8k without val_prompts)."""
     for key in ("eval_every", "val_pass_k", "val_samples"):
         if key in cfg.given and not task.val and dist.get_rank() == 0:
-            print(f"note: {key}={getattr(cfg, key)} does nothing: the task has no held-out "
-                  f"prompts (gsm8k takes val_prompts=FILE)", flush=True)
+            print(config.note_line(cfg, key, "does nothing: the task has no held-out prompts "
+                                             "(gsm8k takes val_prompts=FILE)"), flush=True)
 
 
 def before_step(engine, task, cfg, step):

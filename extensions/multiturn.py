@@ -21,6 +21,7 @@ import re
 
 import torch.distributed as dist
 
+import config
 import rollout
 from config import ConfigError
 from rollout import TaskError, ToyTask
@@ -60,8 +61,8 @@ def task_notes(task, cfg):
     """Rank 0 prints a note if the user gave max_turns and the task cannot take turns: it has no
     `observe` (toy_add, gsm8k, a fork's single-turn task), so each episode is one turn."""
     if not hasattr(task, "observe") and dist.get_rank() == 0:
-        print(f"note: max_turns={cfg.max_turns} does nothing: the task has no observe(), so an "
-              f"episode is one turn", flush=True)
+        print(config.note_line(cfg, "max_turns", "does nothing: the task has no observe(), so "
+                                                 "an episode is one turn"), flush=True)
 
 
 def run_episodes(engine, task, cfg, prompt_ids, keys, temperature):
