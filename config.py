@@ -233,7 +233,7 @@ class CoreConfig:
 # loads. Config is CoreConfig's fields, then each extension's in this order; validate runs each
 # check, notes each idle. Removing an extension removes its line here.
 EXTENSIONS = ["lora", "distill", "offpolicy", "dapo", "gspo", "evaluation", "multiturn",
-              "optimizer_offload", "tensorboard"]
+              "optimizer_offload", "tensorboard", "async_rollout"]
 EXTENSIONS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "extensions")
 
 
@@ -486,9 +486,11 @@ def _validate_sizes(cfg: Config, world_size: int) -> None:
                           f"{cfg.tp_size}*{cfg.cp_size}: choose tp_size and cp_size whose product "
                           f"divides the number of processes")
     dp = world_size // (cfg.tp_size * cfg.cp_size)
-    if world_size % cfg.rollout_tp_size:
-        raise ConfigError(f"rollout_tp_size={cfg.rollout_tp_size} does not divide world size "
-                          f"{world_size}: vLLM tensor-parallel groups are made of whole ranks")
+    generators = cfg.rollout_ranks or world_size  # the ranks that generate (async_rollout.py)
+    if generators % cfg.rollout_tp_size:
+        raise ConfigError(f"rollout_tp_size={cfg.rollout_tp_size} does not divide the "
+                          f"{generators} ranks that generate: vLLM tensor-parallel groups are "
+                          f"made of whole ranks")
     if cfg.global_batch_size % cfg.num_minibatches:
         raise ConfigError(f"num_minibatches={cfg.num_minibatches} does not divide the global batch "
                           f"prompts_per_step*samples_per_prompt = {cfg.global_batch_size}")
@@ -553,7 +555,10 @@ def is_checkpoint(path: str) -> bool:
 def validate(cfg: Config, world_size: int) -> None:
     """Refuse impossible combinations before anything is loaded. One line each."""
     _validate_values(cfg)
-    _validate_sizes(cfg, world_size)
+    if cfg.rollout_ranks >= world_size:  # the last ranks only generate (async_rollout.py)
+        raise ConfigError(f"rollout_ranks={cfg.rollout_ranks} leaves no rank of the {world_size} "
+                          f"to train: launch more processes, or lower rollout_ranks")
+    _validate_sizes(cfg, world_size - cfg.rollout_ranks)  # the trainer's mesh
     vllm_installed = importlib.util.find_spec("vllm") is not None
     # "auto" is resolved here, so that config.json records what ran
     if cfg.rollout_engine == "auto":

@@ -530,10 +530,11 @@ class ValueHead(torch.nn.Linear):
 # -----------------------------------------------------------------------------
 # Distributed set-up: one code path for `python train_ppo.py` (a world of one) and torchrun.
 
-def init_distributed(timeout_s=1800):
+def init_distributed(timeout_s=1800, rollout_ranks=0):
     """(rank, world_size, device), initializing the default process group once. A collective that
     waits more than timeout_s raises instead of blocking forever (a dead or stuck rank); when a rank
-    dies, torchrun also stops the others (SIGTERM, then SIGKILL after 30 s)."""
+    dies, torchrun also stops the others (SIGTERM, then SIGKILL after 30 s). With rollout_ranks,
+    the default group is this rank's side of the world (async_rollout.py)."""
     device = torch.device("cpu")
     if torch.cuda.is_available():
         # GPU only: pick this rank's GPU *before* NCCL starts, so that its communicators and
@@ -546,8 +547,11 @@ def init_distributed(timeout_s=1800):
             os.environ.setdefault(key, value)  # what torchrun would set for one process
         # gloo also on GPU machines, for the few collectives on host tensors
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        side = {}  # the whole world's default group, unless the last ranks only generate
+        if rollout_ranks:  # (async_rollout.py)
+            side = async_rollout.split_world(rollout_ranks, backend, timeout_s)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=device if device.type == "cuda" else None, **side)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -572,7 +576,7 @@ def setup(cfg):
     the run loads checked (checked_model_dir; CheckpointError), and cfg's "auto" options resolved
     for this device and its kernels (config.resolve_auto). Returns (device, mesh, model dir, the
     attention kernel's name)."""
-    _, world_size, device = init_distributed(cfg.collective_timeout_s)
+    _, world_size, device = init_distributed(cfg.collective_timeout_s, cfg.rollout_ranks)
     mesh = make_mesh(world_size, cfg.tp_size, cfg.cp_size, device.type)
     model_dir = checked_model_dir(cfg)
     gpu_kernel = gpu_kernel_name() if device.type == "cuda" else None
@@ -1292,3 +1296,8 @@ def save_hf(model, path, dtype=torch.float32, copy_from=None, shard_gb=5.0):
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
     dist.barrier()
+
+
+# The one extension that acts before the process group exists (it splits the world), imported last:
+# it imports this module.
+from extensions import async_rollout  # noqa: E402

@@ -99,6 +99,7 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 import model_parallel  # noqa: E402
 import rollout  # noqa: E402
 # the extensions this module calls, by name where each acts (extensions/, README's "Extensions")
+from extensions import async_rollout  # noqa: E402
 from extensions import distill  # noqa: E402
 from extensions import evaluation  # noqa: E402
 from extensions import gspo  # noqa: E402
@@ -163,7 +164,10 @@ def ppo_step(progress, models, engine, task, cfg, mesh):
     with timed(metrics, "time_step_s"):
         with timed(metrics, "time_rollout_s"):  # 1-2. prompts, rollout (and the task's scores)
             start = progress["prompts_drawn"]  # the prompt stream's position
-            every, drawn, found = rollout.rollouts(engine, task, cfg, step, start)
+            if cfg.rollout_ranks:  # sampled by the rollout ranks (async_rollout.py)
+                every, drawn, found = engine.receive(step)
+            else:
+                every, drawn, found = rollout.rollouts(engine, task, cfg, step, start)
             metrics.update(found)  # samples generated, prompts drawn
             metrics.update(rollout.episode_metrics(every.values()))  # length, turns, endings
             batch = training_batch(every, cfg, mesh, task.pad_id, mesh.device_type)
@@ -723,6 +727,8 @@ def refit(engine, policy, cfg):
     metrics. An engine that serves adapters beside the base (vLLM under LoRA) gets them alone."""
     if engine.serves_adapters:  # (lora.py)
         return lora.refit(engine, policy, cfg)
+    if cfg.rollout_ranks:  # to the rollout ranks, over the bridge (async_rollout.py)
+        return engine.send(policy)
     return rollout.refit(engine, model_parallel.iter_full_params(policy, engine.dtype),
                          cfg.refit_bucket_mb)
 
@@ -873,6 +879,8 @@ class Part(NamedTuple):
 def main(cfg, task=None):
     """Train with PPO. `task`: any task (rollout.ToyTask's contract; default: the config's)."""
     cfg.task = cfg.task if task is None else type(task).__name__  # config.json names a fork's task
+    if cfg.rollout_ranks and async_rollout.generates_only(cfg):  # (async_rollout.py)
+        return async_rollout.serve(cfg, task)  # this rank samples, the others train
     device, mesh, model_dir, resume_dir, task = start_run(cfg, task)
     if cfg.sft_steps:
         model_dir = sft_warmup(model_dir, task, cfg, mesh)
@@ -886,7 +894,10 @@ def main(cfg, task=None):
         optimizer_offload.to_host(models.parts)
     start_step = progress["step"]
     generates = cfg.steps > start_step and not cfg.replay_rollouts  # (a replay needs no engine)
-    engine = rollout.make_engine(cfg, model_dir, device, task.eos_id) if generates else None
+    if cfg.rollout_ranks:  # the engines are the rollout ranks' (async_rollout.py)
+        engine = async_rollout.Remote(cfg, model_dir, progress, device)
+    else:
+        engine = rollout.make_engine(cfg, model_dir, device, task.eos_id) if generates else None
     announce(engine, models, cfg, resume_dir, start_step)
     start_metrics_log(cfg, start_step)
     board = None  # a copy of each row as TensorBoard's scalars (tensorboard.py)
@@ -916,6 +927,8 @@ def main(cfg, task=None):
         # with save_every: every save_every steps and after the last; a stopped run saves too, so
         # that resume=auto goes on from there
         periodic = cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps)
+        if (stopped or periodic) and cfg.rollout_ranks:  # batches sampled ahead (async_rollout.py)
+            progress["in_flight"] = engine.in_flight(step + 1)
         if stopped or periodic:
             save_checkpoint(os.path.join(cfg.out_dir, "ckpt"), models.parts, cfg.keep_checkpoints,
                             progress)
