@@ -68,9 +68,9 @@ def check(cfg):
     sizes are config._validate_sizes's)."""
     if not cfg.rollout_ranks:
         return
-    # the correction is offpolicy.py's: without that file, its option reads as off
-    if cfg.max_staleness and (getattr(cfg, "offpolicy_is", "off") == "off"
-                              or cfg.old_logprobs == "engine"):
+    # the correction is offpolicy.py's (which refuses it under old_logprobs=engine): without that
+    # file, its option reads as off
+    if cfg.max_staleness and getattr(cfg, "offpolicy_is", "off") == "off":
         raise ConfigError(f"max_staleness={cfg.max_staleness} trains on samples of an older "
                           f"policy, which runs collapse on without the off-policy correction: "
                           f"set offpolicy_is=token (or sequence, geometric) with "
