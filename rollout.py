@@ -186,6 +186,8 @@ def rollouts(engine, task, cfg, step, start):
     train_ppo.main makes none), a dumped step's samples instead (replayed)."""
     if engine is None:
         return replayed(cfg, step)
+    if cfg.rollout_ranks:  # sampled ahead by the rollout ranks (async_rollout.py)
+        return engine.receive(step)
     every, generated = draw_round(engine, task, cfg, step, start, 0)
     drawn, found = cfg.prompts_per_step, dict(rollout_samples=generated)
     # DAPO's dynamic sampling (more rounds, groups kept) and overlong shaping (dapo.py)
@@ -616,6 +618,8 @@ def reset_prefix_cache(llm):
 def make_engine(cfg, model_dir: str, device: torch.device, eos_id):
     """Collective with vLLM (every rank builds its engine together): the config's engine, stopping
     at the task's EOS and the checkpoint's own (stop_token_ids: the engine's `finished` is ours)."""
+    if cfg.rollout_ranks:  # the trainer's: a stand-in for the rollout ranks' (async_rollout.py)
+        return async_rollout.Remote(cfg, device)
     stop_ids = stop_token_ids(model_dir, eos_id)
     if cfg.rollout_engine == "vllm":
         return VLLMEngine(model_dir, cfg, stop_ids)
@@ -1048,6 +1052,7 @@ def close(engine) -> None:
 
 # The extensions this module calls (extensions/, README's "Extensions"), imported last: each one
 # imports this module, and multiturn.py's task subclasses ToyTask, which must exist by then.
+from extensions import async_rollout  # noqa: E402
 from extensions import dapo  # noqa: E402
 from extensions import lora  # noqa: E402
 from extensions import multiturn  # noqa: E402

@@ -164,10 +164,7 @@ def ppo_step(progress, models, engine, task, cfg, mesh):
     with timed(metrics, "time_step_s"):
         with timed(metrics, "time_rollout_s"):  # 1-2. prompts, rollout (and the task's scores)
             start = progress["prompts_drawn"]  # the prompt stream's position
-            if cfg.rollout_ranks:  # sampled by the rollout ranks (async_rollout.py)
-                every, drawn, found = engine.receive(step)
-            else:
-                every, drawn, found = rollout.rollouts(engine, task, cfg, step, start)
+            every, drawn, found = rollout.rollouts(engine, task, cfg, step, start)
             metrics.update(found)  # samples generated, prompts drawn
             metrics.update(rollout.episode_metrics(every.values()))  # length, turns, endings
             batch = training_batch(every, cfg, mesh, task.pad_id, mesh.device_type)
@@ -894,10 +891,9 @@ def main(cfg, task=None):
         optimizer_offload.to_host(models.parts)
     start_step = progress["step"]
     generates = cfg.steps > start_step and not cfg.replay_rollouts  # (a replay needs no engine)
-    if cfg.rollout_ranks:  # the engines are the rollout ranks' (async_rollout.py)
-        engine = async_rollout.Remote(cfg, model_dir, progress, device)
-    else:
-        engine = rollout.make_engine(cfg, model_dir, device, task.eos_id) if generates else None
+    engine = rollout.make_engine(cfg, model_dir, device, task.eos_id) if generates else None
+    if cfg.rollout_ranks:  # where the rollout ranks start (async_rollout.py)
+        async_rollout.start(cfg, model_dir, progress)
     announce(engine, models, cfg, resume_dir, start_step)
     start_metrics_log(cfg, start_step)
     board = None  # a copy of each row as TensorBoard's scalars (tensorboard.py)

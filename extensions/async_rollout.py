@@ -87,7 +87,8 @@ def check(cfg):
 def idle(cfg):
     """This file's options that do nothing in this run, as (key, why)."""
     if not cfg.rollout_ranks:
-        yield "max_staleness", "does nothing with rollout_ranks=0 (every rank generates, then trains)"
+        yield "max_staleness", ("does nothing with rollout_ranks=0 (every rank generates, then "
+                                "trains)")
 
 
 # -----------------------------------------------------------------------------
@@ -176,27 +177,33 @@ def _broadcast_text(text, device):
 # The trainer's side: a stand-in for the engine, which the core hands the weights and asks for
 # batches.
 
+def start(cfg, model_dir, progress):
+    """Every trainer rank, once the run knows where it starts (train_ppo.main): `progress`, the
+    steps done and the prompt stream's position, with the batches in flight a resumed run's
+    checkpoint kept. Rank 0 hands those back to the store, then tells the rollout ranks where to
+    start: the model dir (after any SFT warm-up), the first step they sample, the stream's position
+    there, and whether the resumed policy comes first (train_ppo.announce sends it)."""
+    kept = progress.get("in_flight", [])
+    _SIDE.update(start=progress["step"], version=progress["step"] or 1)
+    if dist.get_rank() != 0:
+        return
+    for k, payload in enumerate(kept):
+        _SIDE["store"].set(f"batch{progress['step'] + k}", payload)
+    drawn = progress["prompts_drawn"] + sum(json.loads(p)["drawn"] for p in kept)
+    _SIDE["store"].set("start", json.dumps(dict(
+        model_dir=model_dir, step=progress["step"], first=progress["step"] + len(kept),
+        prompts_drawn=drawn, resumed=0 < progress["step"] < cfg.steps)))
+
+
 class Remote:
-    """The trainer's engine under rollout_ranks: receive(step) is the step's batch, sampled by the
-    rollout ranks; send(policy) the update's weights, to them. Built by every trainer rank; its
-    rank 0 holds the bridge. `progress`: the run's start (train_ppo.main), whose batches in flight
-    (a resumed run's) go back to the store first."""
+    """The trainer's engine under rollout_ranks (rollout.make_engine): receive(step) is the step's
+    batch, sampled by the rollout ranks; send(policy) the update's weights, to them. Every trainer
+    rank has one; rank 0 holds the bridge."""
     serves_adapters = False  # every weight is sent (check refuses LoRA)
 
-    def __init__(self, cfg, model_dir, progress, device):
+    def __init__(self, cfg, device):
         self.cfg, self.device = cfg, device
         self.dtype = rollout.engine_dtype(cfg)  # the rollout ranks' engine's
-        self.start = progress["step"]
-        # the version the next send() carries: a resumed run's first is its own policy
-        self.version = self.start or 1
-        kept = progress.get("in_flight", [])
-        if dist.get_rank() == 0:
-            for k, payload in enumerate(kept):
-                _SIDE["store"].set(f"batch{self.start + k}", payload)
-            _SIDE["store"].set("start", json.dumps(dict(
-                model_dir=model_dir, step=self.start, first=self.start + len(kept),
-                prompts_drawn=progress["prompts_drawn"] + sum(json.loads(p)["drawn"]
-                                                              for p in kept))))
 
     def receive(self, step):
         """Collective in effect (every trainer rank reads it): the step's samples {global index:
@@ -210,7 +217,7 @@ class Remote:
         found = dict(batch["found"], async_staleness_mean=lag, async_staleness_max=lag,
                      async_generate_s=batch["busy_s"], async_generate_wait_s=batch["wait_s"],
                      async_trainer_wait_s=time.time() - t)
-        if dist.get_rank() == 0 and step > self.start:  # every rank has read the step before
+        if dist.get_rank() == 0 and step > _SIDE["start"]:  # every rank has read the step before
             _SIDE["store"].delete_key(f"batch{step - 1}")
         return {s["index"]: s for s in batch["samples"]}, batch["drawn"], found
 
@@ -228,8 +235,10 @@ class Remote:
         sampling step v + max_staleness's batch, and none after the last step's. Returns the
         transfer's metrics: seconds waiting for the rollout ranks to take it, seconds sending,
         bytes."""
-        version, self.version = self.version, self.version + 1
-        if version != self.start and version > self.cfg.steps - 1 - self.cfg.max_staleness:
+        # the version this one carries: a resumed run's first is the checkpoint's policy
+        version = _SIDE["version"]
+        _SIDE["version"] += 1
+        if version != _SIDE["start"] and version > self.cfg.steps - 1 - self.cfg.max_staleness:
             return {}
         self.waited, self.sent_s = 0.0, 0.0
         found = rollout.refit(self, model_parallel.iter_full_params(policy, self.dtype),
@@ -295,9 +304,11 @@ def serve(cfg, task):
     _, _, device = model_parallel.init_distributed(cfg.collective_timeout_s, cfg.rollout_ranks)
     start = json.loads(_waited("start", "the trainer did not start"))
     task = rollout.make_task(cfg, start["model_dir"]) if task is None else task
+    # this side is a colocated run of rollout_ranks ranks (its own world) that never trains
+    cfg = dataclasses.replace(cfg, rollout_ranks=0)
     engine = rollout.make_engine(cfg, start["model_dir"], device, task.eos_id)
     version, position = start["step"], start["prompts_drawn"]
-    if version:  # a resumed run: the checkpoint's policy
+    if start["resumed"]:  # the checkpoint's policy first
         rollout.refit(engine, _received(device), cfg.refit_bucket_mb)
     for step in range(start["first"], cfg.steps):
         t = time.time()

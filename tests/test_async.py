@@ -8,11 +8,9 @@ the colocated run, a resume after steps trained at max_staleness=1, and a rollou
 """
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
@@ -83,8 +81,8 @@ def _side(rank, port, cases):
             async_rollout.serve(cfg, _Task())
             continue
         policy = torch.nn.Linear(2, 2, bias=False)
-        remote = async_rollout.Remote(cfg, "unused", dict(step=0, prompts_drawn=0),
-                                      torch.device("cpu"))
+        async_rollout.start(cfg, "unused", dict(step=0, prompts_drawn=0))
+        remote = async_rollout.Remote(cfg, torch.device("cpu"))
         waits = dict(trainer=0.0, generator=0.0)  # each side's seconds waiting for the other
         for step in range(STEPS):
             every, drawn, found = remote.receive(step)
@@ -200,6 +198,6 @@ def test_a_killed_rollout_rank_stops_the_trainer_with_one_line(tmp_path):
     proc.wait(timeout=120)
     assert proc.returncode != 0
     lines = [line for line in log.splitlines() if line.startswith("async rollouts:")]
-    assert lines == [f"async rollouts: no batch for step 3 came within collective_timeout_s=8: a "
-                     f"rank of the other side died or hangs (its log says why)"], log[-3000:]
+    assert lines == ["async rollouts: no batch for step 3 came within collective_timeout_s=8: a "
+                     "rank of the other side died or hangs (its log says why)"], log[-3000:]
     assert time.time() - killed < 8 + 20, log[-3000:]

@@ -55,6 +55,7 @@ CASES = [
     ("gspo_clip_ratio_high", "0.001", [], ["--policy_loss_mode=gspo"]),
     ("clip_ratio", "0.3", ["--policy_loss_mode=gspo"], []),
     ("clip_ratio_high", "0.3", ["--policy_loss_mode=gspo"], []),
+    ("max_staleness", "1", [], ["--rollout_ranks=1"]),
 ]
 
 
