@@ -20,9 +20,9 @@ import torch.multiprocessing as mp
 import config
 from conftest import ROOT, cpu_env, read_metrics, run_cli, torchrun_cmd, torchrun_workers
 
-STEPS = 6
+STEPS = 5
 # (max_staleness, seconds a step trains, seconds a batch is sampled)
-CASES = [(0, 0.0, 0.0), (1, 0.3, 0.0), (1, 0.0, 0.3), (2, 0.3, 0.0), (2, 0.0, 0.3)]
+CASES = [(0, 0.0, 0.0), (1, 0.2, 0.0), (1, 0.0, 0.2), (2, 0.2, 0.0), (2, 0.0, 0.2)]
 
 
 class _Engine:
@@ -155,7 +155,7 @@ def test_at_staleness_0_the_rollout_rank_samples_what_the_colocated_run_does(tmp
             assert a["response_ids"] == b["response_ids"], (step, a["index"])
             assert a["engine_logprobs"] == pytest.approx(b["engine_logprobs"], abs=1e-5)
     for a, b in zip(read_metrics(f"{tmp_path}/colocated"), read_metrics(f"{tmp_path}/async")):
-        for key in ("policy_loss", "value_loss", "kl", "reward_mean", "grad_norm_policy"):
+        for key in ("policy_loss", "value_loss", "kl", "grad_norm", "critic_grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
         assert b["async_staleness_max"] == 0
 
@@ -185,7 +185,7 @@ def test_a_run_resumed_after_steps_at_staleness_1_equals_the_straight_one(tmp_pa
 
 @pytest.mark.slow
 def test_a_killed_rollout_rank_stops_the_trainer_with_one_line(tmp_path):
-    cmd = torchrun_cmd(3, *ARGS, "--steps=50", "--rollout_ranks=1", "--collective_timeout_s=8",
+    cmd = torchrun_cmd(3, *ARGS, "--steps=50", "--rollout_ranks=1", "--collective_timeout_s=5",
                        f"--out_dir={tmp_path}")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=cpu_env())
@@ -198,6 +198,6 @@ def test_a_killed_rollout_rank_stops_the_trainer_with_one_line(tmp_path):
     proc.wait(timeout=120)
     assert proc.returncode != 0
     lines = [line for line in log.splitlines() if line.startswith("async rollouts:")]
-    assert lines == ["async rollouts: no batch for step 3 came within collective_timeout_s=8: a "
+    assert lines == ["async rollouts: no batch for step 3 came within collective_timeout_s=5: a "
                      "rank of the other side died or hangs (its log says why)"], log[-3000:]
-    assert time.time() - killed < 8 + 20, log[-3000:]
+    assert time.time() - killed < 5 + 20, log[-3000:]
