@@ -81,6 +81,13 @@ least. Cap and expected time on one H100/H200, in seconds; "measured" figures ar
                                  and load: 103-125 s (the first step's time, the later step's
                                  phases, the update's MFU, the memory in use; metrics.jsonl and
                                  config.json kept in masked/)
+  async_split   5   1 estimated  The paper model of asynchronous rollouts (bench/async_schedule.py)
+                                 fed with the masked stage's phases, measured on this GPU:
+                                 generation g, training t (the no-grad passes and the update) and
+                                 refit w; the step time on 8 such GPUs colocated, and with the
+                                 best split of them into generating and training ones at
+                                 max_staleness 1, with generation's undivisible tail at 0 and at
+                                 half (docs/async.md). Arithmetic on figures.json: ~0 s
 
 Left out, as repeats: `packed` (the same step, packed with the varlen kernel: the H100 timed it,
 the H200 too), `offload` (test_cuda's offload test checks the same bytes, more strictly), and
@@ -88,8 +95,8 @@ from test_cuda's stage its sampler test (now the sampler stage) and its CLI test
 multiturn stage, which adds the multi-turn path to it).
 
 Besides the caps: 3 s a stage for its processes to end after SIGTERM, and 15 s for this process's
-start and masked's 358M model, written in fp32 (8 s on 2 CPU cores): 318 s expected (<= 360,
-asserted), 441 s if every stage ran to its cap (<= 540: one 10-minute command, asserted).
+start and masked's 358M model, written in fp32 (8 s on 2 CPU cores): 319 s expected (<= 360,
+asserted), 449 s if every stage ran to its cap (<= 540: one 10-minute command, asserted).
 Needs torch with CUDA, transformers at the lock's version (carried as a wheel where the machine's
 is another) and its tokenizers, tiktoken, pytest: docs/gpus.md says what to bring to a machine
 without network.
@@ -142,9 +149,9 @@ MODULES = ("config", "logprobs", "model_parallel", "rollout", "train_ppo")  # th
 # Seconds each stage's processes may run, and what they are expected to take on one H100/H200
 # (the module docstring says where each comes from: measured, or an estimate and its arithmetic)
 CAPS = dict(preflight=10, sampler=20, lora=30, multiturn=45, real_vocab=45, test_cuda=125,
-            masked=130)
+            masked=130, async_split=5)
 EXPECTED = dict(preflight=8, sampler=8, lora=15, multiturn=25, real_vocab=30, test_cuda=103,
-                masked=114)
+                masked=114, async_split=1)
 GRACE_S = 3  # after a cap's SIGTERM, before SIGKILL
 SETUP_S = 15  # this process's start and masked's model, 358M in fp32 (8 s on 2 CPU cores)
 PLAN_S = 360  # expected: 6 minutes at most, so that a second start and a rerun fit the lease
@@ -408,8 +415,24 @@ def masked(run, cap):
     return trainer_figures("masked", out, code == 0)
 
 
+def async_split(run, cap):
+    """The paper model of bench/async_schedule.py on the masked stage's phases (this run's or an
+    earlier one's, in figures.json): 8 GPUs colocated against the best split at max_staleness 1."""
+    import async_schedule
+    found = read_figures(run.out)
+    g, w = found["masked_generate_s"], found["masked_refit_s"]
+    t = found["masked_logprobs_s"] + found["masked_update_s"]
+    figures = {"async_split_finished": 1}
+    for tail in async_schedule.TAILS:
+        colocated, _, (k1, n) = async_schedule.schedules(g, t, w, tail)
+        key = f"async_split_tail{tail:g}".replace(".", "")
+        figures.update({f"{key}_colocated_s": colocated, f"{key}_k1_s": k1, f"{key}_k1_generating": n})
+    return figures
+
+
 STAGES = {"preflight": preflight, "sampler": sampler, "lora": lora, "multiturn": multiturn,
-          "real_vocab": real_vocab, "test_cuda": test_cuda, "masked": masked}
+          "real_vocab": real_vocab, "test_cuda": test_cuda, "masked": masked,
+          "async_split": async_split}
 assert list(STAGES) == list(CAPS) == list(EXPECTED)
 
 
