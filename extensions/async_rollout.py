@@ -187,6 +187,8 @@ def start(cfg, model_dir, progress):
     _SIDE.update(start=progress["step"], version=progress["step"] or 1)
     if dist.get_rank() != 0:
         return
+    print(f"async rollouts: {cfg.rollout_ranks} more rank(s) generate, at most "
+          f"{cfg.max_staleness} step(s) ahead of this mesh", flush=True)
     for k, payload in enumerate(kept):
         _SIDE["store"].set(f"batch{progress['step'] + k}", payload)
     drawn = progress["prompts_drawn"] + sum(json.loads(p)["drawn"] for p in kept)
