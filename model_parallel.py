@@ -576,7 +576,9 @@ def setup(cfg):
     the run loads checked (checked_model_dir; CheckpointError), and cfg's "auto" options resolved
     for this device and its kernels (config.resolve_auto). Returns (device, mesh, model dir, the
     attention kernel's name)."""
-    _, world_size, device = init_distributed(cfg.collective_timeout_s, cfg.rollout_ranks)
+    if cfg.rollout_ranks:  # this rank's side of the world (async_rollout.py)
+        init_distributed(cfg.collective_timeout_s, cfg.rollout_ranks)
+    _, world_size, device = init_distributed(cfg.collective_timeout_s)
     mesh = make_mesh(world_size, cfg.tp_size, cfg.cp_size, device.type)
     model_dir = checked_model_dir(cfg)
     gpu_kernel = gpu_kernel_name() if device.type == "cuda" else None
