@@ -25,9 +25,9 @@ MODULES = ("train_ppo.py", "model_parallel.py", "logprobs.py", "rollout.py", "co
 # run added 40 (config.py's idle rules and notes, train_ppo.py's calls for the task's, rollout.py's
 # RNG state kept as a tensor for a weights-only load), and 57 in the extensions (their idle rules);
 # vLLM's prefix-cache reset checked, not assumed, 4 (rollout.py); asynchronous rollouts, an
-# extension of their own, 24 (the 23 statements of the core that name async_rollout, which the
-# issue held to 30, 9 of them in train_ppo.py, and one line's change of config.py's rollout_tp_size
-# check), and their file
+# extension of their own, 26 (the 24 statements of the core that name async_rollout, which the
+# issue held to 30, 9 of them in train_ppo.py, and config.py's rollout_tp_size check, now of the
+# ranks that generate), and their file
 BUDGET_EACH, BUDGET_TOTAL = 760, 2590
 EXTENSION_EACH, ALL_TOTAL = 300, 3475
 NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
