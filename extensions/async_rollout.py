@@ -309,6 +309,10 @@ def serve(cfg, task):
     # this side is a colocated run of rollout_ranks ranks (its own world) that never trains
     cfg = dataclasses.replace(cfg, rollout_ranks=0)
     engine = rollout.make_engine(cfg, start["model_dir"], device, task.eos_id)
+    # GPU: no training shares this device, so the engine stays awake (rollout.rollouts puts it to
+    # sleep for the update; vLLM's sleep drops the weights, and the next batch may come before
+    # the next version)
+    engine.sleep = lambda: None
     version, position = start["step"], start["prompts_drawn"]
     if start["resumed"]:  # the checkpoint's policy first
         rollout.refit(engine, _received(device), cfg.refit_bucket_mb)

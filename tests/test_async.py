@@ -44,8 +44,8 @@ class _Engine:
     def wake_up(self, tags):
         pass
 
-    def sleep(self):
-        pass
+    def sleep(self):  # as vLLM's on a GPU: the weights dropped until the next refit
+        self.held = float("nan")
 
     def shutdown(self):
         pass
@@ -75,6 +75,7 @@ def _side(rank, port, cases):
 
             def rollouts(engine, task, cfg, step, start):
                 time.sleep(generate_s)
+                engine.sleep()  # as rollout.rollouts does, for the update on a colocated rank
                 return {0: dict(index=0, held=engine.held)}, 1, {}
             rollout.make_engine = lambda *args: engine
             rollout.rollouts = rollouts
