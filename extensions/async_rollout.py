@@ -89,6 +89,9 @@ def idle(cfg):
     if not cfg.rollout_ranks:
         yield "max_staleness", ("does nothing with rollout_ranks=0 (every rank generates, then "
                                 "trains)")
+    elif cfg.max_staleness > 1:
+        yield "max_staleness", ("adds only lag above 1: each version's transfer is a meeting of "
+                                "both sides, so a step takes what it takes at 1 (docs/async.md)")
 
 
 # -----------------------------------------------------------------------------
@@ -106,15 +109,18 @@ def split_world(rollout_ranks, backend, timeout_s):
     store, rank, world = next(dist.rendezvous("env://"))
     trainers = world - rollout_ranks
     generates = rank >= trainers
-    # a restarted run's keys stay apart from the dead round's (torchrun may keep its store)
-    run = dist.PrefixStore(f"async{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    # (a restarted run reads no key of the dead round: restarts need a fresh store a round,
+    # config._validate_launch's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as the core's groups do)
+    run = dist.PrefixStore("async/", store)
     timeout = datetime.timedelta(seconds=timeout_s)
     _SIDE.update(store=run, bridge=None, timeout=timeout, generates=generates)
     if rank == 0 or generates:  # bridge rank 0 is the trainer's rank 0
         members = dist.PrefixStore("bridge/", run)
         at = rank - trainers + 1 if generates else 0
-        if "nccl" in backend:  # GPU only: the weights go GPU to GPU
-            _SIDE["bridge"] = dist.ProcessGroupNCCL(members, at, rollout_ranks + 1)
+        if "nccl" in backend:  # GPU only: the weights go GPU to GPU, timed out as gloo's
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout  # (private in torch 2.13: new_group sets it so)
+            _SIDE["bridge"] = dist.ProcessGroupNCCL(members, at, rollout_ranks + 1, options)
         else:
             _SIDE["bridge"] = dist.ProcessGroupGloo(members, at, rollout_ranks + 1, timeout)
     if generates:  # what vLLM's external launcher reads: the rollout side's world
@@ -130,29 +136,65 @@ def generates_only(cfg):
     return int(os.environ.get("RANK", "0")) >= world - cfg.rollout_ranks
 
 
+def _stop(line):
+    """Stop this rank: rank 0 of its side with `line`, the others with exit 1."""
+    raise SystemExit(line if dist.get_rank() == 0 else 1)
+
+
+def _late(what):
+    seconds = _SIDE["timeout"].total_seconds()
+    _stop(f"async rollouts: {what} within collective_timeout_s={seconds:g}: a rank of the other "
+          f"side died or hangs (its log says why)")
+
+
 def _waited(key, what):
     """The store's value under `key`, waiting at most the run's collective_timeout_s: one line
-    (rank 0's; the others exit 1) if the other side sent nothing by then."""
+    if the other side sent nothing by then."""
     try:
         _SIDE["store"].wait([key], _SIDE["timeout"])
     except (RuntimeError, dist.DistError):
-        seconds = _SIDE["timeout"].total_seconds()
-        raise SystemExit(f"async rollouts: {what} within collective_timeout_s={seconds:g}: a rank "
-                         f"of the other side died or hangs (its log says why)"
-                         if dist.get_rank() == 0 else 1)
+        _late(what)
     return _SIDE["store"].get(key)
 
 
+# torch 2.13's TCPStore refuses a value over 8 MiB: a batch goes in pieces, their count last
+CHUNK = 4 * 2**20
+
+
+def _put(key, text):
+    """`text` under `key` (one rank of a side sets it), in pieces of at most CHUNK bytes."""
+    data = text.encode()
+    pieces = range(0, max(len(data), 1), CHUNK)
+    for i, at in enumerate(pieces):
+        _SIDE["store"].set(f"{key}/{i}", data[at:at + CHUNK])
+    _SIDE["store"].set(key, str(len(pieces)))
+
+
+def _got(key, what):
+    """What _put set under `key`, once it is all there (within collective_timeout_s)."""
+    count = int(_waited(key, what))
+    return b"".join(_SIDE["store"].get(f"{key}/{i}") for i in range(count)).decode()
+
+
+def _dropped(key):
+    for i in range(int(_SIDE["store"].get(key))):
+        _SIDE["store"].delete_key(f"{key}/{i}")
+    _SIDE["store"].delete_key(key)
+
+
+def _error():
+    """The rollout ranks' error line, if they stopped on one (a bad prompt or observation)."""
+    return _SIDE["store"].get("error").decode() if _SIDE["store"].check(["error"]) else None
+
+
 def _bridged(op, what):
-    """Run one transfer over the bridge, or stop with one line if the other side is gone: exit 0
-    where the trainer had ended its run (a stop signal: no version was coming)."""
+    """Run one transfer over the bridge, or stop with one line if the other side is gone (the
+    rollout ranks' own error, where they stopped on one)."""
     try:
         op().wait()
     except (RuntimeError, dist.DistError) as e:
-        if _SIDE["generates"] and _SIDE["store"].check(["done"]):
-            raise SystemExit(0)
-        raise SystemExit(f"async rollouts: {what} failed, the other side is gone ({e})"
-                         .splitlines()[0])
+        _stop(_error() or f"async rollouts: {what} failed, the other side is gone ({e})"
+              .splitlines()[0])
 
 
 def _handshake(device):
@@ -183,18 +225,24 @@ def start(cfg, model_dir, progress):
     checkpoint kept. Rank 0 hands those back to the store, then tells the rollout ranks where to
     start: the model dir (after any SFT warm-up), the first step they sample, the stream's position
     there, and whether the resumed policy comes first (train_ppo.announce sends it)."""
-    kept = progress.get("in_flight", [])
+    # the batches of the steps right after the checkpoint's (a run resumed without rollout ranks
+    # and saved again carries older ones: those are not its)
+    kept = []
+    for payload in progress.get("in_flight", []):
+        if json.loads(payload)["step"] == progress["step"] + len(kept):
+            kept.append(payload)
     _SIDE.update(start=progress["step"], version=progress["step"] or 1)
     if dist.get_rank() != 0:
         return
     print(f"async rollouts: {cfg.rollout_ranks} more rank(s) generate, at most "
           f"{cfg.max_staleness} step(s) ahead of this mesh", flush=True)
     for k, payload in enumerate(kept):
-        _SIDE["store"].set(f"batch{progress['step'] + k}", payload)
+        _put(f"batch{progress['step'] + k}", payload)
     drawn = progress["prompts_drawn"] + sum(json.loads(p)["drawn"] for p in kept)
+    # the dtype as model_parallel.setup resolved it ("auto": bf16 on a GPU), for the engine's
     _SIDE["store"].set("start", json.dumps(dict(
         model_dir=model_dir, step=progress["step"], first=progress["step"] + len(kept),
-        prompts_drawn=drawn, resumed=0 < progress["step"] < cfg.steps)))
+        prompts_drawn=drawn, resumed=0 < progress["step"] < cfg.steps, dtype=cfg.dtype)))
 
 
 class Remote:
@@ -212,7 +260,7 @@ class Remote:
         sample}, the prompts drawn and the rollout's metrics, with the batch's staleness (steps
         between the policy that trains and the one that sampled) and each side's seconds."""
         t = time.time()
-        batch = json.loads(_waited(f"batch{step}", f"no batch for step {step + 1} came"))
+        batch = json.loads(_got(f"batch{step}", f"no batch for step {step + 1} came"))
         if "error" in batch:  # the rollout ranks met a bad prompt or observation
             raise SystemExit(batch["error"] if dist.get_rank() == 0 else 1)
         lag = step - batch["version"]  # all of a batch is sampled by one version
@@ -220,7 +268,7 @@ class Remote:
                      async_generate_s=batch["busy_s"], async_generate_wait_s=batch["wait_s"],
                      async_trainer_wait_s=time.time() - t)
         if dist.get_rank() == 0 and step > _SIDE["start"]:  # every rank has read the step before
-            _SIDE["store"].delete_key(f"batch{step - 1}")
+            _dropped(f"batch{step - 1}")
         return {s["index"]: s for s in batch["samples"]}, batch["drawn"], found
 
     def in_flight(self, done):
@@ -228,8 +276,7 @@ class Remote:
         again (their policy's weights are not the checkpoint's), for the checkpoint: those of
         steps done .. done + max_staleness - 1, as the store holds them."""
         last = min(done + self.cfg.max_staleness, self.cfg.steps)
-        return [_waited(f"batch{s}", f"no batch for step {s + 1} came").decode()
-                for s in range(done, last)]
+        return [_got(f"batch{s}", f"no batch for step {s + 1} came") for s in range(done, last)]
 
     def send(self, policy):
         """Collective (every trainer rank: the full weights are gathered). The policy after
@@ -238,7 +285,7 @@ class Remote:
         transfer's metrics: seconds waiting for the rollout ranks to take it, seconds sending,
         bytes."""
         # the version this one carries: a resumed run's first is the checkpoint's policy
-        version = _SIDE["version"]
+        version = self.version = _SIDE["version"]
         _SIDE["version"] += 1
         if version != _SIDE["start"] and version > self.cfg.steps - 1 - self.cfg.max_staleness:
             return {}
@@ -265,6 +312,11 @@ class Remote:
 
     def wake_up(self, tags):
         if "weights" in tags and _SIDE["bridge"] is not None:  # a version's start
+            if _error():  # the rollout ranks stopped on a task error: say it, not the transfer
+                _stop(_error())
+            # announced in the store, where the rollout ranks wait for it (bounded, and a run
+            # that ends instead says so: `done`); then both ends meet on the bridge
+            _SIDE["store"].set(f"version{self.version}", "1")
             t = time.time()
             _handshake(self.device)
             self.waited = time.time() - t
@@ -283,6 +335,19 @@ class Remote:
 
 # -----------------------------------------------------------------------------
 # The rollout ranks' side: sample each step's batch with the newest policy the bound asks for.
+
+def _announced(version):
+    """A rollout rank, before taking `version` over the bridge: wait in the store for the trainer
+    to announce it (within collective_timeout_s); exit 0 if the trainer ended its run instead
+    (a stop signal: no version is coming)."""
+    deadline = time.time() + _SIDE["timeout"].total_seconds()
+    while not _SIDE["store"].check([f"version{version}"]):
+        if _SIDE["store"].check(["done"]):
+            raise SystemExit(0)
+        if time.time() > deadline:
+            _late(f"the policy after {version} updates did not come")
+        time.sleep(0.01)
+
 
 def _received(device):
     """Yield (name, full tensor) as bridge rank 0 sends them, until the end of the version."""
@@ -307,7 +372,7 @@ def serve(cfg, task):
     start = json.loads(_waited("start", "the trainer did not start"))
     task = rollout.make_task(cfg, start["model_dir"]) if task is None else task
     # this side is a colocated run of rollout_ranks ranks (its own world) that never trains
-    cfg = dataclasses.replace(cfg, rollout_ranks=0)
+    cfg = dataclasses.replace(cfg, rollout_ranks=0, dtype=start["dtype"])
     engine = rollout.make_engine(cfg, start["model_dir"], device, task.eos_id)
     # GPU: no training shares this device, so the engine stays awake (rollout.rollouts puts it to
     # sleep for the update; vLLM's sleep drops the weights, and the next batch may come before
@@ -315,21 +380,25 @@ def serve(cfg, task):
     engine.sleep = lambda: None
     version, position = start["step"], start["prompts_drawn"]
     if start["resumed"]:  # the checkpoint's policy first
+        _announced(version)
         rollout.refit(engine, _received(device), cfg.refit_bucket_mb)
     for step in range(start["first"], cfg.steps):
         t = time.time()
         while version < step - cfg.max_staleness:  # the bound: take the next version first
+            _announced(version + 1)
             rollout.refit(engine, _received(device), cfg.refit_bucket_mb)
             version += 1
         waited, t = time.time() - t, time.time()
         try:
             every, drawn, found = rollout.rollouts(engine, task, cfg, step, position)
-            batch = dict(samples=list(every.values()), drawn=drawn, found=found, version=version,
-                         wait_s=waited, busy_s=time.time() - t)
+            batch = dict(step=step, samples=list(every.values()), drawn=drawn, found=found,
+                         version=version, wait_s=waited, busy_s=time.time() - t)
         except SystemExit as e:  # rollout.gather_or_stop's task error: the trainer stops on it
             batch = dict(error=str(e.code))
+            if dist.get_rank() == 0:  # also where the trainer looks before sending weights
+                _SIDE["store"].set("error", str(e.code))
         if dist.get_rank() == 0:
-            _SIDE["store"].set(f"batch{step}", json.dumps(batch))
+            _put(f"batch{step}", json.dumps(batch))
         if "error" in batch:
             break
         position += drawn

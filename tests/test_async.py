@@ -28,7 +28,7 @@ CASES = [(0, 0.0, 0.0), (1, 0.2, 0.0), (1, 0.0, 0.2), (2, 0.2, 0.0), (2, 0.0, 0.
 class _Engine:
     """The engine's refit contract (rollout.refit): it holds the value every received weight was
     filled with, which the trainer set to the policy's version."""
-    dtype = torch.float32
+    dtype = torch.bfloat16  # the trainer's resolved dtype (below), as on a GPU
     serves_adapters = False
 
     def __init__(self):
@@ -76,12 +76,19 @@ def _side(rank, port, cases):
             def rollouts(engine, task, cfg, step, start):
                 time.sleep(generate_s)
                 engine.sleep()  # as rollout.rollouts does, for the update on a colocated rank
-                return {0: dict(index=0, held=engine.held)}, 1, {}
-            rollout.make_engine = lambda *args: engine
+                # a batch over the store's 8 MiB a value, once
+                pad = "x" * (9 * 2**20 if n == step == 0 else 0)
+                return {0: dict(index=0, held=engine.held, pad=pad)}, 1, {}
+
+            def make_engine(cfg, *args):  # in the trainer's resolved dtype (below)
+                assert cfg.dtype == "bf16", cfg.dtype
+                return engine
+            rollout.make_engine = make_engine
             rollout.rollouts = rollouts
             async_rollout.serve(cfg, _Task())
             continue
         policy = torch.nn.Linear(2, 2, bias=False)
+        cfg.dtype = "bf16"  # as model_parallel.setup resolves "auto" on a GPU
         async_rollout.start(cfg, "unused", dict(step=0, prompts_drawn=0))
         remote = async_rollout.Remote(cfg, torch.device("cpu"))
         waits = dict(trainer=0.0, generator=0.0)  # each side's seconds waiting for the other
@@ -89,7 +96,8 @@ def _side(rank, port, cases):
             every, drawn, found = remote.receive(step)
             lag = found["async_staleness_max"]
             # the batch's sampler: the version it claims, which the engine held
-            assert every[0]["held"] == step - lag, (cases[n], step, every, found)
+            assert every[0]["held"] == step - lag, (cases[n], step, found)
+            assert len(every[0]["pad"]) == (9 * 2**20 if n == step == 0 else 0)
             # the bound, and held tight: the newest version the bound allows is never waited for
             assert lag == min(step, staleness), (cases[n], step, found)
             waits["trainer"] += found["async_trainer_wait_s"]
