@@ -29,7 +29,7 @@ MODULES = ("train_ppo.py", "model_parallel.py", "logprobs.py", "rollout.py", "co
 # issue held to 30, 9 of them in train_ppo.py, and config.py's rollout_tp_size check, now of the
 # ranks that generate), and their file
 BUDGET_EACH, BUDGET_TOTAL = 760, 2590
-EXTENSION_EACH, ALL_TOTAL = 300, 3475
+EXTENSION_EACH, ALL_TOTAL = 300, 3515
 NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
             tokenize.ENDMARKER, tokenize.ENCODING}
 
