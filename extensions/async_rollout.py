@@ -17,19 +17,21 @@ The design, in three choices:
     GPUs), over which the trainer broadcasts the full weights after each step, one tensor at a
     time; the rollout ranks load them in buckets through rollout.refit, which resets vLLM's prefix
     cache (rollout.reset_prefix_cache: never stale KV);
-  - batches through the store: rollout rank 0 sets each step's samples under the step's key, the
-    trainer's ranks wait for it (within collective_timeout_s: a dead generator is one line, not a
-    hang). The rollout ranks take version v of the policy only when the bound needs it (before
-    sampling step v + max_staleness's batch), so both sides know when each transfer happens,
-    without messages about it.
+  - batches through the store: rollout rank 0 sets each step's samples under the step's key (in
+    pieces: the store takes at most 8 MiB a value), the trainer's ranks wait for it (within
+    collective_timeout_s: a dead generator is one line, not a hang). The rollout ranks take
+    version v of the policy only when the bound needs it (before sampling step
+    v + max_staleness's batch); the trainer announces each version in the store before the bridge
+    carries it, so a rollout rank waits in the store (bounded; the trainer's end or a task error
+    is seen there) and never in a bridge collective with no sender.
 A checkpoint keeps the batches already sampled for the steps after it (their policy's weights are
 not the checkpoint's), and a resumed run hands them back: it equals the straight run.
 
-Where the core calls it: model_parallel.init_distributed (split_world), train_ppo.main (a rollout
-rank runs `serve` and returns; the trainer's engine is a `Remote`), train_ppo.ppo_step
-(Remote.receive in place of rollout.rollouts), train_ppo.refit (Remote.send), and before a save
-(Remote.in_flight). Peers: offpolicy.py, whose correction a max_staleness past 0 requires (without
-offpolicy.py only max_staleness=0 runs).
+Where the core calls it: model_parallel.init_distributed and setup (split_world), train_ppo.main
+(a rollout rank runs `serve` and returns; `start`; the batches in flight before a save),
+rollout.make_engine (the trainer's engine is a `Remote`), rollout.rollouts (Remote.receive: the
+step's batch), train_ppo.refit (Remote.send). Peers: offpolicy.py, whose correction a
+max_staleness past 0 requires (without offpolicy.py only max_staleness=0 runs).
 """
 import dataclasses
 import datetime
