@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import textwrap
+import time
 import tokenize
 import tomllib
 import typing
@@ -667,6 +668,11 @@ def load(argv: list, world_size: int) -> Config:
         # every rank refuses; one of them says why
         if os.environ.get("RANK", "0") == "0":
             print(f"config error: {e}", file=sys.stderr)
+        else:
+            # the others leave a moment later: the first worker to exit makes torchrun stop the
+            # rest (on another node too), and rank 0, still starting Python, was cut off before
+            # its line (seen with two agents under load)
+            time.sleep(3)
         sys.exit(2)
     if os.environ.get("RANK", "0") == "0":
         for line in notes(cfg):

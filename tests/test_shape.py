@@ -27,7 +27,8 @@ MODULES = ("train_ppo.py", "model_parallel.py", "logprobs.py", "rollout.py", "co
 # vLLM's prefix-cache reset checked, not assumed, 4 (rollout.py); asynchronous rollouts, an
 # extension of their own, 26 (the 24 statements of the core that name async_rollout, which the
 # issue held to 30, 9 of them in train_ppo.py, and config.py's rollout_tp_size check, now of the
-# ranks that generate), and their file
+# ranks that generate), and their file; config.load's refused launch, its other ranks 3 s behind
+# rank 0 so that torchrun's teardown does not cut rank 0's line off, 3
 BUDGET_EACH, BUDGET_TOTAL = 760, 2590
 EXTENSION_EACH, ALL_TOTAL = 300, 3515
 NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
