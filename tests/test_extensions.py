@@ -8,8 +8,9 @@ left with an empty body goes too). What is left must be a working trainer:
   - every extension removed: the trainer imports, --help works and lists no extension's option,
     a default step runs in one process, and the core's own unit tests pass there (slow tier).
 
-The rule is written here once (`strip`), so that it is the rule README states, and the count of
-core statements that name each extension is printed (`core_lines`: the few lines a fork deletes).
+The rule is written here once (`strip`), so that it is the rule extensions/__init__.py states,
+and the count of core statements that name each extension is printed (`core_lines`: the few
+lines a fork deletes).
 """
 import ast
 import builtins
