@@ -890,10 +890,7 @@ def main(cfg, task=None):
     if resume_dir and cfg.offload_optimizer:  # the moments to host memory (optimizer_offload.py)
         optimizer_offload.to_host(models.parts)
     start_step = progress["step"]
-    generates = cfg.steps > start_step and not cfg.replay_rollouts  # (a replay needs no engine)
-    engine = rollout.make_engine(cfg, model_dir, device, task.eos_id) if generates else None
-    if cfg.rollout_ranks:  # where the rollout ranks start (async_rollout.py)
-        async_rollout.start(cfg, model_dir, progress)
+    engine = run_engine(cfg, model_dir, device, task, progress)
     announce(engine, models, cfg, resume_dir, start_step)
     start_metrics_log(cfg, start_step)
     board = None  # a copy of each row as TensorBoard's scalars (tensorboard.py)
@@ -920,14 +917,7 @@ def main(cfg, task=None):
         # the stream advances by the prompts the step drew
         progress.update(step=step + 1, prompts_drawn=progress["prompts_drawn"] + drawn)
         stopped = stop_requested()  # collective: the same answer on every rank
-        # with save_every: every save_every steps and after the last; a stopped run saves too, so
-        # that resume=auto goes on from there
-        periodic = cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps)
-        if (stopped or periodic) and cfg.rollout_ranks:  # batches sampled ahead (async_rollout.py)
-            progress["in_flight"] = engine.in_flight(step + 1)
-        if stopped or periodic:
-            save_checkpoint(os.path.join(cfg.out_dir, "ckpt"), models.parts, cfg.keep_checkpoints,
-                            progress)
+        save_after_step(cfg, models, engine, progress, stopped)
         if stopped:
             print0(f"stopped by a signal after step {step + 1}: checkpoint saved; "
                    "--resume=auto goes on")
@@ -980,6 +970,17 @@ def start_run(cfg, task):
            f"{cfg.advantage_estimator}, {cfg.rollout_engine} engine, "
            f"{cfg.prompts_per_step}x{cfg.samples_per_prompt} samples a step")
     return device, mesh, model_dir, resume_dir, task
+
+
+def run_engine(cfg, model_dir, device, task, progress):
+    """Collective (every rank). The run's engine: none for a replay or a run with no step left;
+    under rollout_ranks the trainer's stand-in (rollout.make_engine), and the rollout ranks told
+    where to start, whatever is left (async_rollout.py)."""
+    generates = cfg.steps > progress["step"] and not cfg.replay_rollouts  # (a replay needs none)
+    engine = rollout.make_engine(cfg, model_dir, device, task.eos_id) if generates else None
+    if cfg.rollout_ranks:  # where the rollout ranks start (async_rollout.py)
+        async_rollout.start(cfg, model_dir, progress)
+    return engine
 
 
 def torchrun_restarted(device):
@@ -1252,6 +1253,20 @@ def _sharded_state(parts, optimizers):
         if name in optimizers:
             state[name + "_optimizer"] = get_optimizer_state_dict(part.model, part.optimizer)
     return state
+
+
+def save_after_step(cfg, models, engine, progress, stopped):
+    """Collective (every rank), after each step (`progress`: the steps done). With save_every, a
+    checkpoint every save_every steps and after the last; a stopped run saves too, so that
+    resume=auto goes on from there."""
+    done = progress["step"]
+    periodic = cfg.save_every and (done % cfg.save_every == 0 or done == cfg.steps)
+    if not (stopped or periodic):
+        return
+    if cfg.rollout_ranks:  # with the batches sampled ahead (async_rollout.py)
+        progress["in_flight"] = engine.in_flight(done)
+    save_checkpoint(os.path.join(cfg.out_dir, "ckpt"), models.parts, cfg.keep_checkpoints,
+                    progress)
 
 
 def save_checkpoint(root, parts, keep, progress):

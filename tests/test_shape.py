@@ -28,9 +28,10 @@ MODULES = ("train_ppo.py", "model_parallel.py", "logprobs.py", "rollout.py", "co
 # extension of their own, 26 (the 24 statements of the core that name async_rollout, which the
 # issue held to 30, 9 of them in train_ppo.py, and config.py's rollout_tp_size check, now of the
 # ranks that generate), and their file; config.load's refused launch, its other ranks 3 s behind
-# rank 0 so that torchrun's teardown does not cut rank 0's line off, 3
-BUDGET_EACH, BUDGET_TOTAL = 760, 2590
-EXTENSION_EACH, ALL_TOTAL = 300, 3515
+# rank 0 so that torchrun's teardown does not cut rank 0's line off, 3; main kept under 50 code
+# lines (its engine and its saves each a function of their own: run_engine, save_after_step), 7
+BUDGET_EACH, BUDGET_TOTAL = 770, 2600
+EXTENSION_EACH, ALL_TOTAL = 300, 3525
 NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
             tokenize.ENDMARKER, tokenize.ENCODING}
 
